@@ -1,0 +1,13 @@
+"""Errors a user can cause and fix: each carries a message that says what to do."""
+
+
+class LowmemError(Exception):
+    """Base class for errors caused by user input; the command line prints the message, not a traceback."""
+
+
+class DataError(LowmemError, ValueError):
+    """A data file or path is missing, unreadable or of the wrong shape."""
+
+
+class ConfigError(LowmemError, ValueError):
+    """A configuration value or command-line flag is invalid."""
