@@ -1,0 +1,139 @@
+"""StreamLoader: a DataLoader over a ParquetStream whose position can be saved and restored exactly."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from lowmem.data.stream import ParquetStream, Position
+from lowmem.errors import DataError
+
+Collate = Callable[[list[dict[str, str]]], Any]
+
+
+def _as_list(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    return rows
+
+
+class _BatchedStream(IterableDataset):
+    """Batches and collates rows where they are read (in the worker), tagging each batch with the
+    reading consumer and its position just after the batch's last row."""
+
+    def __init__(self, stream: ParquetStream, batch_size: int, collate_fn: Collate, drop_last: bool):
+        super().__init__()
+        self.stream, self.batch_size, self.collate_fn, self.drop_last = stream, batch_size, collate_fn, drop_last
+
+    def __iter__(self) -> Iterator[tuple[Any, int, Position]]:
+        rows = iter(self.stream)
+        consumer, _ = self.stream.current_consumer()
+        batch: list[dict[str, str]] = []
+        for row in rows:
+            batch.append(row)
+            if len(batch) == self.batch_size:
+                yield self.collate_fn(batch), consumer, self.stream.position_of(consumer)
+                batch = []
+        if batch and not self.drop_last:
+            yield self.collate_fn(batch), consumer, self.stream.position_of(consumer)
+
+
+class StreamLoader:
+    """Batches of a ParquetStream through a torch DataLoader, with an exact, saveable position.
+
+    Rows are batched and collated inside the workers. Every batch carries its worker's stream position,
+    and the loader records it when the batch is handed to the caller, so `state_dict()` describes
+    exactly the batches the caller has received: batches the DataLoader prefetched but did not hand
+    over are read again after a resume. Restoring needs the same `num_workers` (and world size).
+
+    Args:
+        stream: the ParquetStream to read (its `num_workers` is set to this loader's).
+        batch_size: rows per batch.
+        collate_fn: turns a list of row dicts into a batch (default: the list itself).
+        num_workers: DataLoader worker processes for this rank; each reads its own share of the rank's rows.
+        pin_memory: pin batches in page-locked memory (for faster host-to-GPU copies).
+        drop_last: drop each worker's last incomplete batch.
+        prefetch_factor: batches each worker prepares ahead (only with workers).
+    """
+
+    def __init__(
+        self,
+        stream: ParquetStream,
+        batch_size: int,
+        collate_fn: Collate | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        prefetch_factor: int | None = None,
+    ):
+        self.stream = stream
+        self.batch_size = int(batch_size)
+        self.collate_fn = collate_fn or _as_list
+        self.num_workers = int(num_workers)
+        self.pin_memory = pin_memory
+        self.drop_last = drop_last
+        self.prefetch_factor = prefetch_factor if num_workers > 0 else None
+        stream.num_workers = self.num_workers
+        self._loaded: dict[int, Position] = {}  # positions from load_state_dict, until a batch supersedes them
+        self._delivered: dict[int, Position] = {}  # positions after the last batch handed to the caller
+        self._next_worker = 0  # the rank-local consumer whose batch the DataLoader hands over next
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (before rows with null or empty values are skipped)."""
+        rows = self.stream.rows_per_consumer
+        per_consumer = rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+        return per_consumer * self.stream.workers_per_rank
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to another epoch (a no-op for the current one, so a loaded position survives it)."""
+        if epoch != self.stream.epoch:
+            self._loaded, self._delivered, self._next_worker = {}, {}, 0
+        self.stream.set_epoch(epoch)
+
+    @property
+    def skipped_rows(self) -> int:
+        """Rows skipped this epoch for null or empty values, over the batches delivered so far."""
+        return sum(position[2] for position in {**self._loaded, **self._delivered}.values())
+
+    def __iter__(self) -> Iterator[Any]:
+        loader = DataLoader(
+            _BatchedStream(self.stream, self.batch_size, self.collate_fn, self.drop_last),
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor,
+            persistent_workers=False,  # workers must see set_epoch and loaded positions on every epoch
+        )
+        batches = iter(loader)
+        if self.num_workers > 0:
+            # The workers hold their copies of the loaded positions now; a later iteration starts afresh.
+            self.stream.forget_loaded_positions()
+        first_consumer = self.stream.rank * self.stream.workers_per_rank
+        for batch, consumer, position in batches:
+            self._delivered[consumer] = position
+            self._next_worker = (consumer - first_consumer + 1) % self.stream.workers_per_rank
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out: small and JSON-serialisable."""
+        state = self.stream.state_with_positions({**self._loaded, **self._delivered})
+        state["next_worker"] = self._next_worker
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position: the next iteration yields exactly the batches that followed it."""
+        saved_workers = state.get("workers_per_rank") if isinstance(state, dict) else None
+        if saved_workers is not None and saved_workers != max(1, self.num_workers):
+            raise DataError(
+                f"The saved data position was made with {saved_workers} DataLoader worker(s) per rank, but "
+                f"this loader has num_workers={self.num_workers}. Resume with the same num_workers to continue exactly."
+            )
+        self.stream.load_state_dict(state)
+        self._loaded = {int(consumer): list(position) for consumer, position in state["consumers"].items()}
+        self._delivered = {}
+        # DataLoader workers take turns from worker 0: rotate so the consumer that was due comes first.
+        self._next_worker = int(state.get("next_worker", 0))
+        self.stream.worker_rotation = self._next_worker

@@ -1,0 +1,99 @@
+"""Reading one row group at a time, in normal or ultra-low-mem mode."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lowmem.data.sources import RowGroupIndex
+from lowmem.errors import DataError
+from lowmem.memory import release_arrow_memory
+
+# Batches inside one row-group read: decoding a huge row group page by page keeps the decode scratch
+# small, even though the result is the whole group.
+_DECODE_BATCH_ROWS = 65_536
+
+
+class RowGroupReader:
+    """Reads row groups of an indexed data set as Arrow tables of string columns.
+
+    Normal mode keeps one open handle per file (at most `max_open_files`, least recently used closed
+    first). Ultra-low-mem mode opens the file afresh for every row group, reusing the footer already
+    parsed at indexing time, and hands the Arrow pool's free memory back to the OS after each read.
+    Both modes read with `pre_buffer=False`: with pre-buffering pyarrow keeps the compressed bytes of
+    every row group it has read until the file is closed, and RSS grows to the file's size.
+    """
+
+    def __init__(self, index: RowGroupIndex, ultra_low_mem: bool, max_open_files: int = 64):
+        self.index = index
+        self.ultra_low_mem = ultra_low_mem
+        self.max_open_files = max_open_files
+        self.rows_decoded = 0  # how many rows this reader has decoded: resume cost is measured with it
+        self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+
+    def _open(self, file_id: int) -> pq.ParquetFile:
+        return pq.ParquetFile(
+            self.index.paths[file_id],
+            metadata=self.index.metadata[file_id],
+            pre_buffer=False,
+            memory_map=False,  # mapped pages count towards RSS and inflate it
+        )
+
+    def _handle(self, file_id: int) -> pq.ParquetFile:
+        handle = self._handles.pop(file_id, None)
+        if handle is None:
+            handle = self._open(file_id)
+            while len(self._handles) >= self.max_open_files:
+                _, oldest = self._handles.popitem(last=False)
+                oldest.close()
+        self._handles[file_id] = handle
+        return handle
+
+    def read(self, group: int) -> pa.Table:
+        """Row group `group` of the index (a global row-group number), with its columns as `string`."""
+        file_id = int(self.index.file_id[group])
+        group_in_file = int(self.index.group_in_file[group])
+        path = self.index.paths[file_id]
+        columns = list(self.index.columns)
+        try:
+            handle = self._open(file_id) if self.ultra_low_mem else self._handle(file_id)
+            try:
+                batches = list(handle.iter_batches(
+                    batch_size=_DECODE_BATCH_ROWS, row_groups=[group_in_file], columns=columns, use_threads=False,
+                ))
+            finally:
+                if self.ultra_low_mem:
+                    handle.close()
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(
+                f"Could not read row group {group_in_file} of '{path}': {exc}. The file may be damaged or "
+                "changed since training started; write it again or leave it out of the data files."
+            ) from exc
+        table = pa.Table.from_batches(batches, schema=batches[0].schema) if batches else None
+        if table is None or table.num_rows != int(self.index.rows[group]):
+            raise DataError(
+                f"Row group {group_in_file} of '{path}' gave {0 if table is None else table.num_rows} rows, "
+                f"but its footer says {int(self.index.rows[group])}. The file changed while in use, or is damaged."
+            )
+        self.rows_decoded += table.num_rows
+        table = _as_plain_strings(table)
+        if self.ultra_low_mem:
+            release_arrow_memory()
+        return table
+
+    def close(self) -> None:
+        """Close every open file handle."""
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+
+
+def _as_plain_strings(table: pa.Table) -> pa.Table:
+    """Cast large_string / string_view / dictionary-of-string columns to plain `string`.
+
+    Row groups from different files are concatenated into one window, which needs identical types.
+    """
+    target = pa.schema([pa.field(name, pa.string()) for name in table.column_names])
+    return table if table.schema.equals(target) else table.cast(target)

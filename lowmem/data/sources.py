@@ -1,0 +1,217 @@
+"""Finding parquet files and indexing their row groups from the footers alone.
+
+Nothing here reads row data: row counts, sizes and schemas all come from each file's footer, which is
+kept (as pyarrow FileMetaData) so that readers can reopen a file without parsing the footer again.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lowmem.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, os.PathLike]
+FileSpec = Union[PathLike, Sequence[PathLike]]
+
+_GLOB_CHARS = set("*?[")
+REPACK_ROW_GROUP_ROWS = 10_000
+
+
+def _is_text_type(type_: pa.DataType) -> bool:
+    if pa.types.is_dictionary(type_):
+        return _is_text_type(type_.value_type)
+    return pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_string_view(type_)
+
+
+def resolve_parquet_files(files: FileSpec) -> list[str]:
+    """Expand a path, a glob, a directory, or a list of them into a sorted, de-duplicated list of files.
+
+    A directory contributes every `*.parquet` file below it. Order is stable (sorted within each
+    entry, entries in the order given) because the epoch plan is a function of the file list.
+    """
+    entries: Iterable[PathLike] = [files] if isinstance(files, (str, os.PathLike)) else files
+    resolved: list[str] = []
+    for entry in entries:
+        text = os.fspath(entry)
+        if any(ch in text for ch in _GLOB_CHARS):
+            matches = sorted(m for m in glob.glob(text, recursive=True) if os.path.isfile(m))
+            if not matches:
+                raise DataError(
+                    f"No parquet files match the pattern '{text}'. Check the pattern, or pass the files or "
+                    "their directory directly."
+                )
+        elif os.path.isdir(text):
+            matches = sorted(str(p) for p in Path(text).rglob("*.parquet") if p.is_file())
+            if not matches:
+                raise DataError(
+                    f"No parquet files found in the directory '{text}' (looked for *.parquet, recursively). "
+                    "Put your .parquet files there or point to the files themselves."
+                )
+        elif os.path.exists(text):
+            matches = [text]
+        else:
+            raise DataError(
+                f"Data file not found: '{text}'. Check the path (relative paths are taken from "
+                f"'{os.getcwd()}'), or pass a directory or a glob such as 'data/*.parquet'."
+            )
+        resolved.extend(matches)
+    if not resolved:
+        raise DataError("No data files were given. Pass a parquet file, a directory, a glob or a list of them.")
+    # Keep the first occurrence of each file: the same file twice would give its rows twice per epoch.
+    seen: set[str] = set()
+    unique = []
+    for path in resolved:
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            unique.append(path)
+    return unique
+
+
+def open_parquet_metadata(path: str) -> pq.FileMetaData:
+    """Read one file's footer, turning pyarrow's errors into a message that names the file."""
+    if os.path.getsize(path) == 0:
+        raise DataError(f"The data file '{path}' is empty (0 bytes). Remove it or write it again.")
+    try:
+        return pq.read_metadata(path)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise DataError(
+            f"'{path}' is not a readable parquet file ({exc}). It may be truncated (an interrupted copy "
+            "or write) or not parquet at all: write it again, or leave it out of the data files."
+        ) from exc
+
+
+def _check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str]) -> None:
+    schema = metadata.schema.to_arrow_schema()
+    for column in columns:
+        index = schema.get_field_index(column)
+        if index < 0:
+            raise DataError(
+                f"The data file '{path}' has no column '{column}'; its columns are: "
+                f"{', '.join(schema.names)}. Rename the column in the file, or pass columns=... "
+                "(train_low_mem.py: --columns) with the names your files use."
+            )
+        field_type = schema.field(index).type
+        if not _is_text_type(field_type):
+            raise DataError(
+                f"Column '{column}' in '{path}' has type {field_type}, but text (string) is needed. "
+                "Convert it to strings when writing the file (for example df[col].astype(str) in pandas)."
+            )
+
+
+@dataclass(frozen=True)
+class RowGroupIndex:
+    """Every row group of every file, as flat numpy arrays (cheap to copy into DataLoader workers).
+
+    Row group `i` is group `group_in_file[i]` of file `file_id[i]`, with `rows[i]` rows.
+    """
+
+    paths: tuple[str, ...]
+    metadata: tuple[pq.FileMetaData, ...]
+    columns: tuple[str, ...]
+    file_id: np.ndarray  # (G,) int32
+    group_in_file: np.ndarray  # (G,) int32
+    rows: np.ndarray  # (G,) int64
+    uncompressed_bytes: np.ndarray  # (G,) int64, of the selected columns only
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.sum())
+
+    @property
+    def num_row_groups(self) -> int:
+        return int(self.rows.shape[0])
+
+    def fingerprint(self) -> str:
+        """A short hash of the file list and row-group layout: a saved position is only valid for the same data."""
+        digest = hashlib.sha256()
+        for path in self.paths:
+            digest.update(os.path.basename(path).encode())
+        digest.update(self.rows.tobytes())
+        return digest.hexdigest()[:16]
+
+    def largest_group_per_file(self) -> dict[str, tuple[int, int, int]]:
+        """For each file: (row group, its uncompressed bytes, its rows) of its largest row group."""
+        result = {}
+        for file_id, path in enumerate(self.paths):
+            groups = np.flatnonzero(self.file_id == file_id)
+            biggest = groups[np.argmax(self.uncompressed_bytes[groups])]
+            result[path] = (
+                int(self.group_in_file[biggest]),
+                int(self.uncompressed_bytes[biggest]),
+                int(self.rows[biggest]),
+            )
+        return result
+
+
+def build_row_group_index(files: FileSpec, columns: Sequence[str]) -> RowGroupIndex:
+    """Resolve `files`, read every footer, check the columns, and index the row groups."""
+    paths = resolve_parquet_files(files)
+    metadata_list = []
+    file_ids, groups, rows, sizes = [], [], [], []
+    for file_id, path in enumerate(paths):
+        metadata = open_parquet_metadata(path)
+        _check_columns(path, metadata, columns)
+        if metadata.num_rows == 0:
+            raise DataError(
+                f"The data file '{path}' has no rows. Remove it from the data files or write it again."
+            )
+        column_positions = _column_positions(metadata, columns)
+        for group in range(metadata.num_row_groups):
+            row_group = metadata.row_group(group)
+            if row_group.num_rows == 0:
+                continue  # an empty row group holds nothing to plan for
+            file_ids.append(file_id)
+            groups.append(group)
+            rows.append(row_group.num_rows)
+            sizes.append(sum(row_group.column(i).total_uncompressed_size for i in column_positions))
+        metadata_list.append(metadata)
+    return RowGroupIndex(
+        paths=tuple(paths),
+        metadata=tuple(metadata_list),
+        columns=tuple(columns),
+        file_id=np.asarray(file_ids, dtype=np.int32),
+        group_in_file=np.asarray(groups, dtype=np.int32),
+        rows=np.asarray(rows, dtype=np.int64),
+        uncompressed_bytes=np.asarray(sizes, dtype=np.int64),
+    )
+
+
+def _column_positions(metadata: pq.FileMetaData, columns: Sequence[str]) -> list[int]:
+    """Leaf-column positions of `columns` in the parquet schema (for per-column chunk sizes)."""
+    wanted = set(columns)
+    return [i for i in range(metadata.num_columns) if metadata.schema.column(i).path.split(".")[0] in wanted]
+
+
+def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int) -> list[str]:
+    """Log one warning per file whose largest row group is over `limit_bytes`; return those files.
+
+    Such files work, but every read holds a whole row group in memory, so the bound on host memory is
+    only as good as the row groups are small. The warning carries the command that repacks the file.
+    """
+    flagged = []
+    for path, (group, size, rows) in index.largest_group_per_file().items():
+        if size <= limit_bytes:
+            continue
+        flagged.append(path)
+        stem, _ = os.path.splitext(path)
+        logger.warning(
+            "Row group %d of '%s' holds %d rows, %.0f MB uncompressed, over the %.0f MB limit for one "
+            "read: every read of it holds that much in memory. Rewrite the file with small row groups:\n"
+            "    python train_low_mem.py repack %s %s --row_group_rows=%d",
+            group, path, rows, size / 1e6, limit_bytes / 1e6,
+            path, f"{stem}.repacked.parquet", REPACK_ROW_GROUP_ROWS,
+        )
+    return flagged

@@ -1,0 +1,31 @@
+"""Shared test helpers: small generated parquet files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def write_rows(path: Path, ids: list[str], row_group_rows: int, **extra_columns) -> Path:
+    """Write rows whose prompt is `id` and response `r:id` (plus any extra columns)."""
+    table = pa.table({"prompt": ids, "response": [f"r:{i}" for i in ids], **extra_columns})
+    pq.write_table(table, path, row_group_size=row_group_rows)
+    return path
+
+
+@pytest.fixture
+def three_files(tmp_path: Path) -> list[Path]:
+    """Three files with different row-group sizes, each with a short last row group: 3,278 rows."""
+    specs = [("a", 1000, 100), ("b", 777, 64), ("c", 1501, 250)]
+    return [
+        write_rows(tmp_path / f"{name}.parquet", [f"{name}{i}" for i in range(rows)], group)
+        for name, rows, group in specs
+    ]
