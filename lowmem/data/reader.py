@@ -9,11 +9,10 @@ import pyarrow.parquet as pq
 
 from lowmem.data.sources import RowGroupIndex
 from lowmem.errors import DataError
-from lowmem.memory import release_arrow_memory
+from lowmem.memory import release_arrow_memory, select_arrow_memory_pool
 
-# Batches inside one row-group read: decoding a huge row group page by page keeps the decode scratch
-# small, even though the result is the whole group.
-_DECODE_BATCH_ROWS = 65_536
+# Read column chunks through a buffered stream, page by page, instead of loading each chunk whole.
+_READ_BUFFER_BYTES = 1 << 20
 
 
 class RowGroupReader:
@@ -32,6 +31,7 @@ class RowGroupReader:
         self.max_open_files = max_open_files
         self.rows_decoded = 0  # how many rows this reader has decoded: resume cost is measured with it
         self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        select_arrow_memory_pool()  # here, because readers are created in each worker process too
 
     def _open(self, file_id: int) -> pq.ParquetFile:
         return pq.ParquetFile(
@@ -39,6 +39,7 @@ class RowGroupReader:
             metadata=self.index.metadata[file_id],
             pre_buffer=False,
             memory_map=False,  # mapped pages count towards RSS and inflate it
+            buffer_size=_READ_BUFFER_BYTES,
         )
 
     def _handle(self, file_id: int) -> pq.ParquetFile:
@@ -60,8 +61,11 @@ class RowGroupReader:
         try:
             handle = self._open(file_id) if self.ultra_low_mem else self._handle(file_id)
             try:
+                # One batch for the whole group: a table of one chunk, which `take` indexes directly
+                # (on many chunks it concatenates them on every call), and the lowest peak measured.
                 batches = list(handle.iter_batches(
-                    batch_size=_DECODE_BATCH_ROWS, row_groups=[group_in_file], columns=columns, use_threads=False,
+                    batch_size=int(self.index.rows[group]), row_groups=[group_in_file], columns=columns,
+                    use_threads=False,
                 ))
             finally:
                 if self.ultra_low_mem:

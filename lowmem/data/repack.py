@@ -63,7 +63,8 @@ def repack_file(source: str, target: str, row_group_rows: int = 10_000, compress
     metadata = open_parquet_metadata(source)
     Path(target).parent.mkdir(parents=True, exist_ok=True)
     partial = f"{target}.partial"
-    reader = pq.ParquetFile(source, metadata=metadata, pre_buffer=False, memory_map=False)
+    # buffer_size > 0 streams each column chunk page by page instead of loading it whole.
+    reader = pq.ParquetFile(source, metadata=metadata, pre_buffer=False, memory_map=False, buffer_size=1 << 20)
     try:
         with pq.ParquetWriter(partial, reader.schema_arrow, compression=compression) as writer:
             batches = reader.iter_batches(batch_size=row_group_rows, use_threads=False)
@@ -91,7 +92,7 @@ def repack(inputs: FileSpec, output: str | os.PathLike, row_group_rows: int = 10
     results = []
     for source, target in plan_targets(resolve_parquet_files(inputs), output):
         result = repack_file(source, target, row_group_rows)
-        logger.info("Repacked %s → %s: %d rows, %d → %d row groups.", result.source, result.target,
+        logger.debug("Repacked %s → %s: %d rows, %d → %d row groups.", result.source, result.target,
                     result.rows, result.row_groups_before, result.row_groups_after)
         results.append(result)
     return results

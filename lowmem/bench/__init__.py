@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table of figures measured in one run."""

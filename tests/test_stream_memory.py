@@ -1,0 +1,71 @@
+"""ParquetStream keeps host memory bounded: measured with psutil in fresh processes on 1M and 2M-row files."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowmem.bench.data_bench import generate_file, run_case
+
+MB = 1024**2
+# Allocators round and cache: two runs of the same case differ by up to ~1 MB of peak RSS.
+ALLOCATOR_NOISE = 2 * MB
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("memory")
+    return {
+        rows: generate_file(folder / f"rows{rows}.parquet", rows, row_group_rows=10_000)
+        for rows in (1_000_000, 2_000_000)
+    }
+
+
+@pytest.fixture(scope="module")
+def measured(files):
+    return {
+        "normal_1m": run_case("normal", [files[1_000_000]]),
+        "ultra_1m": run_case("ultra", [files[1_000_000]]),
+        "normal_2m": run_case("normal", [files[2_000_000]]),
+    }
+
+
+def test_rss_is_flat_over_the_file(measured):
+    for case in ("normal_1m", "ultra_1m", "normal_2m"):
+        result = measured[case]
+        assert result["rows"] >= 999_990
+        growth = result["rss_end"] - result["rss_at_tenth"]
+        assert growth < 100 * MB, (case, growth / MB)
+
+
+def test_ultra_low_mem_peaks_no_higher_than_normal(measured):
+    assert measured["ultra_1m"]["peak_rss"] <= measured["normal_1m"]["peak_rss"] + ALLOCATOR_NOISE
+
+
+def test_doubling_the_rows_does_not_raise_the_peak(measured):
+    small, large = measured["normal_1m"]["peak_rss"], measured["normal_2m"]["peak_rss"]
+    assert large <= small * 1.10
+    # The peak is mostly the interpreter and torch; the data's own share must not scale with the file.
+    assert large - small < 25 * MB, (large - small) / MB
+
+
+def _repack_peak(source, target) -> int:
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, resource, sys; from lowmem.data.repack import repack; "
+        "repack(sys.argv[1], sys.argv[2], 10_000); "
+        "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(source), str(target)], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_repack_memory_does_not_grow_with_the_input_row_group(tmp_path):
+    # pandas and pyarrow write ~1M-row groups by default: repack must not hold one in memory.
+    one = generate_file(tmp_path / "one.parquet", 1_000_000, row_group_rows=1_000_000)
+    two = generate_file(tmp_path / "two.parquet", 2_000_000, row_group_rows=2_000_000)
+    peak_one = _repack_peak(one, tmp_path / "one.out.parquet")
+    peak_two = _repack_peak(two, tmp_path / "two.out.parquet")
+    assert peak_two - peak_one < 25 * MB, (peak_one / MB, peak_two / MB)
