@@ -1,0 +1,500 @@
+"""A GPT (decoder-only transformer) in plain PyTorch.
+
+The model is deliberately small and explicit: token + learned position embeddings, a stack of pre-norm
+blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP -> residual), a final LayerNorm
+and a language-model head that shares its weight with the token embedding.
+
+Shapes in comments use B = batch size, T = sequence length, C = n_embd, nh = n_head, hs = C // nh and
+V = padded vocabulary size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lowmem.errors import ConfigError
+
+# Matmuls whose inner dimension is a multiple of 64 map cleanly onto GPU tensor cores; padding the vocabulary
+# (the largest matmul in a small model) up to it is cheap in parameters and noticeably faster.
+VOCAB_PAD_MULTIPLE = 64
+
+# The label value that cross-entropy skips; collate functions use it for padding and prompt tokens.
+IGNORE_INDEX = -100
+
+
+@dataclass
+class GPTConfig:
+    """Sizes of a GPT model.
+
+    Args:
+        vocab_size: number of token ids the tokenizer produces. The embedding table is padded up to
+            `padded_vocab_size`; the extra rows are never produced by `GPT.generate`.
+        max_seq_len: longest sequence (context) the model accepts; sets the size of the position embedding.
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block; must divide `n_embd`.
+        n_embd: width of the residual stream.
+        dropout: dropout probability on embeddings, attention weights and residual branches (0.0 for
+            pretraining on a lot of data, 0.1 or so when fine-tuning on little).
+        bias: whether Linear and LayerNorm layers have biases (False is slightly faster and as good).
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            # bool is an int subclass; `n_layer=True` is a typo, not a size.
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"GPTConfig.{name} must be an integer, got {value!r}; pass a whole number.")
+            if value < 1:
+                raise ConfigError(f"GPTConfig.{name} must be at least 1, got {value}; set a positive {name}.")
+        if self.n_embd % self.n_head != 0:
+            lower = (self.n_embd // self.n_head) * self.n_head
+            upper = lower + self.n_head
+            hint = f"n_embd={upper}" if lower == 0 else f"n_embd={lower} or n_embd={upper}"
+            raise ConfigError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): each head gets "
+                f"n_embd // n_head channels. Use for example {hint}, or an n_head that divides {self.n_embd}."
+            )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real):
+            raise ConfigError(f"GPTConfig.dropout must be a number, got {self.dropout!r}; use e.g. 0.0 or 0.1.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(
+                f"GPTConfig.dropout must be in [0, 1), got {self.dropout}; use 0.0 to disable dropout."
+            )
+        if not isinstance(self.bias, bool):
+            raise ConfigError(f"GPTConfig.bias must be True or False, got {self.bias!r}.")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """`vocab_size` rounded up to a multiple of 64: the number of rows in the embedding and logits."""
+        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (`n_embd // n_head`)."""
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def demo(cls, vocab_size: int, **overrides: Any) -> GPTConfig:
+        """A tiny model that trains on a 2-core laptop CPU in minutes.
+
+        About 3.2 M parameters besides the embeddings (4 layers, 4 heads, width 256, context 256).
+
+        Args:
+            vocab_size: the tokenizer's vocabulary size.
+            **overrides: any other GPTConfig field, e.g. `max_seq_len=128`.
+        """
+        sizes: dict[str, Any] = dict(max_seq_len=256, n_layer=4, n_head=4, n_embd=256)
+        return cls(vocab_size=vocab_size, **{**sizes, **overrides})
+
+    @classmethod
+    def gpt2_small(cls, vocab_size: int, **overrides: Any) -> GPTConfig:
+        """A GPT-2-small-sized model (12 layers, 12 heads, width 768, context 1024): ~85 M parameters
+        besides the embeddings. Randomly initialised; nothing is downloaded.
+
+        Args:
+            vocab_size: the tokenizer's vocabulary size.
+            **overrides: any other GPTConfig field, e.g. `dropout=0.1`.
+        """
+        sizes: dict[str, Any] = dict(max_seq_len=1024, n_layer=12, n_head=12, n_embd=768)
+        return cls(vocab_size=vocab_size, **{**sizes, **overrides})
+
+    @classmethod
+    def from_preset(cls, name: str, vocab_size: int, **overrides: Any) -> GPTConfig:
+        """Build a config from a preset name (for configs and the command line).
+
+        Args:
+            name: one of `PRESETS` ("demo", "gpt2_small").
+            vocab_size: the tokenizer's vocabulary size.
+            **overrides: any other GPTConfig field.
+
+        Raises:
+            ConfigError: if the name is not a known preset.
+        """
+        if name not in PRESETS:
+            raise ConfigError(f"Unknown model preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}.")
+        return getattr(cls, name)(vocab_size, **overrides)
+
+
+# Preset names usable with `GPTConfig.from_preset`; each is a classmethod of GPTConfig of the same name.
+PRESETS: tuple[str, ...] = ("demo", "gpt2_small")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which each position attends only to itself and earlier positions."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        # One matmul produces queries, keys and values for all heads at once.
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # Projects the concatenated heads back into the residual stream (scaled at init, see GPT._init_weights).
+        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> (B, nh, T, hs): heads become a batch dimension for the attention kernel."""
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values for `x` (B, T, C), each (B, nh, T, hs).
+
+        Kept separate from the attention itself so that a key/value cache can store the k, v of earlier
+        positions and append only the new ones during generation.
+        """
+        q, k, v = self.qkv(x).split(self.n_head * self.head_dim, dim=2)  # 3 x (B, T, C)
+        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
+        """Scaled dot-product attention of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs) -> (B, Tq, C).
+
+        With a key/value cache, a single new query attends to every cached key, so the caller would pass
+        `is_causal=False` there; without a cache Tq == Tk and the causal mask applies.
+        """
+        # SDPA picks a fused (flash / memory-efficient) kernel when it can, so the (T, T) attention matrix
+        # is never materialised on GPU; dropout on the attention weights only while training.
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+        )  # (B, nh, Tq, hs)
+        B, _, Tq, _ = y.shape
+        return y.transpose(1, 2).contiguous().view(B, Tq, self.n_head * self.head_dim)  # (B, Tq, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention over `x` (B, T, C) -> (B, T, C)."""
+        q, k, v = self.project_qkv(x)  # each (B, nh, T, hs)
+        y = self.attend(q, k, v, is_causal=True)  # (B, T, C)
+        return self.resid_dropout(self.out_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: widen 4x, GELU, project back."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.act = nn.GELU()
+        # Writes into the residual stream (scaled at init, see GPT._init_weights).
+        self.out_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        x = self.act(self.fc(x))  # (B, T, 4C)
+        return self.dropout(self.out_proj(x))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block.
+
+    Normalising the input of each branch (rather than the sum) leaves the residual stream an identity path
+    from embeddings to the head, which is what makes deep stacks train without warm-up tricks.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.ln_1(x))  # positions exchange information
+        x = x + self.mlp(self.ln_2(x))  # each position computes on its own
+        return x
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer language model.
+
+    Args:
+        config: the model sizes; see `GPTConfig`.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        V = config.padded_vocab_size
+        self.tok_emb = nn.Embedding(V, config.n_embd)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, V, bias=False)
+        # Weight tying: reading a token and predicting it use the same vectors. It saves V * C parameters
+        # (a large share of a small model) and tends to help. Both names refer to one Parameter, so
+        # `parameters()`, `.to()` and the optimizer see it once.
+        self.lm_head.weight = self.tok_emb.weight
+
+        self.apply(self._init_weights)
+        # Each block adds two branches to the residual stream; shrinking their output projections keeps
+        # the variance of the stream roughly constant with depth (GPT-2's 1/sqrt(2 * n_layer)).
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.out_proj.weight, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """GPT-2 initialisation: N(0, 0.02) for Linear and Embedding weights, zeros for biases.
+
+        LayerNorms keep PyTorch's default (weight 1, bias 0).
+        """
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Sizes
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters, counting the tied embedding / head weight once.
+
+        Args:
+            exclude_embeddings: leave out the token and position embeddings (the usual "model size" in
+                scaling-law papers, and what grows with depth and width rather than with the vocabulary).
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_emb.weight.numel() + self.pos_emb.weight.numel()
+        return n
+
+    def estimate_flops_per_token(self, seq_len: int | None = None) -> int:
+        """Floating-point operations to train on one token (forward + backward), for MFU.
+
+        Follows the PaLM appendix B estimate: 6 * N + 12 * n_layer * n_embd * T, where
+
+        - N counts the parameters that take part in a matmul: every parameter except the position
+          embedding (a lookup, no arithmetic). The token embedding counts because, tied to `lm_head`, it is
+          the weight of the logits matmul. Each such weight costs 2 FLOPs per token forward and 4 backward.
+        - 12 * n_layer * n_embd * T is attention itself: q @ k^T and att @ v are 2 * T * n_embd FLOPs each
+          per token and layer forward, times 3 for forward + backward. The causal mask is ignored, as in
+          the usual convention (kernels that skip the masked half do less work).
+
+        Args:
+            seq_len: sequence length T; defaults to `config.max_seq_len`.
+        """
+        cfg = self.config
+        T = cfg.max_seq_len if seq_len is None else seq_len
+        n_matmul = self.num_params() - self.pos_emb.weight.numel()
+        return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * T
+
+    # ----------------------------------------------------------------------------------------------------
+    # Forward and loss
+
+    def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final normalised hidden states for token ids `idx` (B, T) -> (B, T, C)."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, seq_len), got {tuple(idx.shape)}.")
+        B, T = idx.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(
+                f"Sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; truncate the input "
+                f"(the collate function's max length) or build the model with a larger max_seq_len."
+            )
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        return self.ln_f(x)  # (B, T, C)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for every position, and the mean next-token loss when `targets` is given.
+
+        Args:
+            idx: token ids, LongTensor (B, T) with T <= max_seq_len.
+            targets: the id each position should predict, LongTensor (B, T); positions holding -100
+                (`IGNORE_INDEX`) do not count.
+            loss_mask: optional (B, T) weights, usually 0/1 or bool: 0 leaves a position out of the loss
+                (e.g. prompt tokens), 1 counts it. Combined with `IGNORE_INDEX` (a position counts only if
+                both allow it).
+
+        Returns:
+            (logits, loss): logits (B, T, padded_vocab_size); loss is a float32 scalar, the weighted mean
+            over counted positions (0.0 when no position counts, so a fully masked batch cannot turn the
+            loss or the gradients into NaN), or None without targets.
+        """
+        x = self._hidden(idx)  # (B, T, C)
+        logits = self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits, None
+
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}.")
+        # Float32 for the softmax even when the model runs in bf16/fp16: the loss is a sum of many small
+        # terms and low-precision log-probabilities drift.
+        per_token = F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)),  # (B*T, V)
+            targets.view(-1),  # (B*T,)
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )  # (B*T,), zero where targets == IGNORE_INDEX
+        weights = (targets.view(-1) != IGNORE_INDEX).float()  # (B*T,)
+        if loss_mask is not None:
+            if loss_mask.shape != targets.shape:
+                raise ValueError(
+                    f"loss_mask shape {tuple(loss_mask.shape)} must equal targets shape {tuple(targets.shape)}."
+                )
+            weights = weights * loss_mask.reshape(-1).float()
+        # Clamping the denominator (not the result) keeps 0 / 0 at 0 with a finite gradient.
+        denom = weights.sum().clamp_min(torch.finfo(weights.dtype).tiny)
+        loss = (per_token * weights).sum() / denom
+        return logits, loss
+
+    # ----------------------------------------------------------------------------------------------------
+    # Training
+
+    def configure_optimizer(
+        self,
+        weight_decay: float,
+        learning_rate: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        device_type: str = "cpu",
+    ) -> torch.optim.AdamW:
+        """AdamW with weight decay on matrices and embeddings only.
+
+        Decay pulls weights towards zero; that regularises the matrices (dim >= 2) but would only fight the
+        scale and shift that biases and LayerNorm parameters (dim 1) exist to learn.
+
+        Args:
+            weight_decay: decay for parameters with dim >= 2.
+            learning_rate: the (peak) learning rate; a scheduler may change it later.
+            betas: Adam's moment coefficients.
+            device_type: "cuda" selects the fused AdamW kernel where this torch build has one.
+        """
+        params = [p for p in self.parameters() if p.requires_grad]  # tied weight appears once
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        # The fused kernel updates all parameters in a few launches instead of several per tensor.
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        extra: dict[str, Any] = {"fused": True} if fused else {}
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Generation
+
+    def _next_token_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for the token after `idx` (B, T) -> (B, V), over the padded vocabulary."""
+        x = self._hidden(idx)  # (B, T, C)
+        # Only the last position is needed: skip the (B, T, V) logits tensor.
+        return self.lm_head(x[:, -1, :])  # (B, V)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
+        pad_id: int | None = None,
+    ) -> torch.Tensor:
+        """Continue each sequence in `idx` by up to `max_new_tokens` tokens.
+
+        The model runs in eval mode (no dropout) for the duration and is put back in its previous mode
+        afterwards. Contexts longer than `max_seq_len` are cropped to their last `max_seq_len` tokens.
+
+        Args:
+            idx: prompt token ids, LongTensor (B, T) with T >= 1.
+            max_new_tokens: the most tokens to append.
+            temperature: divides the logits before sampling; below 1 sharpens, above 1 flattens.
+                0 means greedy.
+            top_k: sample only among the k most likely tokens.
+            top_p: sample only among the most likely tokens whose probabilities sum to at least top_p
+                (nucleus sampling), in (0, 1].
+            eos_id: stop a sequence once it produces this id; generation ends early when all have.
+            greedy: take the most likely token instead of sampling (ignores temperature, top_k, top_p).
+            generator: random generator for reproducible sampling; must be on the model's device.
+            pad_id: what finished sequences emit while others continue; defaults to `eos_id`.
+
+        Returns:
+            LongTensor (B, T + n) holding the prompt followed by the n <= max_new_tokens new tokens. Ids
+            are always < `config.vocab_size`: the padding rows of the vocabulary are never chosen.
+        """
+        if idx.dim() != 2 or idx.size(1) < 1:
+            raise ValueError(f"idx must have shape (batch, seq_len) with seq_len >= 1, got {tuple(idx.shape)}.")
+        if max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+        if temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
+        if top_k is not None and top_k < 1:
+            raise ConfigError(f"top_k must be >= 1 or None (no limit), got {top_k}.")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1] or None (no limit), got {top_p}.")
+        greedy = greedy or temperature == 0
+        vocab_size = self.config.vocab_size
+        fill_id = eos_id if pad_id is None else pad_id
+
+        was_training = self.training
+        self.eval()
+        try:
+            finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
+            for _ in range(max_new_tokens):
+                idx_cond = idx[:, -self.config.max_seq_len :]  # (B, <= max_seq_len)
+                logits = self._next_token_logits(idx_cond).float()  # (B, V)
+                # The padding rows of the vocabulary are not tokens the tokenizer can decode.
+                logits[:, vocab_size:] = float("-inf")
+                if greedy:
+                    next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+                else:
+                    probs = F.softmax(_filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
+                    next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+                if eos_id is not None:
+                    # Finished rows keep emitting padding so the batch stays rectangular.
+                    next_id = torch.where(finished.unsqueeze(1), torch.full_like(next_id, fill_id), next_id)
+                    finished |= next_id.squeeze(1) == eos_id
+                idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
+                if eos_id is not None and bool(finished.all()):
+                    break
+        finally:
+            self.train(was_training)
+        return idx
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Set to -inf the logits (B, V) outside the top-k and outside the top-p nucleus."""
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1), the k-th largest logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        sorted_probs = F.softmax(sorted_logits, dim=-1)
+        # Drop a token when the more likely tokens before it already reach top_p; the most likely token
+        # is always kept because nothing precedes it.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # back to vocabulary order
+    return logits

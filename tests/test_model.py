@@ -1,0 +1,416 @@
+"""Tests for the GPT model: shapes, causality, loss, initialisation, optimizer groups and generation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowmem.errors import ConfigError
+from lowmem.model import GPT, IGNORE_INDEX, PRESETS, GPTConfig
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    sizes = dict(vocab_size=50, max_seq_len=16, n_layer=2, n_head=4, n_embd=32)
+    return GPTConfig(**{**sizes, **overrides})
+
+
+def tiny_model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+def random_batch(cfg: GPTConfig, B: int = 3, T: int = 12, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    return idx, targets
+
+
+def force_constant_logits(model: GPT, favoured_ids: list[int], strength: float = 10.0) -> None:
+    """Make every position's logits the same, with `favoured_ids` far above all other ids.
+
+    With ln_f's weight zeroed, the final hidden state is ln_f's bias u at every position, so the logits are
+    W @ u for the (tied) embedding W: rows set to u score strength * |u|^2, zero rows score 0.
+    """
+    assert model.config.bias, "needs a LayerNorm bias"
+    with torch.no_grad():
+        u = torch.randn(model.config.n_embd)
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.copy_(u)
+        model.tok_emb.weight.zero_()
+        for i in favoured_ids:
+            model.tok_emb.weight[i] = strength * u
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def test_padded_vocab_is_multiple_of_64_and_covers_vocab():
+    for vocab_size in (1, 63, 64, 65, 127, 8000, 8001, 50257):
+        cfg = tiny_config(vocab_size=vocab_size)
+        assert cfg.padded_vocab_size % 64 == 0
+        assert vocab_size <= cfg.padded_vocab_size < vocab_size + 64
+    model = GPT(tiny_config(vocab_size=65))
+    assert model.tok_emb.weight.shape == (128, 32)
+    logits, _ = model(torch.zeros(1, 4, dtype=torch.long))
+    assert logits.shape == (1, 4, 128)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(n_embd=30, n_head=4), "n_embd"),
+        (dict(n_layer=0), "n_layer"),
+        (dict(n_head=0), "n_head"),
+        (dict(n_embd=-32), "n_embd"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(max_seq_len=0), "max_seq_len"),
+        (dict(n_layer=2.5), "n_layer"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(dropout=-0.1), "dropout"),
+        (dict(bias="yes"), "bias"),
+    ],
+)
+def test_config_validation_raises_config_error(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        tiny_config(**overrides)
+
+
+def test_config_error_for_indivisible_width_suggests_a_fix():
+    with pytest.raises(ConfigError) as info:
+        tiny_config(n_embd=30, n_head=4)
+    assert "n_embd=28 or n_embd=32" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_config_round_trips_through_asdict():
+    cfg = tiny_config(dropout=0.1, bias=True)
+    assert GPTConfig(**dataclasses.asdict(cfg)) == cfg
+    assert "padded_vocab_size" not in dataclasses.asdict(cfg)
+
+
+def test_presets():
+    demo = GPTConfig.demo(8000)
+    assert (demo.n_layer, demo.n_head, demo.n_embd, demo.max_seq_len) == (4, 4, 256, 256)
+    assert 3_000_000 <= GPT(demo).num_params(exclude_embeddings=True) <= 5_000_000
+    small = GPTConfig.gpt2_small(8000, dropout=0.1)
+    assert (small.n_layer, small.n_head, small.n_embd, small.max_seq_len, small.dropout) == (12, 12, 768, 1024, 0.1)
+    assert GPTConfig.from_preset("demo", 8000, max_seq_len=128) == GPTConfig.demo(8000, max_seq_len=128)
+    assert set(PRESETS) == {"demo", "gpt2_small"}
+    with pytest.raises(ConfigError, match="gpt2_small"):
+        GPTConfig.from_preset("gpt3", 8000)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Model structure and initialisation
+
+
+def test_embeddings_are_tied():
+    model = tiny_model()
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert model.lm_head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
+    # Still one tensor after a state-dict round trip into a fresh model.
+    other = tiny_model(seed=5)
+    other.load_state_dict(model.state_dict())
+    assert other.lm_head.weight is other.tok_emb.weight
+    assert torch.equal(other.tok_emb.weight, model.tok_emb.weight)
+
+
+def test_num_params_counts_tied_weight_once():
+    model = tiny_model()
+    cfg = model.config
+    C = cfg.n_embd
+    per_block = 4 * C * C + 8 * C * C + 2 * C  # attention + MLP matrices + two LayerNorm weights
+    embeddings = cfg.padded_vocab_size * C + cfg.max_seq_len * C
+    assert model.num_params(exclude_embeddings=True) == cfg.n_layer * per_block + C  # + ln_f weight
+    assert model.num_params() == model.num_params(exclude_embeddings=True) + embeddings
+
+
+def test_estimate_flops_per_token_formula():
+    model = tiny_model()
+    cfg = model.config
+    n_matmul = model.num_params() - cfg.max_seq_len * cfg.n_embd
+    expected = 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * cfg.max_seq_len
+    assert model.estimate_flops_per_token() == expected
+    assert model.estimate_flops_per_token(seq_len=8) == 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * 8
+
+
+def test_init_std_follows_gpt2():
+    torch.manual_seed(0)
+    cfg = tiny_config(n_layer=2, n_embd=64, bias=True)
+    model = GPT(cfg)
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for block in model.blocks:
+        for proj in (block.attn.out_proj, block.mlp.out_proj):
+            assert proj.weight.std().item() == pytest.approx(residual_std, rel=0.1)
+            assert torch.all(proj.bias == 0)
+        assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
+        assert block.mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.1)
+        assert torch.all(block.ln_1.weight == 1) and torch.all(block.ln_1.bias == 0)
+    assert model.tok_emb.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert model.pos_emb.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_no_bias_parameters_when_bias_false():
+    model = tiny_model(bias=False)
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Forward and loss
+
+
+def test_causality_later_tokens_never_change_earlier_logits():
+    model = tiny_model()
+    idx, _ = random_batch(model.config, B=2, T=12)
+    logits, _ = model(idx)
+    for t in (0, 5, 11):
+        changed = idx.clone()
+        changed[:, t:] = (changed[:, t:] + 7) % model.config.vocab_size
+        changed_logits, _ = model(changed)
+        torch.testing.assert_close(changed_logits[:, :t], logits[:, :t])
+        # The changed position itself does see its own token.
+        assert not torch.allclose(changed_logits[:, t], logits[:, t])
+
+
+def test_sequence_longer_than_max_seq_len_is_rejected():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, model.config.max_seq_len + 1, dtype=torch.long))
+
+
+def test_loss_equals_manual_cross_entropy():
+    model = tiny_model()
+    idx, targets = random_batch(model.config)
+    logits, loss = model(idx, targets)
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    manual = -log_probs.gather(-1, targets.unsqueeze(-1)).mean()
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert loss.item() == pytest.approx(manual.item(), rel=1e-5)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)))
+    # A fresh model is close to uniform over the padded vocabulary.
+    assert loss.item() == pytest.approx(math.log(model.config.padded_vocab_size), rel=0.05)
+
+
+def test_ignore_index_and_loss_mask():
+    model = tiny_model()
+    idx, targets = random_batch(model.config)
+    logits, _ = model(idx)
+    per_token = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="none").view_as(targets)
+
+    keep = torch.ones_like(targets, dtype=torch.bool)
+    keep[:, :5] = False  # e.g. prompt tokens
+    keep[1] = False  # e.g. a padding row
+
+    ignored = targets.masked_fill(~keep, IGNORE_INDEX)
+    _, loss_ignore = model(idx, ignored)
+    _, loss_mask = model(idx, targets, loss_mask=keep)
+    _, loss_float_mask = model(idx, targets, loss_mask=keep.float())
+    expected = per_token[keep].mean()
+    torch.testing.assert_close(loss_ignore, expected)
+    torch.testing.assert_close(loss_mask, expected)
+    torch.testing.assert_close(loss_float_mask, expected)
+
+    # Both together: a position counts only when neither excludes it.
+    extra = keep.clone()
+    extra[0, 5:8] = False
+    _, loss_both = model(idx, ignored, loss_mask=extra)
+    torch.testing.assert_close(loss_both, per_token[keep & extra].mean())
+
+
+def test_fully_masked_batch_gives_zero_loss_and_finite_gradients():
+    model = tiny_model().train()
+    idx, targets = random_batch(model.config)
+    _, loss = model(idx, torch.full_like(targets, IGNORE_INDEX))
+    assert loss.item() == 0.0
+    _, loss = model(idx, targets, loss_mask=torch.zeros_like(targets))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_loss_mask_shape_mismatch_is_rejected():
+    model = tiny_model()
+    idx, targets = random_batch(model.config)
+    with pytest.raises(ValueError, match="loss_mask"):
+        model(idx, targets, loss_mask=torch.ones(targets.size(0), targets.size(1) + 1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def test_weight_decay_groups():
+    model = tiny_model(bias=True)
+    opt = model.configure_optimizer(weight_decay=0.1, learning_rate=1e-3)
+    assert isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["params"] and no_decay["params"]
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() == 1 for p in no_decay["params"])
+    # Every parameter exactly once; the tied embedding/head weight is not duplicated.
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    assert sum(1 for p in decay["params"] if p is model.tok_emb.weight) == 1
+    assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.95)
+    assert not opt.defaults.get("fused")  # fused only on CUDA
+
+
+def test_a_few_steps_overfit_a_fixed_batch():
+    model = tiny_model().train()
+    idx, targets = random_batch(model.config, B=2, T=8)
+    opt = model.configure_optimizer(weight_decay=0.0, learning_rate=3e-3)
+    _, first = model(idx, targets)
+    for _ in range(40):
+        _, loss = model(idx, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    _, last = model(idx, targets)
+    assert last.item() < 0.5 * first.item()
+
+
+def test_dropout_is_active_only_in_training_mode():
+    model = tiny_model(dropout=0.5)
+    idx, _ = random_batch(model.config)
+    torch.testing.assert_close(model(idx)[0], model(idx)[0])
+    model.train()
+    assert not torch.allclose(model(idx)[0], model(idx)[0])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Generation
+
+
+def test_generate_greedy_is_deterministic():
+    model = tiny_model()
+    prompt, _ = random_batch(model.config, B=2, T=4)
+    out1 = model.generate(prompt, max_new_tokens=6, greedy=True)
+    out2 = model.generate(prompt, max_new_tokens=6, greedy=True)
+    assert out1.shape == (2, 10)
+    assert torch.equal(out1, out2)
+    assert torch.equal(out1[:, :4], prompt)
+    # temperature 0 means greedy; top_k=1 sampling picks the same tokens.
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, temperature=0.0), out1)
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, top_k=1), out1)
+
+
+def test_generate_greedy_matches_forward_argmax():
+    model = tiny_model()
+    prompt, _ = random_batch(model.config, B=2, T=4)
+    out = model.generate(prompt, max_new_tokens=1, greedy=True)
+    logits, _ = model(prompt)
+    torch.testing.assert_close(out[:, -1], logits[:, -1, : model.config.vocab_size].argmax(-1))
+
+
+def test_generate_never_outputs_padding_ids():
+    model = tiny_model(bias=True)  # vocab 50, padded to 64
+    cfg = model.config
+    padding_ids = list(range(cfg.vocab_size, cfg.padded_vocab_size))
+    force_constant_logits(model, padding_ids)
+    prompt = torch.zeros(4, 3, dtype=torch.long)
+    logits, _ = model(prompt)
+    assert (logits[:, -1].argmax(-1) >= cfg.vocab_size).all()  # without masking, padding would win
+    greedy = model.generate(prompt, max_new_tokens=8, greedy=True)
+    g = torch.Generator().manual_seed(0)
+    sampled = model.generate(prompt, max_new_tokens=8, temperature=2.0, top_p=0.9, generator=g)
+    assert (greedy < cfg.vocab_size).all()
+    assert (sampled < cfg.vocab_size).all()
+
+
+def test_generate_sampling_is_reproducible_with_a_generator():
+    model = tiny_model()
+    prompt, _ = random_batch(model.config, B=3, T=4)
+    a = model.generate(prompt, 10, temperature=1.5, top_k=20, generator=torch.Generator().manual_seed(7))
+    b = model.generate(prompt, 10, temperature=1.5, top_k=20, generator=torch.Generator().manual_seed(7))
+    c = model.generate(prompt, 10, temperature=1.5, top_k=20, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert (a < model.config.vocab_size).all()
+
+
+def test_generate_top_k_and_top_p_restrict_the_candidates(monkeypatch):
+    model = tiny_model()
+    probs = torch.zeros(model.config.padded_vocab_size)
+    probs[:4] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    monkeypatch.setattr(model, "_next_token_logits", lambda idx: probs.log().expand(idx.size(0), -1).clone())
+    prompt = torch.zeros(400, 1, dtype=torch.long)
+
+    def sampled(**kwargs) -> set[int]:
+        out = model.generate(prompt, 1, generator=torch.Generator().manual_seed(0), **kwargs)
+        return set(out[:, -1].tolist())
+
+    assert sampled() == {0, 1, 2, 3}
+    assert sampled(top_k=2) == {0, 1}
+    assert sampled(top_p=0.6) == {0, 1}  # 0.4 alone is short of 0.6; 0.4 + 0.3 reaches it
+    assert sampled(top_p=0.35) == {0}
+    assert sampled(top_p=0.75) == {0, 1, 2}
+    assert sampled(top_k=3, top_p=1.0) == {0, 1, 2}
+
+
+def test_generate_crops_context_to_max_seq_len():
+    model = tiny_model()
+    T = model.config.max_seq_len + 5
+    prompt = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, max_new_tokens=3, greedy=True)
+    assert out.shape == (2, T + 3)
+    # The next token depends only on the last max_seq_len tokens.
+    cropped = model.generate(prompt[:, -model.config.max_seq_len :], max_new_tokens=1, greedy=True)
+    assert torch.equal(out[:, T], cropped[:, -1])
+
+
+def test_generate_stops_at_eos():
+    model = tiny_model(bias=True)
+    eos = 7
+    force_constant_logits(model, [eos])
+    prompt = torch.zeros(2, 3, dtype=torch.long)
+    out = model.generate(prompt, max_new_tokens=10, eos_id=eos, greedy=True)
+    assert out.shape == (2, 4)
+    assert (out[:, -1] == eos).all()
+
+
+def test_generate_finished_rows_emit_padding_until_all_finish(monkeypatch):
+    model = tiny_model()
+    eos, pad = 1, 0
+    # Scripted next tokens per step: row 0 ends at step 1, row 1 at step 3.
+    script = torch.tensor([[5, 6], [eos, 7], [9, 8], [9, eos], [9, 9]])
+    step = {"i": 0}
+
+    def scripted_logits(idx: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(idx.size(0), model.config.padded_vocab_size)
+        logits[torch.arange(idx.size(0)), script[step["i"]]] = 10.0
+        step["i"] += 1
+        return logits
+
+    monkeypatch.setattr(model, "_next_token_logits", scripted_logits)
+    prompt = torch.full((2, 2), 4)
+    out = model.generate(prompt, max_new_tokens=10, eos_id=eos, greedy=True, pad_id=pad)
+    assert out.tolist() == [[4, 4, 5, eos, pad, pad], [4, 4, 6, 7, 8, eos]]
+    assert step["i"] == 4  # stopped as soon as every row finished
+
+    step["i"] = 0
+    out = model.generate(prompt, max_new_tokens=10, eos_id=eos, greedy=True)  # pads with eos by default
+    assert out[0].tolist() == [4, 4, 5, eos, eos, eos]
+
+
+def test_generate_restores_training_mode():
+    model = tiny_model(dropout=0.1).train()
+    model.generate(torch.zeros(1, 2, dtype=torch.long), 2, greedy=True)
+    assert model.training
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=-1)],
+)
+def test_generate_rejects_bad_sampling_settings(kwargs):
+    model = tiny_model()
+    args = {"max_new_tokens": 2, **kwargs}
+    with pytest.raises(ConfigError):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), **args)
