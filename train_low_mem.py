@@ -1,6 +1,8 @@
 """lowmem's command line: `python train_low_mem.py COMMAND [--flag=value ...]`, also under `accelerate launch`.
 
 Commands:
+    train       train a GPT on parquet rows (the demo data set by default)
+    tokenizer   train the SentencePiece tokenizer on the training files
     repack      rewrite parquet files into small row groups
     bench_data  benchmark the data pipeline against a plain pyarrow read
 
@@ -11,10 +13,70 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import fire
 
 from lowmem.errors import LowmemError
+
+
+def _config(use_large_config: bool, overrides: dict[str, Any]) -> Any:
+    from config import TrainConfig, TrainConfigPretrainLarge
+    from lowmem.settings import apply_overrides
+
+    return apply_overrides(TrainConfigPretrainLarge() if use_large_config else TrainConfig(), overrides)
+
+
+def train(use_large_config: bool = False, is_keep_training: bool = False, **overrides: Any) -> None:
+    """Train a GPT on the training file's prompt/response rows (the demo data set in data/ by default).
+
+    Run it alone for one process, or under `accelerate launch --num_processes N` for N (on a machine
+    without GPUs add `--multi_gpu` and set ACCELERATE_USE_CPU=1). The tokenizer is trained first if
+    it is missing.
+
+    Args:
+        use_large_config: start from TrainConfigPretrainLarge (3 GPUs, 12 GB RAM host) instead of TrainConfig.
+        is_keep_training: continue from the latest complete checkpoint of the run folder.
+        overrides: any config field, as --<field>=<value>; OPTIONS below lists them with their defaults.
+    """
+    from lowmem.trainer import train as run_training
+
+    config = _config(use_large_config, overrides)
+    run_training(config, is_keep_training=is_keep_training)
+
+
+def tokenizer(use_large_config: bool = False, **overrides: Any) -> None:
+    """Train the SentencePiece tokenizer on the training file(s) and save it to tokenizer_dir.
+
+    Text is streamed from parquet, a capped, shuffled sample of it is used, on all cores. `train` runs
+    this by itself when no tokenizer exists; run it to retrain (for example with another --vocab_size).
+
+    Args:
+        use_large_config: take train_file, vocab_size and tokenizer_dir from TrainConfigPretrainLarge.
+        overrides: config fields, e.g. --train_file=..., --vocab_size=8000, --tokenizer_dir=...
+    """
+    from lowmem.data.sources import resolve_parquet_files
+    from lowmem.settings import validate_config
+    from lowmem.tokenizer import train_tokenizer
+
+    config = _config(use_large_config, overrides)
+    validate_config(config)
+    path = train_tokenizer(resolve_parquet_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
+                           columns=(config.prompt_column, config.response_column),
+                           max_sentences=config.tokenizer_max_sentences, seed=config.seed)
+    print(f"Tokenizer saved to {path}")
+
+
+def _document_options() -> None:
+    """Append every config field, with its default and comment, to the help of the commands that take them."""
+    from config import TrainConfig
+    from lowmem.settings import describe_fields
+
+    options = describe_fields(TrainConfig()).replace("\n", "\n        ")
+    for command in (train, tokenizer):
+        # Before "Args:", where fire's help still shows it.
+        head, args = command.__doc__.split("    Args:", 1)
+        command.__doc__ = f"{head}    Options (TrainConfig defaults):\n        {options}\n\n    Args:{args}"
 
 
 def repack(inputs: str, output: str, row_group_rows: int = 10_000) -> None:
@@ -51,7 +113,11 @@ def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000) -> N
     print(run_bench(list(files) or None, rows=rows, buffer_size=buffer_size))
 
 
+_document_options()
+
 COMMANDS = {
+    "train": train,
+    "tokenizer": tokenizer,
     "repack": repack,
     "bench_data": bench_data,
 }
@@ -61,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; errors the user can fix are printed as one message, without a traceback."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and any(arg in ("--help", "-h") for arg in argv[1:]):
+        # Commands that take **overrides would read --help as an option: ask fire for the help itself.
+        argv = [argv[0], "--", "--help"]
     try:
         fire.Fire(COMMANDS, command=argv, name="train_low_mem.py")
     except LowmemError as error:

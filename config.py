@@ -1,0 +1,86 @@
+"""Training configurations. Every field can be overridden on the command line: `--<field>=<value>`.
+
+`TrainConfig` is the default: a small model that trains the demo data set on a 2-core laptop CPU in a few
+minutes. `TrainConfigPretrainLarge` is for 3 GPUs on a host with 12 GB of RAM (`--use_large_config=True`).
+Values are checked up front by `lowmem.settings.validate_config`, which says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class TrainConfig:
+    """The default configuration: the demo data set, a tiny GPT, CPU-friendly."""
+
+    # --- data ---
+    train_file: str = "data/train.parquet"  # parquet file, directory or glob with the training rows
+    validation_file: str = "data/valid.parquet"  # held-out rows for the validation loss and samples
+    test_file: str = "data/test.parquet"  # rows for the final evaluation (never trained on)
+    prompt_column: str = "prompt"  # text column with the prompt
+    response_column: str = "response"  # text column with the response
+    dataloader_buffer_size: int = 2000  # rows in each process's shuffle buffer
+    dataloader_num_workers: int = -1  # DataLoader workers per process; -1 decides from the memory budget
+    ultra_low_mem: Optional[bool] = None  # reopen files per row group; None decides from the memory budget
+    ultra_low_mem_threshold_gb: float = 15.0  # below this host memory, ultra-low-mem mode and no workers
+
+    # --- tokenizer ---
+    tokenizer_dir: str = "model_save/tokenizer"  # where the SentencePiece model is saved and loaded
+    vocab_size: int = 8000  # tokenizer vocabulary (the model pads it to a multiple of 64)
+    tokenizer_max_sentences: int = 1_000_000  # cap on lines sampled to train the tokenizer (~4 GB of RAM at 1M)
+
+    # --- model ---
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads per block (must divide n_embd)
+    n_embd: int = 128  # width of the residual stream
+    dropout: float = 0.0  # dropout in embeddings, attention and residual branches
+    max_seq_len: int = 192  # longest sequence in tokens; longer rows are cut at the end
+
+    # --- optimisation ---
+    seed: int = 42  # seed for the model initialisation, data order and sampling
+    epochs: int = 1  # passes over the training data
+    max_steps: int = 0  # stop after this many optimizer steps in total (0 = no limit)
+    batch_size_per_gpu: int = 32  # rows per micro-batch on each process
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    learn_rate: float = 2e-3  # peak learning rate, reached after the warmup
+    min_lr_ratio: float = 0.1  # the cosine decay ends at learn_rate * min_lr_ratio
+    warmup_steps: int = 50  # optimizer steps of linear warmup from 0
+    weight_decay: float = 0.1  # AdamW weight decay on matrices and embeddings (not on biases or norms)
+    adam_beta1: float = 0.9  # AdamW first-moment coefficient
+    adam_beta2: float = 0.95  # AdamW second-moment coefficient
+    grad_clip: float = 1.0  # clip the gradient norm to this (0 = no clipping)
+    bf16: bool = True  # bf16 autocast on GPUs that support it (the CPU always runs float32)
+    loss_on_response_only: bool = False  # train on the response tokens only (default: prompt and response)
+
+    # --- logging, evaluation, output ---
+    output_dir: str = "model_save/demo"  # run folder: checkpoints and the exported model
+    logging_steps: int = 10  # optimizer steps between log lines
+    save_steps: int = 200  # optimizer steps between checkpoints
+    keep_latest_n_ckp: int = 3  # best checkpoints kept besides the latest
+    eval_batches: int = 0  # validation batches per evaluation (0 = the whole validation file)
+    sample_max_new_tokens: int = 96  # tokens generated for the sample printed at the end
+
+
+@dataclass
+class TrainConfigPretrainLarge(TrainConfig):
+    """3 GPUs of 20 GB on a host with 12 GB of RAM: a GPT-2-small-sized model, bf16, effective batch 192."""
+
+    output_dir: str = "model_save/pretrain_large"  # run folder: checkpoints and the exported model
+    vocab_size: int = 32000  # tokenizer vocabulary (the model pads it to a multiple of 64)
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block
+    n_embd: int = 768  # width of the residual stream
+    max_seq_len: int = 192  # longest sequence in tokens
+    batch_size_per_gpu: int = 32  # rows per micro-batch on each GPU
+    gradient_accumulation_steps: int = 2  # 32 x 2 x 3 GPUs = 192 rows per optimizer step
+    dataloader_buffer_size: int = 5000  # rows in each process's shuffle buffer
+    epochs: int = 3  # passes over the training data
+    learn_rate: float = 1e-4  # peak learning rate
+    warmup_steps: int = 1024  # optimizer steps of linear warmup
+    save_steps: int = 5000  # optimizer steps between checkpoints
+    logging_steps: int = 100  # optimizer steps between log lines
+    keep_latest_n_ckp: int = 5  # best checkpoints kept besides the latest
+    eval_batches: int = 200  # validation batches per evaluation (0 = the whole validation file)
+    bf16: bool = True  # bf16 autocast (GPUs from Ampere on)

@@ -1,0 +1,50 @@
+"""Memory-dependent settings: decided once from the budget, the same on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lowmem.memory.budget import GIB, MemoryBudget
+
+# DataLoader workers per process when memory allows: tokenizing in a worker overlaps with the model's step.
+DEFAULT_WORKERS_ON_GPU = 2
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What the budget decided, and why (logged on every rank)."""
+
+    budget_bytes: int
+    local_processes: int
+    ultra_low_mem: bool
+    num_workers: int
+    pin_memory: bool
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int, threshold_gb: float,
+                           local_processes: int, on_gpu: bool) -> MemorySettings:
+    """Choose ultra-low-mem mode, DataLoader workers and pinned memory from the host's budget.
+
+    Values given explicitly (ultra_low_mem not None, num_workers >= 0) are kept; automatic ones follow
+    the budget: below `threshold_gb`, ultra-low-mem mode, no workers (each worker is a copy of the
+    process) and no pinned memory (page-locked memory cannot be swapped or reclaimed). On the CPU there
+    are no workers either: they would take cores from the model's own step.
+    """
+    budget = MemoryBudget.detect(local_processes)
+    low = budget.is_low(threshold_gb)
+    auto_ultra = ultra_low_mem is None
+    ultra = low if auto_ultra else bool(ultra_low_mem)
+    workers = num_workers if num_workers >= 0 else (0 if low or not on_gpu else DEFAULT_WORKERS_ON_GPU)
+    pin = on_gpu and not low
+    reason = (
+        f"memory budget {budget.total_bytes / GIB:.1f} GiB for {budget.local_processes} process(es) "
+        f"({budget.per_process_bytes / GIB:.1f} GiB each), {'below' if low else 'at or above'} the "
+        f"{threshold_gb:g} GiB threshold; ultra_low_mem={ultra} ({'auto' if auto_ultra else 'set'}), "
+        f"num_workers={workers} ({'auto' if num_workers < 0 else 'set'}), pin_memory={pin}"
+    )
+    return MemorySettings(budget.total_bytes, budget.local_processes, ultra, workers, pin, reason)

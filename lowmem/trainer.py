@@ -1,0 +1,322 @@
+"""The training loop: ParquetStream → tokenizing collate → GPT on Accelerate (1..N processes, CPU or GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, set_seed
+from tqdm import tqdm
+
+from lowmem.data import ParquetStream, StreamLoader
+from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
+from lowmem.data.sources import resolve_parquet_files
+from lowmem.distributed import all_reduce_max, all_reduce_sum, create_accelerator
+from lowmem.errors import ConfigError
+from lowmem.memory.settings import MemorySettings, decide_memory_settings
+from lowmem.model import GPT, GPTConfig
+from lowmem.schedule import get_lr
+from lowmem.settings import check_data_files, validate_config
+from lowmem.tokenizer import Tokenizer, train_tokenizer
+from lowmem.train_log import setup_training_log
+
+logger = logging.getLogger(__name__)
+MB = 1024**2
+
+
+@dataclass
+class TrainState:
+    """Where training stands: everything besides weights and optimizer that a resume needs."""
+
+    epoch: int = 0
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # real (non-padding) input tokens, all ranks
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, type(getattr(self, field.name))(state[field.name]))
+
+
+@dataclass
+class LogWindow:
+    """Sums over the optimizer steps since the last log line, on this rank."""
+
+    loss_sum: float = 0.0
+    target_tokens: int = 0
+    input_tokens: int = 0
+    grad_norm_sum: float = 0.0
+    steps: int = 0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+# ----- set-up ---------------------------------------------------------------------------------------------
+def model_config_for(config: Any, vocab_size: int) -> GPTConfig:
+    """The GPT sizes a training config asks for."""
+    return GPTConfig(vocab_size=vocab_size, max_seq_len=config.max_seq_len, n_layer=config.n_layer,
+                     n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout)
+
+
+def ensure_tokenizer(config: Any, accelerator: Accelerator) -> Tokenizer:
+    """Load the tokenizer, training it first (on the main process, while the others wait) if it is missing."""
+    model_path = Path(config.tokenizer_dir) / "tokenizer.model"
+    if not model_path.is_file() and accelerator.is_main_process:
+        logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path, config.train_file,
+                    config.vocab_size)
+        train_tokenizer(resolve_parquet_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
+                        columns=(config.prompt_column, config.response_column),
+                        max_sentences=config.tokenizer_max_sentences, seed=config.seed)
+    accelerator.wait_for_everyone()
+    return Tokenizer.load(config.tokenizer_dir)
+
+
+def shared_memory_settings(config: Any, accelerator: Accelerator) -> MemorySettings:
+    """Rank 0 decides from the memory budget and broadcasts, so no two ranks run with different settings."""
+    decided = [None]
+    if accelerator.is_main_process:
+        decided[0] = decide_memory_settings(
+            config.ultra_low_mem, config.dataloader_num_workers, config.ultra_low_mem_threshold_gb,
+            local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)),
+            on_gpu=accelerator.device.type == "cuda",
+        )
+    if accelerator.num_processes > 1:
+        broadcast_object_list(decided, from_process=0)
+    return decided[0]
+
+
+def make_loader(files: str, config: Any, accelerator: Accelerator, collate: TokenizingCollate,
+                settings: MemorySettings, shuffle: bool, num_workers: int | None = None) -> StreamLoader:
+    """A StreamLoader over this rank's share of `files`."""
+    stream = ParquetStream(
+        files, columns=(config.prompt_column, config.response_column), buffer_size=config.dataloader_buffer_size,
+        shuffle=shuffle, seed=config.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+        ultra_low_mem=settings.ultra_low_mem, ultra_low_mem_threshold_gb=config.ultra_low_mem_threshold_gb,
+    )
+    workers = settings.num_workers if num_workers is None else num_workers
+    return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate, num_workers=workers,
+                        pin_memory=settings.pin_memory)
+
+
+# ----- steps ----------------------------------------------------------------------------------------------
+def take(batches: Iterator[dict[str, torch.Tensor]], count: int) -> list[dict[str, torch.Tensor]]:
+    """Up to `count` next batches (fewer at the end of the epoch)."""
+    taken = []
+    for batch in batches:
+        taken.append(batch)
+        if len(taken) == count:
+            break
+    return taken
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,
+               micro_batches: list[dict[str, torch.Tensor]], global_target_tokens: float,
+               grad_clip: float) -> tuple[float, float]:
+    """One optimizer step over `micro_batches`; returns (this rank's summed token loss, gradient norm).
+
+    Each micro-batch's loss is its token sum divided by the number of target tokens in the whole step on
+    all ranks, so the update is the mean over every token of the step however the tokens fall into
+    micro-batches and ranks. `accelerator.accumulate` skips the gradient all-reduce on all but the last
+    micro-batch and divides by the number of micro-batches; DDP averages over ranks: the factor
+    `micro-batches × ranks` undoes both.
+    """
+    scale = len(micro_batches) * accelerator.num_processes / max(global_target_tokens, 1.0)
+    loss_sum = torch.zeros((), device=accelerator.device)
+    grad_norm = torch.zeros(())
+    for batch in micro_batches:
+        with accelerator.accumulate(model):
+            input_ids = batch["input_ids"].to(accelerator.device, non_blocking=True)  # (B, T)
+            targets = batch["targets"].to(accelerator.device, non_blocking=True)  # (B, T)
+            _, mean_loss = model(input_ids, targets)
+            batch_loss_sum = mean_loss * (targets != IGNORE_INDEX).sum()
+            accelerator.backward(batch_loss_sum * scale)
+            loss_sum += batch_loss_sum.detach()
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return float(loss_sum), float(grad_norm)
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, loader: StreamLoader, accelerator: Accelerator, max_batches: int = 0) -> float:
+    """Mean token loss over the loader's rows on all ranks (every rank reads its own share)."""
+    model.eval()
+    loss_sum, tokens = 0.0, 0
+    for index, batch in enumerate(loader):
+        if max_batches and index >= max_batches:
+            break
+        targets = batch["targets"].to(accelerator.device)
+        _, mean_loss = model(batch["input_ids"].to(accelerator.device), targets)
+        count = int((targets != IGNORE_INDEX).sum())
+        loss_sum += float(mean_loss) * count
+        tokens += count
+    model.train()
+    total_loss, total_tokens = all_reduce_sum(accelerator, [loss_sum, tokens])
+    return total_loss / max(total_tokens, 1.0)
+
+
+def sample_answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, device: torch.device,
+                  seed: int = 0) -> str:
+    """The model's answer to `prompt`, sampled (temperature 0.8, top-k 40) with a fixed seed.
+
+    Sampling rather than greedy decoding: a small model's greedy output falls into loops of one phrase
+    long before its sampled output stops reading like the data.
+    """
+    ids, _ = tokenizer.encode_pair(prompt, None)
+    idx = torch.tensor([ids[-model.config.max_seq_len:]], dtype=torch.long, device=device)  # (1, T)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40, eos_id=tokenizer.eos_id,
+                         generator=generator)
+    return tokenizer.decode(out[0, idx.size(1):].tolist())
+
+
+def _log_line(state: TrainState, total_steps: int, window: LogWindow, lr: float, accelerator: Accelerator) -> None:
+    """One readable line: loss over the window and all ranks, learning rate, tokens/s, grad norm, RSS."""
+    loss_sum, target_tokens, input_tokens = all_reduce_sum(
+        accelerator, [window.loss_sum, window.target_tokens, window.input_tokens])
+    rss = psutil.Process().memory_info().rss
+    [rss_max] = all_reduce_max(accelerator, [rss])
+    elapsed = time.perf_counter() - window.started
+    logger.info(
+        "step %d/%d | epoch %d | loss %.4f | lr %.2e | grad_norm %.3f | tokens/s %s | rss %.0f MB (max over ranks %.0f MB)",
+        state.step, total_steps, state.epoch, loss_sum / max(target_tokens, 1), lr,
+        window.grad_norm_sum / max(window.steps, 1), f"{input_tokens / max(elapsed, 1e-9):,.0f}", rss / MB, rss_max / MB,
+    )
+
+
+def export_model(model: GPT, config: Any, out_dir: Path) -> Path:
+    """Write the weights (safetensors) and the configs that rebuild the model."""
+    from safetensors.torch import save_model
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(out_dir / "model.safetensors"))
+    (out_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(model.config), indent=2))
+    (out_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
+    return out_dir
+
+
+# ----- the loop -------------------------------------------------------------------------------------------
+def train(config: Any, is_keep_training: bool = False) -> dict[str, Any]:
+    """Train a GPT as `config` says; returns the run's summary (validation losses, steps, tokens, seconds).
+
+    Args:
+        config: a TrainConfig (or subclass), already validated or not.
+        is_keep_training: continue from the latest complete checkpoint in `config.output_dir`.
+    """
+    validate_config(config)
+    check_data_files(config)
+    accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16)
+    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process)
+    set_seed(config.seed)
+    started = time.perf_counter()
+
+    tokenizer = ensure_tokenizer(config, accelerator)
+    settings = shared_memory_settings(config, accelerator)
+    logger.info("Processes: %d on %s, mixed precision: %s. %s.", accelerator.num_processes, accelerator.device,
+                accelerator.mixed_precision, settings.reason)
+
+    model = GPT(model_config_for(config, tokenizer.vocab_size))
+    optimizer = model.configure_optimizer(config.weight_decay, config.learn_rate, (config.adam_beta1, config.adam_beta2),
+                                          device_type=accelerator.device.type)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    raw_model: GPT = accelerator.unwrap_model(model)
+    logger.info("Model: %.2f M parameters (%.2f M without embeddings).", raw_model.num_params() / 1e6,
+                raw_model.num_params(exclude_embeddings=True) / 1e6)
+
+    columns = (config.prompt_column, config.response_column)
+    collate = TokenizingCollate(tokenizer, config.max_seq_len, columns, config.loss_on_response_only)
+    train_loader = make_loader(config.train_file, config, accelerator, collate, settings, shuffle=True)
+    valid_loader = make_loader(config.validation_file, config, accelerator, collate, settings, shuffle=False,
+                               num_workers=0)
+    steps_per_epoch = len(train_loader) // config.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"The training data gives each process {len(train_loader.stream)} rows: not enough for one optimizer "
+            f"step of {config.batch_size_per_gpu} x {config.gradient_accumulation_steps} rows. Lower "
+            "--batch_size_per_gpu or --gradient_accumulation_steps, or add data."
+        )
+    total_steps = steps_per_epoch * config.epochs
+    if config.max_steps:
+        total_steps = min(total_steps, config.max_steps)
+    logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all.",
+                len(train_loader.stream), steps_per_epoch, total_steps)
+
+    state = TrainState()
+    val_loss_start = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
+    logger.info("Validation loss at step 0: %.4f", val_loss_start)
+    val_losses = [(0, val_loss_start)]
+
+    progress = tqdm(total=total_steps, initial=state.step, desc="train", unit="step",
+                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+    window = LogWindow()
+    lr = get_lr(state.step, config.learn_rate, config.warmup_steps, total_steps, config.min_lr_ratio)
+    while state.step < total_steps and state.epoch < config.epochs:
+        train_loader.set_epoch(state.epoch)
+        batches = iter(train_loader)
+        while state.step < total_steps:
+            micro_batches = take(batches, config.gradient_accumulation_steps)
+            target_tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
+            input_tokens = sum(int((b["input_ids"] != tokenizer.pad_id).sum()) for b in micro_batches)
+            # One small collective per step: the step's token count, and whether any rank ran out of data
+            # (rows with empty values make shares uneven), so that every rank ends the epoch together.
+            global_tokens, global_inputs, ranks_out = all_reduce_sum(
+                accelerator, [target_tokens, input_tokens, float(len(micro_batches) < config.gradient_accumulation_steps)])
+            if ranks_out:
+                break
+            lr = get_lr(state.step, config.learn_rate, config.warmup_steps, total_steps, config.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum, grad_norm = train_step(model, optimizer, accelerator, micro_batches, global_tokens,
+                                             config.grad_clip)
+            state.step += 1
+            state.tokens_seen += int(global_inputs)
+            window.loss_sum += loss_sum
+            window.target_tokens += target_tokens
+            window.input_tokens += input_tokens
+            window.grad_norm_sum += grad_norm
+            window.steps += 1
+            progress.update(1)
+            if state.step % config.logging_steps == 0 or state.step == total_steps:
+                _log_line(state, total_steps, window, lr, accelerator)
+                window = LogWindow()
+        else:
+            break  # the step budget ended inside this epoch
+        state.epoch += 1
+        val_loss = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
+        val_losses.append((state.step, val_loss))
+        logger.info("Epoch %d done at step %d: validation loss %.4f", state.epoch, state.step, val_loss)
+    progress.close()
+
+    if val_losses[-1][0] != state.step:
+        val_losses.append((state.step, evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)))
+    val_loss_end = val_losses[-1][1]
+    summary = {
+        "val_loss_start": val_loss_start, "val_loss_end": val_loss_end, "steps": state.step,
+        "tokens_seen": state.tokens_seen, "seconds": time.perf_counter() - started,
+        "processes": accelerator.num_processes, "log_file": str(log_path),
+    }
+    logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.", val_loss_start,
+                val_loss_end, state.step, val_loss_start - val_loss_end, summary["seconds"])
+    if accelerator.is_main_process:
+        out_dir = export_model(raw_model, config, Path(config.output_dir) / "final")
+        logger.info("Model saved to %s", out_dir)
+        first = next(iter(ParquetStream(config.validation_file, columns=columns, shuffle=False)))
+        answer = sample_answer(raw_model, tokenizer, first[config.prompt_column], config.sample_max_new_tokens,
+                               accelerator.device, seed=config.seed)
+        logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", first[config.prompt_column],
+                    answer, first[config.response_column])
+        summary["sample"] = {"prompt": first[config.prompt_column], "answer": answer}
+    accelerator.wait_for_everyone()
+    return summary
