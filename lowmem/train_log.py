@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -16,7 +17,7 @@ class _TqdmHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            tqdm.write(self.format(record))
+            tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # noqa: BLE001 - a log line must never stop training
             self.handleError(record)
 

@@ -28,6 +28,7 @@ from lowmem.model import GPT, GPTConfig
 from lowmem.schedule import get_lr
 from lowmem.settings import check_data_files, validate_config
 from lowmem.tokenizer import Tokenizer, train_tokenizer
+from lowmem.trace import TrainingTrace
 from lowmem.train_log import setup_training_log
 
 logger = logging.getLogger(__name__)
@@ -254,6 +255,7 @@ def train(config: Any, is_keep_training: bool = False) -> dict[str, Any]:
                 len(train_loader.stream), steps_per_epoch, total_steps)
 
     state = TrainState()
+    trace = TrainingTrace(accelerator.process_index)
     val_loss_start = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
     logger.info("Validation loss at step 0: %.4f", val_loss_start)
     val_losses = [(0, val_loss_start)]
@@ -280,6 +282,8 @@ def train(config: Any, is_keep_training: bool = False) -> dict[str, Any]:
                 group["lr"] = lr
             loss_sum, grad_norm = train_step(model, optimizer, accelerator, micro_batches, global_tokens,
                                              config.grad_clip)
+            for batch in micro_batches:
+                trace.record_batch(batch["input_ids"], tokenizer.pad_id)
             state.step += 1
             state.tokens_seen += int(global_inputs)
             window.loss_sum += loss_sum
@@ -298,6 +302,7 @@ def train(config: Any, is_keep_training: bool = False) -> dict[str, Any]:
         val_losses.append((state.step, val_loss))
         logger.info("Epoch %d done at step %d: validation loss %.4f", state.epoch, state.step, val_loss)
     progress.close()
+    trace.finish(raw_model, state.step)
 
     if val_losses[-1][0] != state.step:
         val_losses.append((state.step, evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)))

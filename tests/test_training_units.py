@@ -1,0 +1,151 @@
+"""Units of the training loop: exact gradient accumulation, the LR schedule, overrides, collate."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from config import TrainConfig, TrainConfigPretrainLarge
+from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
+from lowmem.errors import ConfigError
+from lowmem.model import GPT, GPTConfig
+from lowmem.schedule import get_lr
+from lowmem.settings import apply_overrides, describe_fields, validate_config
+from lowmem.trainer import train_step
+
+
+def _batch(rows: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows of different lengths, padded: micro-batches then hold different numbers of target tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, 100, (rows, 24), generator=generator)
+    targets = torch.randint(5, 100, (rows, 24), generator=generator)
+    for row in range(rows):
+        targets[row, 4 + (row * 7) % 20:] = IGNORE_INDEX
+    return {"input_ids": input_ids, "targets": targets}
+
+
+def test_gradient_accumulation_is_exact():
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model_a = GPT(GPTConfig(vocab_size=100, max_seq_len=32, n_layer=2, n_head=2, n_embd=32))
+    model_b = copy.deepcopy(model_a)
+    # Plain SGD: the update is the gradient itself, so any difference in the gradient shows.
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.5)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.5)
+    model_a, opt_a, model_b, opt_b = accelerator.prepare(model_a, opt_a, model_b, opt_b)
+
+    full = _batch(16, seed=1)
+    halves = [{key: value[:8] for key, value in full.items()}, {key: value[8:] for key, value in full.items()}]
+    tokens = float((full["targets"] != IGNORE_INDEX).sum())
+    counts = [int((half["targets"] != IGNORE_INDEX).sum()) for half in halves]
+    assert counts[0] != counts[1], "the test needs micro-batches with different token counts"
+
+    train_step(model_a, opt_a, accelerator, halves, tokens, grad_clip=0.0)  # 2 micro-batches of 8
+    accelerator.gradient_accumulation_steps = 1
+    train_step(model_b, opt_b, accelerator, [full], tokens, grad_clip=0.0)  # 1 batch of 16
+
+    initial = GPT(GPTConfig(vocab_size=100, max_seq_len=32, n_layer=2, n_head=2, n_embd=32))
+    moved = False
+    for (name, a), (_, b) in zip(model_a.named_parameters(), model_b.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), name
+        moved = moved or not torch.equal(a, dict(initial.named_parameters())[name])
+    assert moved
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    peak, warmup, total = 1e-3, 10, 110
+    lrs = [get_lr(step, peak, warmup, total, min_lr_ratio=0.1) for step in range(130)]
+    assert lrs[0] == pytest.approx(peak / warmup)
+    assert lrs[warmup - 1] == pytest.approx(peak)
+    assert all(a < b for a, b in zip(lrs[:warmup - 1], lrs[1:warmup]))  # rising
+    assert all(a >= b for a, b in zip(lrs[warmup:total], lrs[warmup + 1:total + 1]))  # falling
+    assert lrs[warmup + (total - warmup) // 2] == pytest.approx(peak * 0.55)  # half way down the cosine
+    assert lrs[total] == pytest.approx(peak * 0.1) and lrs[-1] == pytest.approx(peak * 0.1)
+    assert get_lr(0, peak, 0, total) == pytest.approx(peak)
+
+
+def test_overrides_are_typed():
+    config = apply_overrides(TrainConfig(), {"epochs": 5, "learn_rate": 2e-4, "batch_size_per_gpu": 24,
+                                             "gradient_accumulation_steps": 4, "max_seq_len": 128,
+                                             "warmup_steps": 2048.0, "save_steps": 2000, "bf16": "false",
+                                             "train_file": 2024, "ultra_low_mem": "auto"})
+    assert (config.epochs, config.learn_rate, config.batch_size_per_gpu) == (5, 2e-4, 24)
+    assert isinstance(config.warmup_steps, int) and config.warmup_steps == 2048
+    assert config.bf16 is False and config.train_file == "2024" and config.ultra_low_mem is None
+    assert apply_overrides(TrainConfig(), {"ultra_low_mem": True}).ultra_low_mem is True
+    assert apply_overrides(TrainConfig(), {"learn_rate": 1}).learn_rate == 1.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"epochs": "five"}, "epochs takes a whole number"),
+    ({"epochs": 2.5}, "epochs takes a whole number"),
+    ({"learn_rate": "fast"}, "learn_rate takes a number"),
+    ({"bf16": "maybe"}, "bf16 takes True or False"),
+    ({"learning_rate": 0.1}, "Did you mean --learn_rate"),
+    ({"nonsense": 1}, "Valid options: --train_file"),
+])
+def test_bad_overrides_say_what_is_expected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(TrainConfig(), overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"batch_size_per_gpu": 0}, "batch_size_per_gpu must be at least 1"),
+    ({"n_embd": 100, "n_head": 3}, "divisible by --n_head"),
+    ({"learn_rate": -1.0}, "learn_rate must be above 0"),
+    ({"adam_beta2": 1.0}, "adam_beta2"),
+])
+def test_values_are_validated_up_front(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(apply_overrides(TrainConfig(), overrides))
+
+
+def test_large_config_values():
+    large = TrainConfigPretrainLarge()
+    validate_config(large)
+    assert (large.batch_size_per_gpu, large.gradient_accumulation_steps, large.max_seq_len) == (32, 2, 192)
+    assert (large.dataloader_buffer_size, large.epochs, large.save_steps, large.logging_steps) == (5000, 3, 5000, 100)
+    assert (large.keep_latest_n_ckp, large.learn_rate, large.warmup_steps, large.bf16) == (5, 1e-4, 1024, True)
+    assert (large.n_layer, large.n_head, large.n_embd) == (12, 12, 768)
+    assert large.output_dir == "model_save/pretrain_large"
+    assert large.max_steps == 0
+
+
+def test_every_field_is_documented():
+    for line in describe_fields(TrainConfig()).splitlines():
+        assert ": " in line and len(line.split(": ", 1)[1]) > 10, line
+
+
+class _CharTokenizer:
+    """Characters as ids: enough to check the collate's layout."""
+
+    pad_id, bos_id, eos_id, sep_id = 0, 1, 2, 4
+
+    def encode_pair_batch(self, prompts, responses):
+        pairs = []
+        for prompt, response in zip(prompts, responses):
+            prompt_ids = [10 + ord(c) - ord("a") for c in prompt]
+            response_ids = [10 + ord(c) - ord("a") for c in response]
+            ids = [self.bos_id, *prompt_ids, self.sep_id, *response_ids, self.eos_id]
+            pairs.append((ids, len(prompt_ids) + 2))
+        return pairs
+
+
+def test_collate_shifts_pads_and_masks():
+    rows = [{"prompt": "ab", "response": "cde"}, {"prompt": "a", "response": "b"}]
+    batch = TokenizingCollate(_CharTokenizer(), max_seq_len=64)(rows)
+    inputs, targets = batch["input_ids"], batch["targets"]
+    assert inputs.shape == targets.shape == (2, 32)  # longest row (7 tokens) rounded up to 32
+    assert inputs[0, :7].tolist() == [1, 10, 11, 4, 12, 13, 14]
+    assert targets[0, :7].tolist() == [10, 11, 4, 12, 13, 14, 2]
+    assert (targets[0, 7:] == IGNORE_INDEX).all() and (inputs[1, 4:] == 0).all()
+
+    masked = TokenizingCollate(_CharTokenizer(), max_seq_len=64, response_only=True)(rows)["targets"]
+    assert masked[0, :7].tolist() == [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 12, 13, 14, 2]
+
+    cut = TokenizingCollate(_CharTokenizer(), max_seq_len=4)(rows)
+    assert cut["input_ids"].shape[1] == 4 and cut["input_ids"][0].tolist() == [1, 10, 11, 4]
+    assert cut["targets"][0].tolist() == [10, 11, 4, 12]

@@ -1,0 +1,43 @@
+"""Helpers for tests that run the training command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[1]
+_SYLLABLES = list("春风明月江南归去相思落花流水千里故人长亭夜雨西楼山青云白酒醉梦")
+
+
+def write_chat_rows(path: Path, rows: int, seed: int, row_group_rows: int = 64) -> Path:
+    """Unique prompt/response rows of made-up text from a small alphabet (so a small vocabulary fits)."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [f"题{seed}-{i}：" + "".join(rng.choices(_SYLLABLES, k=rng.randint(4, 12))) for i in range(rows)]
+    responses = ["".join(rng.choices(_SYLLABLES, k=rng.randint(6, 30))) + "。" for _ in range(rows)]
+    pq.write_table(pa.table({"prompt": prompts, "response": responses}), path, row_group_size=row_group_rows)
+    return path
+
+
+def tiny_overrides(tmp_path: Path, train_file: Path, valid_file: Path) -> list[str]:
+    """Command-line overrides for a model that trains in seconds."""
+    return [
+        f"--train_file={train_file}", f"--validation_file={valid_file}", f"--test_file={valid_file}",
+        f"--tokenizer_dir={tmp_path / 'tok'}", f"--output_dir={tmp_path / 'run'}", "--vocab_size=400",
+        "--n_layer=2", "--n_head=2", "--n_embd=32", "--max_seq_len=64", "--batch_size_per_gpu=8",
+        "--dataloader_buffer_size=50", "--logging_steps=5", "--warmup_steps=2", "--sample_max_new_tokens=8",
+    ]
+
+
+def run_command(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 600,
+                launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run `train_low_mem.py` (optionally under a launcher) and return the finished process."""
+    command = (launcher or [sys.executable]) + [str(ROOT / "train_low_mem.py"), *args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
