@@ -11,3 +11,7 @@ class DataError(LowmemError, ValueError):
 
 class ConfigError(LowmemError, ValueError):
     """A configuration value or command-line flag is invalid."""
+
+
+class CheckpointError(LowmemError, OSError):
+    """A checkpoint could not be written (disk full, no permission, ...); the message says what to free or change."""
