@@ -27,7 +27,8 @@ def _config(use_large_config: bool, overrides: dict[str, Any]) -> Any:
     return apply_overrides(TrainConfigPretrainLarge() if use_large_config else TrainConfig(), overrides)
 
 
-def train(use_large_config: bool = False, is_keep_training: bool = False, **overrides: Any) -> None:
+def train(use_large_config: bool = False, is_keep_training: bool = False, allow_config_change: bool = False,
+          **overrides: Any) -> None:
     """Train a GPT on the training file's prompt/response rows (the demo data set in data/ by default).
 
     Run it alone for one process, or under `accelerate launch --num_processes N` for N (on a machine
@@ -36,13 +37,15 @@ def train(use_large_config: bool = False, is_keep_training: bool = False, **over
 
     Args:
         use_large_config: start from TrainConfigPretrainLarge (3 GPUs, 12 GB RAM host) instead of TrainConfig.
-        is_keep_training: continue from the latest complete checkpoint of the run folder.
+        is_keep_training: continue from the latest complete checkpoint of the run folder (output_dir).
+        allow_config_change: with is_keep_training, continue even though settings that decide the data order,
+            batches or learning-rate schedule changed since the checkpoint (the run is then not exact).
         overrides: any config field, as --<field>=<value>; OPTIONS below lists them with their defaults.
     """
     from lowmem.trainer import train as run_training
 
     config = _config(use_large_config, overrides)
-    run_training(config, is_keep_training=is_keep_training)
+    run_training(config, is_keep_training=is_keep_training, allow_config_change=allow_config_change)
 
 
 def tokenizer(use_large_config: bool = False, **overrides: Any) -> None:

@@ -22,33 +22,20 @@ from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
 from lowmem.data.sources import resolve_parquet_files
 from lowmem.distributed import all_reduce_max, all_reduce_sum, create_accelerator
-from lowmem.errors import ConfigError
+from lowmem.errors import ConfigError, DataError
 from lowmem.memory.settings import MemorySettings, decide_memory_settings
 from lowmem.model import GPT, GPTConfig
 from lowmem.schedule import get_lr
 from lowmem.settings import check_data_files, validate_config
 from lowmem.tokenizer import Tokenizer, train_tokenizer
+from lowmem.checkpoint import CheckpointManager
+from lowmem.signals import GracefulStop
 from lowmem.trace import TrainingTrace
+from lowmem.train_state import TrainState, check_resume, checkpoint_writer, load_checkpoint, read_trainer_state
 from lowmem.train_log import setup_training_log
 
 logger = logging.getLogger(__name__)
 MB = 1024**2
-
-
-@dataclass
-class TrainState:
-    """Where training stands: everything besides weights and optimizer that a resume needs."""
-
-    epoch: int = 0
-    step: int = 0  # optimizer steps done
-    tokens_seen: int = 0  # real (non-padding) input tokens, all ranks
-
-    def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for field in dataclasses.fields(self):
-            setattr(self, field.name, type(getattr(self, field.name))(state[field.name]))
 
 
 @dataclass
@@ -209,12 +196,22 @@ def export_model(model: GPT, config: Any, out_dir: Path) -> Path:
 
 
 # ----- the loop -------------------------------------------------------------------------------------------
-def train(config: Any, is_keep_training: bool = False) -> dict[str, Any]:
+def find_resume_point(manager: CheckpointManager, accelerator: Accelerator) -> Path | None:
+    """The latest complete checkpoint, chosen (and verified) by the main process for every rank."""
+    latest = manager.latest_complete() if accelerator.is_main_process else None
+    found = [str(latest) if latest is not None else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(found, from_process=0)
+    return Path(found[0]) if found[0] else None
+
+
+def train(config: Any, is_keep_training: bool = False, allow_config_change: bool = False) -> dict[str, Any]:
     """Train a GPT as `config` says; returns the run's summary (validation losses, steps, tokens, seconds).
 
     Args:
         config: a TrainConfig (or subclass), already validated or not.
         is_keep_training: continue from the latest complete checkpoint in `config.output_dir`.
+        allow_config_change: resume even when settings that decide the data order, batches or schedule changed.
     """
     validate_config(config)
     check_data_files(config)
@@ -222,6 +219,7 @@ def train(config: Any, is_keep_training: bool = False) -> dict[str, Any]:
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process)
     set_seed(config.seed)
     started = time.perf_counter()
+    rank, is_main = accelerator.process_index, accelerator.is_main_process
 
     tokenizer = ensure_tokenizer(config, accelerator)
     settings = shared_memory_settings(config, accelerator)
@@ -251,70 +249,124 @@ def train(config: Any, is_keep_training: bool = False) -> dict[str, Any]:
     total_steps = steps_per_epoch * config.epochs
     if config.max_steps:
         total_steps = min(total_steps, config.max_steps)
+
+    def all_ok(ok: bool) -> bool:
+        return all_reduce_max(accelerator, [0.0 if ok else 1.0])[0] == 0.0
+
+    manager = CheckpointManager(config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric="val_loss",
+                                mode="min", is_main=is_main, barrier=accelerator.wait_for_everyone, all_ok=all_ok)
+    run_facts = {"world_size": accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers)}
+    state = TrainState()
+    resume_dir = find_resume_point(manager, accelerator) if is_keep_training else None
+    if is_keep_training and resume_dir is None:
+        logger.info("No complete checkpoint in %s: starting fresh.", config.output_dir)
+    if resume_dir is not None:
+        saved = read_trainer_state(resume_dir)
+        changes = check_resume(resume_dir, saved, config, run_facts, allow_config_change)
+        data_state = load_checkpoint(resume_dir, raw_model, optimizer, rank)
+        state.load_state_dict(saved["train"])
+        try:
+            train_loader.load_state_dict(data_state)
+        except DataError as error:
+            if not changes:
+                raise
+            logger.warning("The saved data position does not fit the changed settings (%s): epoch %d restarts.",
+                           error, state.epoch)
+        logger.info("Resumed from %s: epoch %d, step %d, %s tokens seen%s.", resume_dir, state.epoch, state.step,
+                    f"{state.tokens_seen:,}", f" (changed: {'; '.join(changes)})" if changes else "")
     logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all.",
                 len(train_loader.stream), steps_per_epoch, total_steps)
 
-    state = TrainState()
-    trace = TrainingTrace(accelerator.process_index)
-    val_loss_start = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
-    logger.info("Validation loss at step 0: %.4f", val_loss_start)
-    val_losses = [(0, val_loss_start)]
+    def save(score: float | None, data_state: dict[str, Any]) -> Path:
+        write = checkpoint_writer(raw_model, optimizer, data_state, state, config, rank, is_main, run_facts)
+        return manager.save(state.step, write, score=score, info={"epoch": state.epoch, "tokens_seen": state.tokens_seen})
 
-    progress = tqdm(total=total_steps, initial=state.step, desc="train", unit="step",
-                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+    trace = TrainingTrace(rank)
+    if resume_dir is None:
+        state.val_loss_start = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
+        logger.info("Validation loss at step 0: %.4f", state.val_loss_start)
+    val_loss_end = state.val_loss_start
+    stopper = GracefulStop().install()
+    stopped_by = None
+    last_saved = state.step if resume_dir is not None else -1
+    ranks_out = 0.0
+
+    progress = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=not is_main,
+                    dynamic_ncols=True)
     window = LogWindow()
     lr = get_lr(state.step, config.learn_rate, config.warmup_steps, total_steps, config.min_lr_ratio)
-    while state.step < total_steps and state.epoch < config.epochs:
-        train_loader.set_epoch(state.epoch)
-        batches = iter(train_loader)
-        while state.step < total_steps:
-            micro_batches = take(batches, config.gradient_accumulation_steps)
-            target_tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
-            input_tokens = sum(int((b["input_ids"] != tokenizer.pad_id).sum()) for b in micro_batches)
-            # One small collective per step: the step's token count, and whether any rank ran out of data
-            # (rows with empty values make shares uneven), so that every rank ends the epoch together.
-            global_tokens, global_inputs, ranks_out = all_reduce_sum(
-                accelerator, [target_tokens, input_tokens, float(len(micro_batches) < config.gradient_accumulation_steps)])
-            if ranks_out:
-                break
-            lr = get_lr(state.step, config.learn_rate, config.warmup_steps, total_steps, config.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum, grad_norm = train_step(model, optimizer, accelerator, micro_batches, global_tokens,
-                                             config.grad_clip)
-            for batch in micro_batches:
-                trace.record_batch(batch["input_ids"], tokenizer.pad_id)
-            state.step += 1
-            state.tokens_seen += int(global_inputs)
-            window.loss_sum += loss_sum
-            window.target_tokens += target_tokens
-            window.input_tokens += input_tokens
-            window.grad_norm_sum += grad_norm
-            window.steps += 1
-            progress.update(1)
-            if state.step % config.logging_steps == 0 or state.step == total_steps:
-                _log_line(state, total_steps, window, lr, accelerator)
-                window = LogWindow()
-        else:
-            break  # the step budget ended inside this epoch
-        state.epoch += 1
-        val_loss = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
-        val_losses.append((state.step, val_loss))
-        logger.info("Epoch %d done at step %d: validation loss %.4f", state.epoch, state.step, val_loss)
-    progress.close()
-    trace.finish(raw_model, state.step)
+    try:
+        while state.step < total_steps and state.epoch < config.epochs:
+            train_loader.set_epoch(state.epoch)
+            batches = iter(train_loader)
+            while state.step < total_steps:
+                position = train_loader.state_dict()  # before this step's batches: what a stop-time save needs
+                micro_batches = take(batches, config.gradient_accumulation_steps)
+                target_tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
+                input_tokens = sum(int((b["input_ids"] != tokenizer.pad_id).sum()) for b in micro_batches)
+                # One small collective per step carries the step's token counts, whether any rank ran out of
+                # data (rows with empty values make shares uneven) and whether any rank was asked to stop,
+                # so that every rank ends the epoch, or stops, at the same step.
+                global_tokens, global_inputs, ranks_out, stop = all_reduce_sum(accelerator, [
+                    target_tokens, input_tokens, float(len(micro_batches) < config.gradient_accumulation_steps),
+                    float(stopper.requested(state.step))])
+                if stop:
+                    stopped_by = stopper.requested_by or "another process"
+                    save(None, position)
+                    last_saved = state.step
+                    break
+                if ranks_out:
+                    break
+                lr = get_lr(state.step, config.learn_rate, config.warmup_steps, total_steps, config.min_lr_ratio)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum, grad_norm = train_step(model, optimizer, accelerator, micro_batches, global_tokens,
+                                                 config.grad_clip)
+                for batch in micro_batches:
+                    trace.record_batch(batch["input_ids"], tokenizer.pad_id)
+                state.step += 1
+                state.tokens_seen += int(global_inputs)
+                window.loss_sum += loss_sum
+                window.target_tokens += target_tokens
+                window.input_tokens += input_tokens
+                window.grad_norm_sum += grad_norm
+                window.steps += 1
+                progress.update(1)
+                if state.step % config.logging_steps == 0 or state.step == total_steps:
+                    _log_line(state, total_steps, window, lr, accelerator)
+                    window = LogWindow()
+                if state.step % config.save_steps == 0:
+                    val_loss_end = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
+                    save(val_loss_end, train_loader.state_dict())
+                    last_saved = state.step
+            if stopped_by or (state.step >= total_steps and not ranks_out):
+                break  # stopped, or the step budget ended inside this epoch
+            state.epoch += 1
+            val_loss_end = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
+            logger.info("Epoch %d done at step %d: validation loss %.4f", state.epoch, state.step, val_loss_end)
+            save(val_loss_end, train_loader.state_dict())
+            last_saved = state.step
+        if not stopped_by and last_saved != state.step:
+            val_loss_end = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
+            save(val_loss_end, train_loader.state_dict())
+    finally:
+        stopper.uninstall()
+        progress.close()
 
-    if val_losses[-1][0] != state.step:
-        val_losses.append((state.step, evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)))
-    val_loss_end = val_losses[-1][1]
     summary = {
-        "val_loss_start": val_loss_start, "val_loss_end": val_loss_end, "steps": state.step,
+        "val_loss_start": state.val_loss_start, "val_loss_end": val_loss_end, "steps": state.step,
         "tokens_seen": state.tokens_seen, "seconds": time.perf_counter() - started,
-        "processes": accelerator.num_processes, "log_file": str(log_path),
+        "processes": accelerator.num_processes, "log_file": str(log_path), "stopped_by": stopped_by,
     }
-    logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.", val_loss_start,
-                val_loss_end, state.step, val_loss_start - val_loss_end, summary["seconds"])
-    if accelerator.is_main_process:
+    if stopped_by:
+        logger.info("Stopped by %s at step %d; the checkpoint is saved. Continue with --is_keep_training=True.",
+                    stopped_by, state.step)
+        accelerator.wait_for_everyone()
+        return summary
+    trace.finish(raw_model, state.step)
+    logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.", state.val_loss_start,
+                val_loss_end, state.step, state.val_loss_start - val_loss_end, summary["seconds"])
+    if is_main:
         out_dir = export_model(raw_model, config, Path(config.output_dir) / "final")
         logger.info("Model saved to %s", out_dir)
         first = next(iter(ParquetStream(config.validation_file, columns=columns, shuffle=False)))

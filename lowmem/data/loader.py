@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any, Callable, Iterator
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lowmem.data.stream import ParquetStream, Position
 from lowmem.errors import DataError
 
 Collate = Callable[[list[dict[str, str]]], Any]
+
+
+def _ignore_interrupts(worker_id: int) -> None:
+    """Workers leave Ctrl+C to the training process, which stops them after saving a checkpoint."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _as_list(rows: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -106,6 +113,11 @@ class StreamLoader:
             pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor,
             persistent_workers=False,  # workers must see set_epoch and loaded positions on every epoch
+            # Each new iterator draws a seed for its workers; from the global RNG that draw would shift the
+            # model's random numbers (dropout) whenever iterators are created, e.g. once more after a resume.
+            # The stream's order comes from its own seed, so a private generator changes nothing else.
+            generator=torch.Generator().manual_seed(self.stream.seed),
+            worker_init_fn=_ignore_interrupts,
         )
         batches = iter(loader)
         if self.num_workers > 0:
