@@ -1,0 +1,434 @@
+"""Reading memory logs back: per-rank summaries, a leak verdict, a table, JSON and a plot.
+
+The logs are the JSON-lines files of `lowmem.memory.log.MemoryLogger`, one per rank per run. A run killed
+mid-write leaves a cut-off last line, and a rank that died early leaves no file or a short one: both are
+read as far as they go, with notes saying what was missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from lowmem.errors import DataError, LowmemError
+
+MB = 1024**2
+LOG_NAME = re.compile(r"^memory_(?P<run>.+)_rank(?P<rank>\d+)\.jsonl$")
+RUN_ID_FORMAT = "%Y%m%d-%H%M%S"
+# A trend is GROWING when its slope is above both of these (MB per 1,000 steps): the floor, below which
+# a leak is too slow to matter (2 MB per 1,000 steps is 0.3 GB over the ~150,000 steps of three epochs
+# of a large run, under a tenth of a rank's 4 GB share on the reference host), and three standard errors
+# of the fitted slope, so that allocator noise in a short log is not called a leak. And the growth must
+# go on: the later half of the fitted records must still grow faster than the floor, or it was a one-off
+# rise (a cache filling, the first evaluation) that a straight line through a short log mistakes for a trend.
+FLAT_FLOOR_MB_PER_1K = 2.0
+SIGNIFICANCE = 3.0
+MIN_FIT_RECORDS = 3
+MAX_LINES_NAMED = 5
+
+
+# ----- finding and reading logs ---------------------------------------------------------------------------
+def parse_log_name(path: Path) -> tuple[str, int] | None:
+    """(run id, rank) from a file name like memory_20261122-181500_rank0.jsonl, or None."""
+    match = LOG_NAME.match(Path(path).name)
+    return (match["run"], int(match["rank"])) if match else None
+
+
+def _runs_in(directory: Path) -> dict[str, list[Path]]:
+    """The memory logs in `directory`, grouped by run id."""
+    runs: dict[str, list[Path]] = {}
+    for file in directory.glob("memory_*_rank*.jsonl"):
+        parsed = parse_log_name(file)
+        if parsed:
+            runs.setdefault(parsed[0], []).append(file)
+    return runs
+
+
+def _run_started(run_id: str, files: list[Path]) -> float:
+    """When a run started: from its id when it is a timestamp, else from its files' oldest modification time."""
+    try:
+        return time.mktime(time.strptime(run_id, RUN_ID_FORMAT))
+    except ValueError:
+        return min(file.stat().st_mtime for file in files)
+
+
+def _by_rank(files: list[Path]) -> list[Path]:
+    return sorted(files, key=lambda file: parse_log_name(file)[1])  # type: ignore[index]
+
+
+def find_run(path: str | Path | None = None, log_dir: str | Path = "logs") -> list[Path]:
+    """The memory-log files to read, ordered by rank.
+
+    Args:
+        path: None for the newest run in `log_dir`; a directory for the newest run in it; a run id
+            (e.g. 20261122-181500) for that run in `log_dir`; or one rank's file for that file alone.
+        log_dir: where the trainer writes its logs.
+    """
+    if path is not None and Path(path).is_file():
+        return [Path(path)]
+    directory = Path(path) if path is not None and Path(path).is_dir() else Path(log_dir)
+    runs = _runs_in(directory) if directory.is_dir() else {}
+    if path is not None and not Path(path).is_dir():
+        if str(path) in runs:
+            return _by_rank(runs[str(path)])
+        known = ", ".join(sorted(runs)[-5:]) or "none"
+        raise DataError(f"No memory log {path}: it is neither a file, a directory nor a run id in {directory}/ "
+                        f"(runs there: {known}).")
+    if not runs:
+        raise DataError(f"No memory logs in {directory}/: training writes memory_<run>_rank<rank>.jsonl there "
+                        "every memory_log_steps steps.")
+    newest = max(runs, key=lambda run: (_run_started(run, runs[run]), run))
+    return _by_rank(runs[newest])
+
+
+def _parse_line(raw: bytes) -> dict[str, Any] | None:
+    """A record from one line, or None if the line is not a JSON object with an integer step and RSS."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    if not isinstance(record.get("step"), int) or not isinstance(record.get("rss"), int):
+        return None
+    return record
+
+
+def _line_list(numbers: list[int]) -> str:
+    named = ", ".join(str(number) for number in numbers[:MAX_LINES_NAMED])
+    return named + (f" and {len(numbers) - MAX_LINES_NAMED} more" if len(numbers) > MAX_LINES_NAMED else "")
+
+
+def read_log(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The records of one rank's log, and notes on anything that could not be read.
+
+    A cut-off last line (the run was killed while writing it) ends the reading there; a damaged line
+    elsewhere is skipped. Either way the notes say at which line.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], [f"{path.name}: no such file"]
+    if not data.strip():
+        return [], [f"{path.name}: empty (no record was written)"]
+    lines = data.split(b"\n")
+    cut_off = not data.endswith(b"\n")  # the last element is then a partly written line
+    if not cut_off:
+        lines.pop()
+    records: list[dict[str, Any]] = []
+    damaged: list[int] = []
+    notes: list[str] = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        record = _parse_line(raw)
+        if record is not None:
+            records.append(record)
+        elif cut_off and number == len(lines):
+            notes.append(f"{path.name}: line {number} is cut off (the run was stopped while writing it); "
+                         f"read the {len(records)} records before it")
+        else:
+            damaged.append(number)
+    if damaged:
+        notes.insert(0, f"{path.name}: line(s) {_line_list(damaged)} damaged (not a memory record), skipped")
+    return records, notes
+
+
+def read_run(files: Sequence[Path], expect_all_ranks: bool = True) -> tuple[dict[int, list[dict[str, Any]]], list[str]]:
+    """Records per rank from a run's files, and notes: damage, ranks without a log, ranks that stopped early.
+
+    Args:
+        files: the run's files (from `find_run`).
+        expect_all_ranks: note every rank below the logged world size that has no file (off when one
+            rank's file was asked for on purpose).
+    """
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    notes: list[str] = []
+    for file in files:
+        records, file_notes = read_log(file)
+        notes.extend(file_notes)
+        parsed = parse_log_name(file)
+        rank = parsed[1] if parsed else int(records[0].get("rank", 0)) if records else 0
+        by_rank.setdefault(rank, []).extend(records)
+    world_sizes = {record.get("world_size") for records in by_rank.values() for record in records}
+    world_sizes.discard(None)
+    if len(world_sizes) > 1:
+        notes.append(f"the files disagree on the number of ranks: {sorted(world_sizes)}")
+    if expect_all_ranks and world_sizes:
+        for rank in range(max(world_sizes)):
+            if rank not in by_rank:
+                notes.append(f"rank {rank}: no log (the run had {max(world_sizes)} ranks; this one wrote no file)")
+    # A rank without an end record while others have one stopped early (when none has one, the run
+    # is still going or was stopped as a whole: nothing to single out).
+    ended = {rank for rank, records in by_rank.items() if records and records[-1].get("event") == "end"}
+    if ended:
+        for rank in sorted(rank for rank, records in by_rank.items() if records and rank not in ended):
+            notes.append(f"rank {rank}: no end record while other ranks have one (it stopped early, at step "
+                         f"{by_rank[rank][-1]['step']} or soon after)")
+    return by_rank, notes
+
+
+# ----- summaries ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankSummary:
+    """One rank's memory over a run. Bytes unless the name says MB; None where the log has no such figure."""
+
+    run: str | None
+    rank: int | None
+    world_size: int | None
+    records: int
+    first_step: int
+    last_step: int
+    start_rss: int
+    peak_rss: int
+    peak_rss_step: int
+    end_rss: int
+    fit_from_step: int | None  # first step of the trend fit (after warm-up)
+    fit_records: int
+    slope_mb_per_1k_steps: float | None  # least-squares RSS growth after warm-up
+    slope_stderr_mb_per_1k_steps: float | None
+    recent_slope_mb_per_1k_steps: float | None  # the same over the later half of the fitted records
+    peak_gpu: int | None  # the highest CUDA peak allocated (reserved where no peak was logged)
+    min_sys_available: int | None
+    freed_total: int
+    budget: int | None  # this rank's share of the budget
+    watchdog_events: int
+    verdict: str  # FLAT, GROWING or UNKNOWN
+    projected_step: int | None  # GROWING: the step at which RSS reaches the budget share at this rate
+    explanation: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def fit_slope(steps: Sequence[float], values: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares line through (step, value): (slope per step, its standard error, intercept)."""
+    x = np.asarray(steps, dtype=np.float64)
+    y = np.asarray(values, dtype=np.float64)
+    x_centered = x - x.mean()
+    sxx = float(np.dot(x_centered, x_centered))
+    slope = float(np.dot(x_centered, y - y.mean()) / sxx)
+    intercept = float(y.mean() - slope * x.mean())
+    residuals = y - (intercept + slope * x)
+    # With two points the line is exact and has no error estimate; the callers need three.
+    stderr = math.sqrt(float(np.dot(residuals, residuals)) / (len(x) - 2) / sxx) if len(x) > 2 else math.inf
+    return slope, stderr, intercept
+
+
+def _values(records: list[dict[str, Any]], field: str) -> list[int]:
+    return [record[field] for record in records if isinstance(record.get(field), (int, float))]
+
+
+def _peak_gpu(records: list[dict[str, Any]]) -> int | None:
+    peaks = _values(records, "cuda_peak") or _values(records, "cuda_reserved")
+    return max(peaks) if peaks else None
+
+
+def _slope_mb_per_1k(fit: list[tuple[int, int]]) -> tuple[float, float] | None:
+    """(slope, standard error) in MB per 1,000 steps of (step, rss) pairs; None with too few to fit."""
+    if len(fit) < MIN_FIT_RECORDS or len({step for step, _ in fit}) < 2:
+        return None
+    per_step, per_step_error, _ = fit_slope([step for step, _ in fit], [rss / MB for _, rss in fit])
+    return per_step * 1000, per_step_error * 1000
+
+
+def _verdict(slope: float | None, stderr: float | None, recent: float | None, fit_records: int, end_step: int,
+             end_rss: int, budget: int | None) -> tuple[str, int | None, str]:
+    """(verdict, projected step, explanation) from the fitted slopes in MB per 1,000 steps."""
+    if slope is None or stderr is None:
+        return "UNKNOWN", None, (f"too few records after the warm-up to fit a trend ({fit_records}; "
+                                 f"{MIN_FIT_RECORDS} needed)")
+    threshold = max(FLAT_FLOOR_MB_PER_1K, SIGNIFICANCE * stderr)
+    trend = f"{slope:+,.1f} ± {stderr:,.1f} MB per 1,000 steps"
+    if slope < threshold:
+        return "FLAT", None, f"{trend}, below the {threshold:,.1f} MB threshold"
+    if recent is not None and recent < FLAT_FLOOR_MB_PER_1K:
+        return "FLAT", None, (f"{trend}, but {recent:+,.1f} over the later half: a one-off rise that stopped, "
+                              "not a leak")
+    if budget is None:
+        return "GROWING", None, f"{trend}; no budget logged, so no projection"
+    if end_rss >= budget:
+        return "GROWING", end_step, f"{trend}; RSS is already over the {budget / MB:,.0f} MB budget share"
+    projected = end_step + math.ceil((budget - end_rss) / MB / slope * 1000)
+    return "GROWING", projected, (f"{trend}; at this rate RSS reaches the {budget / MB:,.0f} MB budget share "
+                                  f"at step ~{projected:,}")
+
+
+def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, warmup_fraction: float = 0.1,
+              warmup_steps: int | None = None) -> RankSummary:
+    """Start, peak and end RSS of one rank, its growth after warm-up, and the FLAT/GROWING verdict.
+
+    Args:
+        records: one rank's records in the order written (at least one).
+        budget_bytes: the rank's share of the budget; default: the `budget` field of the records.
+        warmup_fraction: the share of the logged steps left out of the fit (allocators and caches fill
+            up first, which is growth but not a leak).
+        warmup_steps: leave out this many steps from the first record instead.
+    """
+    if not records:
+        raise ValueError("summarize needs at least one record")
+    steps = [record["step"] for record in records]
+    rss = [record["rss"] for record in records]
+    first_step, last_step = min(steps), max(steps)
+    warmup = warmup_steps if warmup_steps is not None else warmup_fraction * (last_step - first_step)
+    fit = [(step, value) for step, value in zip(steps, rss) if step >= first_step + warmup]
+    slope, stderr = _slope_mb_per_1k(fit) or (None, None)
+    recent = _slope_mb_per_1k(fit[len(fit) // 2:])
+    recent_slope = recent[0] if recent else None
+    budgets = _values(records, "budget")
+    budget = budget_bytes if budget_bytes is not None else (budgets[-1] if budgets else None)
+    verdict, projected, explanation = _verdict(slope, stderr, recent_slope, len(fit), steps[-1], rss[-1], budget)
+    peak_index = max(range(len(rss)), key=rss.__getitem__)
+    available = _values(records, "sys_available")
+    return RankSummary(
+        run=records[0].get("run"), rank=records[0].get("rank"), world_size=records[0].get("world_size"),
+        records=len(records), first_step=first_step, last_step=last_step, start_rss=rss[0], peak_rss=rss[peak_index],
+        peak_rss_step=steps[peak_index], end_rss=rss[-1], fit_from_step=fit[0][0] if fit else None,
+        fit_records=len(fit), slope_mb_per_1k_steps=slope, slope_stderr_mb_per_1k_steps=stderr,
+        recent_slope_mb_per_1k_steps=recent_slope,
+        peak_gpu=_peak_gpu(records), min_sys_available=min(available) if available else None,
+        freed_total=sum(_values(records, "freed")), budget=budget,
+        watchdog_events=sum(record.get("event") == "watchdog" for record in records),
+        verdict=verdict, projected_step=projected, explanation=explanation,
+    )
+
+
+# ----- output ---------------------------------------------------------------------------------------------
+TABLE_COLUMNS = ("rank", "records", "steps", "start RSS", "peak RSS", "end RSS", "growth MB/1k steps",
+                 "peak GPU", "min sys available", "cleanup freed")
+
+
+def _mb(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / MB:,.0f} MB"
+
+
+def _row(summary: RankSummary) -> list[str]:
+    slope = "n/a" if summary.slope_mb_per_1k_steps is None else f"{summary.slope_mb_per_1k_steps:+,.1f}"
+    return [str(summary.rank), str(summary.records), f"{summary.first_step:,}-{summary.last_step:,}",
+            _mb(summary.start_rss), _mb(summary.peak_rss), _mb(summary.end_rss), slope, _mb(summary.peak_gpu),
+            _mb(summary.min_sys_available), _mb(summary.freed_total)]
+
+
+def _format_table(headers: Sequence[str], rows: list[list[str]]) -> str:
+    """Columns right-aligned to their widest cell."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+    lines = [list(headers), *rows]
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines)
+
+
+def render_table(summaries: Sequence[RankSummary], notes: Sequence[str]) -> str:
+    """The per-rank table, a verdict line per rank, and the notes."""
+    run = next((summary.run for summary in summaries if summary.run), "?")
+    lines = [f"Memory log of run {run}: {len(summaries)} rank(s)"]
+    if summaries:
+        lines += ["", _format_table(TABLE_COLUMNS, [_row(summary) for summary in summaries]), ""]
+        for summary in summaries:
+            watchdog = f"; the watchdog fired {summary.watchdog_events} time(s)" if summary.watchdog_events else ""
+            since = f" after step {summary.fit_from_step:,}" if summary.fit_from_step is not None else ""
+            lines.append(f"rank {summary.rank}: {summary.verdict}{since}: {summary.explanation}{watchdog}")
+    if notes:
+        lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
+    return "\n".join(lines)
+
+
+def to_json(summaries: Sequence[RankSummary], notes: Sequence[str], plot_path: str | Path | None = None) -> str:
+    """The summaries, notes and thresholds as a JSON document."""
+    document = {
+        "run": next((summary.run for summary in summaries if summary.run), None),
+        "ranks": [summary.as_dict() for summary in summaries],
+        "notes": list(notes),
+        "thresholds": {"flat_floor_mb_per_1k_steps": FLAT_FLOOR_MB_PER_1K, "significance_stderrs": SIGNIFICANCE},
+        "plot": None if plot_path is None else str(plot_path),
+    }
+    return json.dumps(document, indent=2)
+
+
+def plot_memory(records_by_rank: Mapping[int, list[dict[str, Any]]], summaries: Sequence[RankSummary],
+                out_png: str | Path) -> Path:
+    """Draw RSS per rank against the step with each budget share, GPU memory below when logged; save a PNG."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+    except ImportError as error:
+        raise LowmemError("Plotting needs matplotlib: pip install matplotlib (or pip install 'lowmem[plot]').") \
+            from error
+    has_gpu = any(record.get("cuda_allocated") is not None
+                  for records in records_by_rank.values() for record in records)
+    figure = Figure(figsize=(10, 7 if has_gpu else 4.5), layout="constrained")
+    axes = figure.subplots(2 if has_gpu else 1, 1, sharex=True, squeeze=False)[:, 0]
+    fits = {summary.rank: summary for summary in summaries}
+    for index, (rank, records) in enumerate(sorted(records_by_rank.items())):
+        if not records:
+            continue
+        color = f"C{index % 10}"
+        steps = [record["step"] for record in records]
+        axes[0].plot(steps, [record["rss"] / MB for record in records], color=color, label=f"rank {rank} RSS")
+        summary = fits.get(rank)
+        if summary and summary.verdict == "GROWING" and summary.fit_from_step is not None:
+            _draw_trend(axes[0], records, summary, color)
+        if has_gpu:
+            gpu = [(record["step"], record.get("cuda_allocated"), record.get("cuda_reserved")) for record in records
+                   if record.get("cuda_allocated") is not None]
+            if not gpu:
+                continue
+            axes[1].plot([g[0] for g in gpu], [g[1] / MB for g in gpu], color=color, label=f"rank {rank} allocated")
+            axes[1].plot([g[0] for g in gpu], [(g[2] or 0) / MB for g in gpu], color=color, linestyle=":",
+                         label=f"rank {rank} reserved")
+    # One line per distinct share: ranks on one host share the budget equally.
+    budgets = sorted({summary.budget for summary in summaries if summary.budget})
+    for budget in budgets:
+        ranks = ",".join(str(s.rank) for s in summaries if s.budget == budget)
+        label = "budget share" if len(budgets) == 1 else f"budget share, rank(s) {ranks}"
+        axes[0].axhline(budget / MB, color="red", linestyle="--", linewidth=1, label=label)
+    axes[0].set_ylim(bottom=0)
+    run = next((summary.run for summary in summaries if summary.run), "?")
+    axes[0].set_title(f"Host memory per rank, run {run}")
+    axes[0].set_ylabel("RSS (MB)")
+    axes[0].legend(fontsize="small")
+    if has_gpu:
+        axes[1].set_title("GPU memory per rank")
+        axes[1].set_ylabel("CUDA memory (MB)")
+        axes[1].set_ylim(bottom=0)
+        axes[1].legend(fontsize="small")
+    axes[-1].set_xlabel("step")
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    return out
+
+
+def _draw_trend(axis: Any, records: list[dict[str, Any]], summary: RankSummary, color: str) -> None:
+    """The fitted growth line over the steps it was fitted on."""
+    fit = [(record["step"], record["rss"] / MB) for record in records if record["step"] >= summary.fit_from_step]
+    slope, _, intercept = fit_slope([s for s, _ in fit], [v for _, v in fit])
+    ends = [fit[0][0], fit[-1][0]]
+    axis.plot(ends, [intercept + slope * step for step in ends], color=color, linestyle="-.", linewidth=1,
+              label=f"rank {summary.rank} trend")
+
+
+def memlog_command(path: str | None = None, plot: str | None = None, json_output: bool = False,
+                   log_dir: str = "logs") -> str:
+    """Summarise a run's memory logs: a table per rank and a FLAT/GROWING verdict (or JSON), and a plot.
+
+    Args:
+        path: a run id, one rank's log file or a directory; default: the newest run in `log_dir`.
+        plot: write a PNG of RSS (and GPU memory) per rank against the step to this file.
+        json_output: return the summaries as JSON instead of the table.
+        log_dir: where training writes its logs.
+    """
+    files = find_run(path, log_dir)
+    single_file = path is not None and Path(path).is_file()
+    records_by_rank, notes = read_run(files, expect_all_ranks=not single_file)
+    summaries = [summarize(records) for _, records in sorted(records_by_rank.items()) if records]
+    plot_path = plot_memory(records_by_rank, summaries, plot) if plot else None
+    if json_output:
+        return to_json(summaries, notes, plot_path)
+    text = render_table(summaries, notes)
+    return text + (f"\n\nPlot written to {plot_path}" if plot_path else "")

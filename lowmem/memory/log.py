@@ -1,0 +1,105 @@
+"""The per-rank memory log: one JSON object per line in logs/memory_<run>_rank<rank>.jsonl."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from lowmem.memory.probe import MemorySnapshot
+
+MB = 1024**2
+EVENTS = ("start", "record", "watchdog", "end")
+# Every record has every field, null where a figure does not apply (CUDA on the CPU, USS where denied).
+RECORD_FIELDS = (
+    "time", "run", "rank", "world_size", "epoch", "step", "event",
+    "rss", "uss", "workers", "workers_rss", "workers_uss", "sys_available", "budget",
+    "cuda_allocated", "cuda_reserved", "cuda_peak", "arrow_bytes", "freed",
+)
+
+
+def new_run_id(now: float | None = None) -> str:
+    """A run id from the local time, e.g. 20261122-181500; ids of later runs sort after earlier ones."""
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+
+
+def memory_log_path(log_dir: str | Path, run_id: str, rank: int) -> Path:
+    """Where rank `rank` of run `run_id` writes its memory records."""
+    return Path(log_dir) / f"memory_{run_id}_rank{rank}.jsonl"
+
+
+def make_record(snapshot: MemorySnapshot, *, run: str, rank: int, world_size: int, epoch: int, step: int,
+                event: str, budget: int, freed: int = 0, now: float | None = None) -> dict[str, Any]:
+    """One memory record (a dict with RECORD_FIELDS, in that order) from a snapshot and where training stands."""
+    if event not in EVENTS:
+        raise ValueError(f"event must be one of {EVENTS}, not {event!r}")
+    figures = snapshot.as_dict()
+    context = {"time": time.time() if now is None else now, "run": run, "rank": rank, "world_size": world_size,
+               "epoch": epoch, "step": step, "event": event, "budget": budget, "freed": freed}
+    return {field: context[field] if field in context else figures[field] for field in RECORD_FIELDS}
+
+
+def _mb(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / MB:,.0f} MB"
+
+
+def format_line(record: dict[str, Any]) -> str:
+    """The record as one readable line for the training log, figures in MB (MiB)."""
+    parts = [f"memory {record.get('event', 'record')} rank {record.get('rank')} epoch {record.get('epoch')} "
+             f"step {record.get('step')}"]
+    rss, uss = record.get("rss"), record.get("uss")
+    parts.append(f"rss {_mb(rss)}" + ("" if uss is None else f" (uss {_mb(uss)})"))
+    if record.get("workers"):
+        workers_uss = record.get("workers_uss")
+        parts.append(f"{record['workers']} workers rss {_mb(record.get('workers_rss'))}"
+                     + ("" if workers_uss is None else f" (uss {_mb(workers_uss)})"))
+    budget = record.get("budget")
+    if budget and rss is not None:
+        parts.append(f"budget share {_mb(budget)} ({100 * rss / budget:.0f}% used)")
+    parts.append(f"system available {_mb(record.get('sys_available'))}")
+    parts.append(f"arrow {_mb(record.get('arrow_bytes'))}")
+    if record.get("cuda_allocated") is not None:
+        parts.append(f"cuda allocated {_mb(record['cuda_allocated'])} reserved {_mb(record.get('cuda_reserved'))} "
+                     f"peak {_mb(record.get('cuda_peak'))}")
+    parts.append(f"cleanup freed {_mb(record.get('freed') or 0)}")
+    return " | ".join(parts)
+
+
+class MemoryLogger:
+    """Appends this rank's memory records to its JSON-lines file, one flushed line per record.
+
+    Each record is written with one `write` and flushed at once: a process killed (by the OOM killer, say)
+    loses at most the line being written, which the reader recognises and skips. No fsync: the kernel
+    keeps what was written when a process dies, and only a host crash would lose more.
+    """
+
+    def __init__(self, log_dir: str | Path, run_id: str, rank: int, world_size: int, budget_bytes: int) -> None:
+        """Open `<log_dir>/memory_<run_id>_rank<rank>.jsonl`; `budget_bytes` is this rank's share of the budget."""
+        self.run_id, self.rank, self.world_size, self.budget_bytes = run_id, rank, world_size, budget_bytes
+        self.path = memory_log_path(log_dir, run_id, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+
+    def log(self, snapshot: MemorySnapshot, epoch: int, step: int, event: str = "record",
+            freed: int = 0) -> dict[str, Any]:
+        """Write one record from `snapshot` and return it (for `format_line`)."""
+        record = make_record(snapshot, run=self.run_id, rank=self.rank, world_size=self.world_size, epoch=epoch,
+                             step=step, event=event, budget=self.budget_bytes, freed=freed)
+        if self._file is None:
+            raise ValueError(f"The memory log {self.path} is closed.")
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+        return record
+
+    def close(self) -> None:
+        """Close the file (records after this raise)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "MemoryLogger":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,63 @@
+"""The memory schedule of the training loop: cleanups, memory records and the watchdog, by step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from lowmem.memory.cleanup import cleanup_memory
+from lowmem.memory.log import MemoryLogger, format_line
+from lowmem.memory.probe import MemorySnapshot, take_snapshot
+from lowmem.memory.watchdog import MemoryWatchdog
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryMonitor:
+    """Call `start`, then `after_step` after every optimizer step, then `end`.
+
+    Every `cleanup_steps` steps: a cleanup and a watchdog check on a cheap snapshot (no USS). Every
+    `memory_log_steps` steps: a cleanup, a full snapshot (USS, workers), a record in the memory log and its
+    line in the training log, and a watchdog check. A step that is both does the second only. 0 turns either off.
+    """
+
+    def __init__(self, memory_logger: MemoryLogger, watchdog: MemoryWatchdog | None, on_gpu: bool,
+                 cleanup_steps: int = 50, memory_log_steps: int = 200,
+                 cleanup: Callable[[bool], int] = cleanup_memory) -> None:
+        self.memory_logger, self.watchdog, self.on_gpu = memory_logger, watchdog, on_gpu
+        self.cleanup_steps, self.memory_log_steps, self.cleanup = cleanup_steps, memory_log_steps, cleanup
+
+    def start(self, epoch: int, step: int) -> dict[str, Any]:
+        """Log the memory before training (after the model and data are set up)."""
+        return self._record(epoch, step, "start", freed=0)
+
+    def after_step(self, epoch: int, step: int) -> dict[str, Any] | None:
+        """Run what is due at `step`; returns the record when one was written."""
+        if self.memory_log_steps and step % self.memory_log_steps == 0:
+            return self._record(epoch, step, "record", freed=self.cleanup(self.on_gpu))
+        if self.cleanup_steps and step % self.cleanup_steps == 0:
+            freed = self.cleanup(self.on_gpu)
+            self._watch(take_snapshot(include_uss=False), epoch, step, freed)
+        return None
+
+    def end(self, epoch: int, step: int) -> dict[str, Any]:
+        """Log the memory after training and close the memory log."""
+        record = self._record(epoch, step, "end", freed=self.cleanup(self.on_gpu))
+        self.memory_logger.close()
+        return record
+
+    def _record(self, epoch: int, step: int, event: str, freed: int) -> dict[str, Any]:
+        snapshot = take_snapshot()
+        record = self.memory_logger.log(snapshot, epoch, step, event=event, freed=freed)
+        logger.info(format_line(record))
+        self._watch(snapshot, epoch, step, freed)
+        return record
+
+    def _watch(self, snapshot: MemorySnapshot, epoch: int, step: int, freed: int) -> None:
+        """Run the watchdog on a snapshot taken just after a cleanup, and log a record when it fires."""
+        if self.watchdog is None:
+            return
+        # The cleanup has just run: the watchdog re-measures instead of cleaning up a second time.
+        result = self.watchdog.check(snapshot, self.on_gpu, cleanup=lambda _on_gpu: freed, step=step)
+        if result is not None:
+            self.memory_logger.log(result.after, epoch, step, event="watchdog", freed=result.freed)
