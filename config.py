@@ -25,6 +25,10 @@ class TrainConfig:
     dataloader_num_workers: int = -1  # DataLoader workers per process; -1 decides from the memory budget
     ultra_low_mem: Optional[bool] = None  # reopen files per row group; None decides from the memory budget
     ultra_low_mem_threshold_gb: float = 15.0  # below this host memory, ultra-low-mem mode and no workers
+    memory_budget_gb: float = 0.0  # host memory the run may use; 0 = min(physical RAM, cgroup limit)
+    cleanup_steps: int = 50  # optimizer steps between memory cleanups (gc, Arrow pool, malloc_trim, CUDA cache)
+    memory_log_steps: int = 200  # optimizer steps between memory records in logs/memory_<run>_rank<r>.jsonl
+    memory_watchdog_fraction: float = 0.9  # warn when a process's RSS passes this share of its memory budget
 
     # --- tokenizer ---
     tokenizer_dir: str = "model_save/tokenizer"  # where the SentencePiece model is saved and loaded

@@ -3,6 +3,7 @@
 Commands:
     train       train a GPT on parquet rows (the demo data set by default)
     tokenizer   train the SentencePiece tokenizer on the training files
+    memlog      summarise a run's memory logs: growth per rank and a leak verdict
     repack      rewrite parquet files into small row groups
     bench_data  benchmark the data pipeline against a plain pyarrow read
 
@@ -100,6 +101,25 @@ def repack(inputs: str, output: str, row_group_rows: int = 10_000) -> None:
               f"{result.row_groups_before} → {result.row_groups_after} row groups")
 
 
+def memlog(path: str | None = None, plot: str | None = None, json: bool = False, log_dir: str = "logs") -> None:
+    """Summarise a run's memory logs: per rank start/peak/end RSS, growth per 1,000 steps, and a leak verdict.
+
+    For each rank: start, peak and end RSS, the growth in MB per 1,000 steps after warm-up (a least-squares
+    slope), peak GPU memory, the lowest system available memory and what the cleanups freed; then FLAT, or
+    GROWING with the step at which the budget would run out. Partly written logs are read up to the damage.
+
+    Args:
+        path: a run id, a memory log file, or a folder; by default the newest run in log_dir.
+        plot: also draw RSS (and GPU memory) per rank against the step, with the budget line, into this PNG
+            (needs matplotlib: pip install "lowmem[plot]").
+        json: print the same data as JSON instead of a table.
+        log_dir: where the memory logs are.
+    """
+    from lowmem.memlog import memlog_command
+
+    print(memlog_command(path, plot=plot, json_output=json, log_dir=log_dir))
+
+
 def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000) -> None:
     """Benchmark reading: a plain pyarrow read against ParquetStream (normal, ultra-low-mem, resume).
 
@@ -121,6 +141,7 @@ _document_options()
 COMMANDS = {
     "train": train,
     "tokenizer": tokenizer,
+    "memlog": memlog,
     "repack": repack,
     "bench_data": bench_data,
 }

@@ -54,3 +54,20 @@ class TrainingTrace:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"rank": self.rank, "steps": steps, "rows": self.rows,
                                          "weights": weights_checksum(model)}))
+
+
+LEAK_ENV = "LOWMEM_TEST_LEAK_MB_PER_STEP"
+
+
+class PlantedLeak:
+    """Keeps LOWMEM_TEST_LEAK_MB_PER_STEP megabytes per optimizer step, to test that leaks are seen. Off by default."""
+
+    def __init__(self) -> None:
+        self.megabytes = float(os.environ.get(LEAK_ENV, "0") or 0)
+        self.kept: list[bytearray] = []
+
+    def step(self) -> None:
+        if self.megabytes > 0:
+            block = bytearray(int(self.megabytes * 1024 * 1024))
+            block[::4096] = b"\x01" * len(block[::4096])  # touch every page so it counts in RSS
+            self.kept.append(block)

@@ -12,6 +12,13 @@ from tqdm import tqdm
 LOG_FORMAT = "%(asctime)s %(levelname)s [rank {rank}] %(message)s"
 
 
+class _AllRanksFilter(logging.Filter):
+    """On ranks other than the main one, let through warnings and records logged with extra={"all_ranks": True}."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or getattr(record, "all_ranks", False)
+
+
 class _TqdmHandler(logging.StreamHandler):
     """Writes log lines above the progress bar instead of through it."""
 
@@ -37,7 +44,9 @@ def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs") -
         if getattr(handler, "_lowmem", False) or isinstance(handler, logging.StreamHandler):
             root.removeHandler(handler)
     console = _TqdmHandler()
-    console.setLevel(logging.INFO if is_main else logging.WARNING)
+    console.setLevel(logging.INFO)
+    if not is_main:
+        console.addFilter(_AllRanksFilter())
     handlers: list[logging.Handler] = [console]
     if is_main:
         path.parent.mkdir(parents=True, exist_ok=True)

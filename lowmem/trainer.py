@@ -23,19 +23,23 @@ from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
 from lowmem.data.sources import resolve_parquet_files
 from lowmem.distributed import all_reduce_max, all_reduce_sum, create_accelerator
 from lowmem.errors import ConfigError, DataError
+from lowmem.memory.log import MemoryLogger, new_run_id
+from lowmem.memory.monitor import MemoryMonitor
 from lowmem.memory.settings import MemorySettings, decide_memory_settings
+from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
 from lowmem.schedule import get_lr
 from lowmem.settings import check_data_files, validate_config
 from lowmem.tokenizer import Tokenizer, train_tokenizer
 from lowmem.checkpoint import CheckpointManager
 from lowmem.signals import GracefulStop
-from lowmem.trace import TrainingTrace
+from lowmem.trace import PlantedLeak, TrainingTrace
 from lowmem.train_state import TrainState, check_resume, checkpoint_writer, load_checkpoint, read_trainer_state
 from lowmem.train_log import setup_training_log
 
 logger = logging.getLogger(__name__)
 MB = 1024**2
+LOG_DIR = "logs"
 
 
 @dataclass
@@ -77,11 +81,28 @@ def shared_memory_settings(config: Any, accelerator: Accelerator) -> MemorySetti
         decided[0] = decide_memory_settings(
             config.ultra_low_mem, config.dataloader_num_workers, config.ultra_low_mem_threshold_gb,
             local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)),
-            on_gpu=accelerator.device.type == "cuda",
+            on_gpu=accelerator.device.type == "cuda", budget_gb=config.memory_budget_gb,
         )
     if accelerator.num_processes > 1:
         broadcast_object_list(decided, from_process=0)
     return decided[0]
+
+
+def shared_run_id(accelerator: Accelerator) -> str:
+    """The run's id (a timestamp), chosen by rank 0 so that every rank's memory log carries the same one."""
+    run_id = [new_run_id() if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(run_id, from_process=0)
+    return run_id[0]
+
+
+def make_memory_monitor(config: Any, accelerator: Accelerator, settings: MemorySettings, run_id: str) -> MemoryMonitor:
+    """Cleanups, memory records and the watchdog for this rank, on the budget share rank 0 decided."""
+    share = settings.per_process_bytes
+    memory_logger = MemoryLogger(LOG_DIR, run_id, accelerator.process_index, accelerator.num_processes, share)
+    watchdog = MemoryWatchdog(share, fraction=config.memory_watchdog_fraction)
+    return MemoryMonitor(memory_logger, watchdog, on_gpu=accelerator.device.type == "cuda",
+                         cleanup_steps=config.cleanup_steps, memory_log_steps=config.memory_log_steps)
 
 
 def make_loader(files: str, config: Any, accelerator: Accelerator, collate: TokenizingCollate,
@@ -216,15 +237,18 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     validate_config(config)
     check_data_files(config)
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16)
-    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process)
+    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
     set_seed(config.seed)
     started = time.perf_counter()
     rank, is_main = accelerator.process_index, accelerator.is_main_process
 
     tokenizer = ensure_tokenizer(config, accelerator)
     settings = shared_memory_settings(config, accelerator)
-    logger.info("Processes: %d on %s, mixed precision: %s. %s.", accelerator.num_processes, accelerator.device,
-                accelerator.mixed_precision, settings.reason)
+    run_id = shared_run_id(accelerator)
+    logger.info("Processes: %d on %s, mixed precision: %s.", accelerator.num_processes, accelerator.device,
+                accelerator.mixed_precision)
+    # Every rank says what it runs with: the settings rank 0 decided, the same everywhere.
+    logger.info("Memory settings (decided by rank 0): %s.", settings.reason, extra={"all_ranks": True})
 
     model = GPT(model_config_for(config, tokenizer.vocab_size))
     optimizer = model.configure_optimizer(config.weight_decay, config.learn_rate, (config.adam_beta1, config.adam_beta2),
@@ -286,6 +310,9 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
         state.val_loss_start = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
         logger.info("Validation loss at step 0: %.4f", state.val_loss_start)
     val_loss_end = state.val_loss_start
+    memory = make_memory_monitor(config, accelerator, settings, run_id)
+    memory.start(state.epoch, state.step)
+    leak = PlantedLeak()
     stopper = GracefulStop().install()
     stopped_by = None
     last_saved = state.step if resume_dir is not None else -1
@@ -324,6 +351,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                                                  config.grad_clip)
                 for batch in micro_batches:
                     trace.record_batch(batch["input_ids"], tokenizer.pad_id)
+                leak.step()
                 state.step += 1
                 state.tokens_seen += int(global_inputs)
                 window.loss_sum += loss_sum
@@ -332,6 +360,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                 window.grad_norm_sum += grad_norm
                 window.steps += 1
                 progress.update(1)
+                memory.after_step(state.epoch, state.step)
                 if state.step % config.logging_steps == 0 or state.step == total_steps:
                     _log_line(state, total_steps, window, lr, accelerator)
                     window = LogWindow()
@@ -352,6 +381,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     finally:
         stopper.uninstall()
         progress.close()
+        memory.end(state.epoch, state.step)
 
     summary = {
         "val_loss_start": state.val_loss_start, "val_loss_end": val_loss_end, "steps": state.step,

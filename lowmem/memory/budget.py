@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +34,25 @@ def read_cgroup_limit_bytes(v2_path: Path = _CGROUP_V2_LIMIT, v1_path: Path = _C
     return None
 
 
+# Overrides the detected budget, in GiB: one value, or one per local rank ("8,32,32") to test that ranks
+# seeing different memory still run with rank 0's settings.
+BUDGET_OVERRIDE_ENV = "LOWMEM_MEMORY_BUDGET_GB"
+
+
+def _budget_override_bytes() -> int | None:
+    text = os.environ.get(BUDGET_OVERRIDE_ENV, "").strip()
+    if not text:
+        return None
+    values = [float(v) for v in text.split(",")]
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    return int(values[min(rank, len(values) - 1)] * GIB)
+
+
 def memory_budget_bytes() -> int:
-    """The host memory this machine may use: min(physical RAM, cgroup limit)."""
+    """The host memory this machine may use: min(physical RAM, cgroup limit), unless overridden."""
+    override = _budget_override_bytes()
+    if override is not None:
+        return override
     physical = psutil.virtual_memory().total
     limit = read_cgroup_limit_bytes()
     return physical if limit is None else min(physical, limit)
@@ -48,9 +66,10 @@ class MemoryBudget:
     local_processes: int = 1
 
     @classmethod
-    def detect(cls, local_processes: int = 1) -> "MemoryBudget":
-        """Measure the budget of this host, shared among `local_processes` training processes."""
-        return cls(total_bytes=memory_budget_bytes(), local_processes=max(1, local_processes))
+    def detect(cls, local_processes: int = 1, budget_gb: float = 0.0) -> "MemoryBudget":
+        """Measure the budget of this host (or take `budget_gb` when above 0), shared among `local_processes`."""
+        total = int(budget_gb * GIB) if budget_gb > 0 else memory_budget_bytes()
+        return cls(total_bytes=total, local_processes=max(1, local_processes))
 
     @property
     def per_process_bytes(self) -> int:

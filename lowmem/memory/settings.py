@@ -25,9 +25,13 @@ class MemorySettings:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def per_process_bytes(self) -> int:
+        return self.budget_bytes // self.local_processes
+
 
 def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int, threshold_gb: float,
-                           local_processes: int, on_gpu: bool) -> MemorySettings:
+                           local_processes: int, on_gpu: bool, budget_gb: float = 0.0) -> MemorySettings:
     """Choose ultra-low-mem mode, DataLoader workers and pinned memory from the host's budget.
 
     Values given explicitly (ultra_low_mem not None, num_workers >= 0) are kept; automatic ones follow
@@ -35,7 +39,7 @@ def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int, thresho
     process) and no pinned memory (page-locked memory cannot be swapped or reclaimed). On the CPU there
     are no workers either: they would take cores from the model's own step.
     """
-    budget = MemoryBudget.detect(local_processes)
+    budget = MemoryBudget.detect(local_processes, budget_gb)
     low = budget.is_low(threshold_gb)
     auto_ultra = ultra_low_mem is None
     ultra = low if auto_ultra else bool(ultra_low_mem)
