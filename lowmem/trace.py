@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ class TrainingTrace:
         self.path = Path(directory) / f"trace-rank{rank}.json" if directory else None
         self.rank = rank
         self.rows: list[str] = []
+        self.losses: dict[int, float] = {}
 
     @property
     def enabled(self) -> bool:
@@ -47,27 +49,42 @@ class TrainingTrace:
             tokens = [token for token in row if token != pad_id]
             self.rows.append(hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:16])
 
+    def record_loss(self, step: int, loss: float) -> None:
+        """Remember a step's loss (the mean over every token of the step, all ranks), at full precision."""
+        if self.enabled:
+            self.losses[step] = loss
+
     def finish(self, model: torch.nn.Module, steps: int) -> None:
         """Write the trace file."""
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"rank": self.rank, "steps": steps, "rows": self.rows,
-                                         "weights": weights_checksum(model)}))
+                                         "losses": self.losses, "weights": weights_checksum(model)}))
 
 
-LEAK_ENV = "LOWMEM_TEST_LEAK_MB_PER_STEP"
+class TestHooks:
+    """Behaviour that tests switch on through environment variables; all off by default.
 
-
-class PlantedLeak:
-    """Keeps LOWMEM_TEST_LEAK_MB_PER_STEP megabytes per optimizer step, to test that leaks are seen. Off by default."""
+    LOWMEM_TEST_LEAK_MB_PER_STEP: keep this many megabytes per optimizer step (a planted leak).
+    LOWMEM_TEST_STEP_SECONDS: sleep this long after every optimizer step (time to send a signal mid-epoch).
+    LOWMEM_TEST_SAVE_SECONDS: sleep this long inside every checkpoint write (time to kill during a save).
+    """
 
     def __init__(self) -> None:
-        self.megabytes = float(os.environ.get(LEAK_ENV, "0") or 0)
+        self.leak_megabytes = float(os.environ.get("LOWMEM_TEST_LEAK_MB_PER_STEP", "0") or 0)
+        self.step_seconds = float(os.environ.get("LOWMEM_TEST_STEP_SECONDS", "0") or 0)
+        self.save_seconds = float(os.environ.get("LOWMEM_TEST_SAVE_SECONDS", "0") or 0)
         self.kept: list[bytearray] = []
 
-    def step(self) -> None:
-        if self.megabytes > 0:
-            block = bytearray(int(self.megabytes * 1024 * 1024))
+    def after_step(self) -> None:
+        if self.leak_megabytes > 0:
+            block = bytearray(int(self.leak_megabytes * 1024 * 1024))
             block[::4096] = b"\x01" * len(block[::4096])  # touch every page so it counts in RSS
             self.kept.append(block)
+        if self.step_seconds > 0:
+            time.sleep(self.step_seconds)
+
+    def during_save(self) -> None:
+        if self.save_seconds > 0:
+            time.sleep(self.save_seconds)

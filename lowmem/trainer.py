@@ -33,7 +33,7 @@ from lowmem.settings import check_data_files, validate_config
 from lowmem.tokenizer import Tokenizer, train_tokenizer
 from lowmem.checkpoint import CheckpointManager
 from lowmem.signals import GracefulStop
-from lowmem.trace import PlantedLeak, TrainingTrace
+from lowmem.trace import TestHooks, TrainingTrace
 from lowmem.train_state import TrainState, check_resume, checkpoint_writer, load_checkpoint, read_trainer_state
 from lowmem.train_log import setup_training_log
 
@@ -302,7 +302,12 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                 len(train_loader.stream), steps_per_epoch, total_steps)
 
     def save(score: float | None, data_state: dict[str, Any]) -> Path:
-        write = checkpoint_writer(raw_model, optimizer, data_state, state, config, rank, is_main, run_facts)
+        write_parts = checkpoint_writer(raw_model, optimizer, data_state, state, config, rank, is_main, run_facts)
+
+        def write(folder: Path) -> None:
+            write_parts(folder)
+            hooks.during_save()
+
         return manager.save(state.step, write, score=score, info={"epoch": state.epoch, "tokens_seen": state.tokens_seen})
 
     trace = TrainingTrace(rank)
@@ -312,7 +317,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     val_loss_end = state.val_loss_start
     memory = make_memory_monitor(config, accelerator, settings, run_id)
     memory.start(state.epoch, state.step)
-    leak = PlantedLeak()
+    hooks = TestHooks()
     stopper = GracefulStop().install()
     stopped_by = None
     last_saved = state.step if resume_dir is not None else -1
@@ -351,7 +356,10 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                                                  config.grad_clip)
                 for batch in micro_batches:
                     trace.record_batch(batch["input_ids"], tokenizer.pad_id)
-                leak.step()
+                if trace.enabled:
+                    step_loss, step_tokens = all_reduce_sum(accelerator, [loss_sum, target_tokens])
+                    trace.record_loss(state.step + 1, step_loss / max(step_tokens, 1.0))
+                hooks.after_step()
                 state.step += 1
                 state.tokens_seen += int(global_inputs)
                 window.loss_sum += loss_sum

@@ -517,3 +517,25 @@ def test_one_rank_failing_stops_every_rank(tmp_path: Path) -> None:
     assert "Another process failed" in str(results[0]) and "Another process failed" in str(results[1])
     assert on_disk(tmp_path) == ["checkpoint-50"]
     assert CheckpointManager(tmp_path, 1).latest_complete() == tmp_path / "checkpoint-50"
+
+
+def test_keep_two_best_plus_latest_before_and_after_a_resume(tmp_path):
+    """keep_latest_n_ckp=2 with scripted validation losses: exactly the latest and the two best stay."""
+
+    def write(folder):
+        (folder / "rank0.bin").write_bytes(b"x" * 100)
+
+    scores = {10: 5.0, 20: 3.0, 30: 4.0, 40: 2.5, 50: 6.0}
+    manager = CheckpointManager(tmp_path, keep_best_n=2, metric="val_loss", mode="min")
+    for step, score in scores.items():
+        manager.save(step, write, score=score)
+    kept = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert kept == ["checkpoint-20", "checkpoint-40", "checkpoint-50"]  # best 2.5 and 3.0, latest 50
+
+    resumed = CheckpointManager(tmp_path, keep_best_n=2, metric="val_loss", mode="min")  # a resumed run
+    assert resumed.latest_complete() == tmp_path / "checkpoint-50"
+    resumed.save(60, write, score=2.8)
+    resumed.save(70, write, score=9.0)
+    kept = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert kept == ["checkpoint-40", "checkpoint-60", "checkpoint-70"]  # best 2.5 and 2.8, latest 70
+    assert [entry["name"] for entry in resumed.manifest["checkpoints"]] == kept
