@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+from typing import Callable, TypeVar
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from lowmem.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def bf16_supported(on_cpu: bool) -> bool:
@@ -63,6 +67,14 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool) -> Accelera
             "train_low_mem.py train`; on GPUs check that N GPUs are visible (CUDA_VISIBLE_DEVICES)."
         )
     return accelerator
+
+
+def broadcast_from_main(accelerator: Accelerator, compute: Callable[[], T]) -> T:
+    """Run `compute` on the main process only and give its result (any picklable object) to every rank."""
+    value = [compute() if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(value, from_process=0)
+    return value[0]
 
 
 def all_reduce_sum(accelerator: Accelerator, values: list[float]) -> list[float]:

@@ -15,13 +15,13 @@ from typing import Any, Iterator
 import psutil
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
 from lowmem.data.sources import resolve_parquet_files
-from lowmem.distributed import all_reduce_max, all_reduce_sum, create_accelerator
+from lowmem.distributed import all_reduce_max, all_reduce_sum, broadcast_from_main, create_accelerator
 from lowmem.errors import ConfigError, DataError
 from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
@@ -33,7 +33,7 @@ from lowmem.settings import check_data_files, validate_config
 from lowmem.tokenizer import Tokenizer, train_tokenizer
 from lowmem.checkpoint import CheckpointManager
 from lowmem.signals import GracefulStop
-from lowmem.trace import TestHooks, TrainingTrace
+from lowmem.instrumentation import TestHooks, TrainingTrace
 from lowmem.train_state import TrainState, check_resume, checkpoint_writer, load_checkpoint, read_trainer_state
 from lowmem.train_log import setup_training_log
 
@@ -76,24 +76,16 @@ def ensure_tokenizer(config: Any, accelerator: Accelerator) -> Tokenizer:
 
 def shared_memory_settings(config: Any, accelerator: Accelerator) -> MemorySettings:
     """Rank 0 decides from the memory budget and broadcasts, so no two ranks run with different settings."""
-    decided = [None]
-    if accelerator.is_main_process:
-        decided[0] = decide_memory_settings(
-            config.ultra_low_mem, config.dataloader_num_workers, config.ultra_low_mem_threshold_gb,
-            local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)),
-            on_gpu=accelerator.device.type == "cuda", budget_gb=config.memory_budget_gb,
-        )
-    if accelerator.num_processes > 1:
-        broadcast_object_list(decided, from_process=0)
-    return decided[0]
+    return broadcast_from_main(accelerator, lambda: decide_memory_settings(
+        config.ultra_low_mem, config.dataloader_num_workers, config.ultra_low_mem_threshold_gb,
+        local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)),
+        on_gpu=accelerator.device.type == "cuda", budget_gb=config.memory_budget_gb,
+    ))
 
 
 def shared_run_id(accelerator: Accelerator) -> str:
     """The run's id (a timestamp), chosen by rank 0 so that every rank's memory log carries the same one."""
-    run_id = [new_run_id() if accelerator.is_main_process else None]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(run_id, from_process=0)
-    return run_id[0]
+    return broadcast_from_main(accelerator, new_run_id)
 
 
 def make_memory_monitor(config: Any, accelerator: Accelerator, settings: MemorySettings, run_id: str) -> MemoryMonitor:
@@ -219,11 +211,7 @@ def export_model(model: GPT, config: Any, out_dir: Path) -> Path:
 # ----- the loop -------------------------------------------------------------------------------------------
 def find_resume_point(manager: CheckpointManager, accelerator: Accelerator) -> Path | None:
     """The latest complete checkpoint, chosen (and verified) by the main process for every rank."""
-    latest = manager.latest_complete() if accelerator.is_main_process else None
-    found = [str(latest) if latest is not None else None]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(found, from_process=0)
-    return Path(found[0]) if found[0] else None
+    return broadcast_from_main(accelerator, manager.latest_complete)
 
 
 def train(config: Any, is_keep_training: bool = False, allow_config_change: bool = False) -> dict[str, Any]:

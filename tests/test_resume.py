@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from training_helpers import ROOT, run_command, tiny_overrides, write_chat_rows
@@ -238,3 +239,44 @@ def test_three_processes_resume_exactly_after_sigkill(tmp_path, chat_data):
     # process's first step, so the resumed run's first all-reduce adds in another order than the
     # uninterrupted run's, a difference at float rounding. Losses agree to 1e-6.
     assert_losses_match(traced_losses(trace), reference_losses, start)
+
+
+def _can_drop_privileges() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-U", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_drop_privileges(), reason="needs root and `unshare -U` to run a process that a "
+                                                       "read-only folder really stops")
+def test_save_into_a_read_only_folder_fails_with_a_message_and_keeps_older_checkpoints(chat_data):
+    import stat
+    import tempfile
+
+    # A folder every user can enter: the second run is `nobody` (an unprivileged user namespace), for
+    # whom the read-only run folder is really read-only, as it is not for root.
+    folder = Path(tempfile.mkdtemp(prefix="lowmem-readonly-"))
+    try:
+        folder.chmod(0o777)
+        data = [shutil.copy(path, folder) for path in chat_data]
+        data_files = (folder / "train.parquet", folder / "valid.parquet")
+        for path in data_files:
+            path.chmod(0o644)
+        first = run_command(["train", *overrides(folder, data_files)], cwd=folder, env={"LOWMEM_STOP_AFTER_STEP": "10"})
+        assert first.returncode == 0, first.stderr[-3000:]
+        for path in folder.rglob("*"):
+            path.chmod(path.stat().st_mode | stat.S_IROTH | stat.S_IWOTH | (stat.S_IXOTH if path.is_dir() else 0))
+        run_dir = folder / "run"
+        before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+        run_dir.chmod(0o555)
+        second = run_command(["train", *overrides(folder, data_files), "--is_keep_training=True"], cwd=folder,
+                             launcher=["unshare", "-U", sys.executable])
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "Traceback" not in second.stderr
+        assert "No permission to write checkpoint-" in second.stderr, second.stderr[-2000:]
+        assert "--output_dir" in second.stderr and "continues from checkpoint-10" in second.stderr
+        after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+        assert after == before, "the existing checkpoints changed"
+    finally:
+        subprocess.run(["chmod", "-R", "u+rwX", str(folder)])
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,8 +1,8 @@
-"""An optional record of what each rank trained on, for checking distributed behaviour.
+"""Instrumentation for tests, switched on through environment variables and off (costing nothing) by default.
 
-Set LOWMEM_TRACE_DIR to a folder and every rank writes `trace-rank<r>.json` there at the end of training:
-a hash of each row's tokens it trained on, the optimizer steps, and a checksum of its final weights.
-Off by default; when off it costs nothing.
+LOWMEM_TRACE_DIR: every rank writes `trace-rank<r>.json` there at the end of training: a hash of each row's
+tokens it trained on, each step's loss at full precision, and a checksum of its final weights.
+LOWMEM_TEST_*: see `TestHooks`.
 """
 
 from __future__ import annotations
