@@ -72,6 +72,7 @@ class TrainConfigPretrainLarge(TrainConfig):
     """3 GPUs of 20 GB on a host with 12 GB of RAM: a GPT-2-small-sized model, bf16, effective batch 192."""
 
     output_dir: str = "model_save/pretrain_large"  # run folder: checkpoints and the exported model
+    tokenizer_dir: str = "model_save/tokenizer_large"  # where the SentencePiece model is saved and loaded
     vocab_size: int = 32000  # tokenizer vocabulary (the model pads it to a multiple of 64)
     n_layer: int = 12  # transformer blocks
     n_head: int = 12  # attention heads per block

@@ -59,16 +59,13 @@ def tokenizer(use_large_config: bool = False, **overrides: Any) -> None:
         use_large_config: take train_file, vocab_size and tokenizer_dir from TrainConfigPretrainLarge.
         overrides: config fields, e.g. --train_file=..., --vocab_size=8000, --tokenizer_dir=...
     """
-    from lowmem.data.sources import resolve_parquet_files
     from lowmem.settings import validate_config
-    from lowmem.tokenizer import train_tokenizer
+    from lowmem.trainer import train_tokenizer_for
 
     config = _config(use_large_config, overrides)
     validate_config(config)
-    path = train_tokenizer(resolve_parquet_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
-                           columns=(config.prompt_column, config.response_column),
-                           max_sentences=config.tokenizer_max_sentences, seed=config.seed)
-    print(f"Tokenizer saved to {path}")
+    tokenizer = train_tokenizer_for(config)
+    print(f"Tokenizer with {tokenizer.vocab_size} pieces saved to {config.tokenizer_dir}")
 
 
 def _document_options() -> None:

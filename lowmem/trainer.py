@@ -61,17 +61,31 @@ def model_config_for(config: Any, vocab_size: int) -> GPTConfig:
                      n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout)
 
 
+def train_tokenizer_for(config: Any) -> Tokenizer:
+    """Train the tokenizer a config asks for; with too little text for `vocab_size`, a smaller one, said so."""
+    train_tokenizer(resolve_parquet_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
+                    columns=(config.prompt_column, config.response_column),
+                    max_sentences=config.tokenizer_max_sentences, seed=config.seed, hard_vocab_limit=False)
+    tokenizer = Tokenizer.load(config.tokenizer_dir)
+    if tokenizer.vocab_size < config.vocab_size:
+        logger.warning("The training text supports %d tokenizer pieces, fewer than vocab_size=%d: using %d.",
+                       tokenizer.vocab_size, config.vocab_size, tokenizer.vocab_size)
+    return tokenizer
+
+
 def ensure_tokenizer(config: Any, accelerator: Accelerator) -> Tokenizer:
     """Load the tokenizer, training it first (on the main process, while the others wait) if it is missing."""
     model_path = Path(config.tokenizer_dir) / "tokenizer.model"
     if not model_path.is_file() and accelerator.is_main_process:
         logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path, config.train_file,
                     config.vocab_size)
-        train_tokenizer(resolve_parquet_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
-                        columns=(config.prompt_column, config.response_column),
-                        max_sentences=config.tokenizer_max_sentences, seed=config.seed)
+        train_tokenizer_for(config)
     accelerator.wait_for_everyone()
-    return Tokenizer.load(config.tokenizer_dir)
+    tokenizer = Tokenizer.load(config.tokenizer_dir)
+    if tokenizer.vocab_size != config.vocab_size:
+        logger.info("The tokenizer at %s has %d pieces (vocab_size is %d); retrain it with `python train_low_mem.py "
+                    "tokenizer --vocab_size=...` to change that.", model_path, tokenizer.vocab_size, config.vocab_size)
+    return tokenizer
 
 
 def shared_memory_settings(config: Any, accelerator: Accelerator) -> MemorySettings:
