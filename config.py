@@ -63,7 +63,11 @@ class TrainConfig:
     logging_steps: int = 10  # optimizer steps between log lines
     save_steps: int = 200  # optimizer steps between checkpoints
     keep_latest_n_ckp: int = 3  # best checkpoints kept besides the latest
-    eval_batches: int = 0  # validation batches per evaluation (0 = the whole validation file)
+    eval_batches: int = 0  # validation batches for the loss (0 = the whole validation file)
+    eval_steps: int = 0  # optimizer steps between validations (0 = at epoch ends and checkpoints only)
+    eval_bleu_samples: int = 64  # first validation prompts whose greedy answers BLEU-4 scores (0 none, -1 all)
+    eval_max_new_tokens: int = 128  # longest answer generated for BLEU-4
+    best_metric: str = "bleu4"  # what ranks checkpoints: bleu4 (higher is better) or val_loss (lower is better)
     sample_max_new_tokens: int = 96  # tokens generated for the sample printed at the end
 
 
@@ -87,5 +91,6 @@ class TrainConfigPretrainLarge(TrainConfig):
     save_steps: int = 5000  # optimizer steps between checkpoints
     logging_steps: int = 100  # optimizer steps between log lines
     keep_latest_n_ckp: int = 5  # best checkpoints kept besides the latest
-    eval_batches: int = 200  # validation batches per evaluation (0 = the whole validation file)
+    eval_batches: int = 200  # validation batches for the loss (0 = the whole validation file)
+    eval_bleu_samples: int = 256  # first validation prompts whose greedy answers are scored by BLEU-4
     bf16: bool = True  # bf16 autocast (GPUs from Ampere on)

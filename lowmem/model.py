@@ -4,6 +4,9 @@ The model is deliberately small and explicit: token + learned position embedding
 blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP -> residual), a final LayerNorm
 and a language-model head that shares its weight with the token embedding.
 
+Generation can keep a key/value cache (`KVCache`): the keys and values of positions already run are
+stored, so each new token costs one position's work instead of a pass over the whole context.
+
 Shapes in comments use B = batch size, T = sequence length, C = n_embd, nh = n_head, hs = C // nh and
 V = padded vocabulary size.
 """
@@ -135,6 +138,74 @@ class GPTConfig:
 PRESETS: tuple[str, ...] = ("demo", "gpt2_small")
 
 
+class LayerKVCache:
+    """Keys and values of one attention layer for the positions run so far.
+
+    The buffers are allocated once, at the first `append`, for the longest context the generation can
+    reach; each step writes its new positions in place. Concatenating instead would copy the whole cache
+    at every step, which adds up to a cost quadratic in the number of generated tokens.
+
+    Args:
+        max_len: positions the buffers hold.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0  # positions filled
+        self.k: torch.Tensor | None = None  # (B, nh, max_len, hs) once allocated
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys and values k, v (B, nh, T, hs) of the next T positions.
+
+        Returns:
+            Keys and values of every position so far, each (B, nh, length, hs): views of the buffers.
+        """
+        B, nh, T, hs = k.shape
+        if self.k is None or self.v is None:
+            self.k = k.new_empty(B, nh, self.max_len, hs)
+            self.v = v.new_empty(B, nh, self.max_len, hs)
+        end = self.length + T
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; cannot append {T} after {self.length}.")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, end, hs)
+
+
+class KVCache:
+    """Keys and values of every attention layer for the positions run so far (see `LayerKVCache`).
+
+    Args:
+        n_layer: number of transformer blocks.
+        max_len: longest context the cache must hold; at most `max_seq_len`.
+    """
+
+    def __init__(self, n_layer: int, max_len: int) -> None:
+        self.max_len = max_len
+        self.layers = [LayerKVCache(max_len) for _ in range(n_layer)]
+
+    @property
+    def length(self) -> int:
+        """Positions stored (the same in every layer between forward passes)."""
+        return self.layers[0].length
+
+
+@dataclass
+class _DecodingState:
+    """What `GPT._next_token_logits` needs besides the tokens while `GPT.generate` runs.
+
+    It lives on the model for the duration of `generate` rather than being passed along, so that
+    `_next_token_logits(idx)` keeps one argument: tests and tools replace that method to script the logits.
+    """
+
+    # (B,) left-padding tokens at the start of each prompt row; None when no row is padded.
+    n_pad: torch.Tensor | None = None
+    # None when not caching, and from the step at which the context outgrows max_seq_len.
+    cache: KVCache | None = None
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position attends only to itself and earlier positions."""
 
@@ -163,24 +234,52 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(self.n_head * self.head_dim, dim=2)  # 3 x (B, T, C)
         return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = True,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Scaled dot-product attention of q (B, nh, Tq, hs) over k, v (B, nh, Tk, hs) -> (B, Tq, C).
 
-        With a key/value cache, a single new query attends to every cached key, so the caller would pass
-        `is_causal=False` there; without a cache Tq == Tk and the causal mask applies.
+        With a key/value cache, a single new query attends to every cached key, so the caller passes
+        `is_causal=False` there; without a cache Tq == Tk and the causal mask applies. `attn_mask`
+        (boolean, broadcastable to (B, nh, Tq, Tk), True where a query may attend to a key) replaces the
+        causal mask when padding must be hidden too; pass `is_causal=False` with it.
         """
         # SDPA picks a fused (flash / memory-efficient) kernel when it can, so the (T, T) attention matrix
         # is never materialised on GPU; dropout on the attention weights only while training.
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
         )  # (B, nh, Tq, hs)
         B, _, Tq, _ = y.shape
         return y.transpose(1, 2).contiguous().view(B, Tq, self.n_head * self.head_dim)  # (B, Tq, C)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Attention over `x` (B, T, C) -> (B, T, C)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: LayerKVCache | None = None,
+    ) -> torch.Tensor:
+        """Attention over `x` (B, T, C) -> (B, T, C).
+
+        Args:
+            x: the input of T positions.
+            attn_mask: boolean (B or 1, 1, T, Tk), True where a query may attend to a key, with Tk the
+                positions in the cache after appending x's. None means plain causal attention with x's
+                positions the last T of the Tk; then T must be Tk (no cache) or 1 (one cached step).
+            cache: keys and values of the earlier positions; x's are appended.
+        """
         q, k, v = self.project_qkv(x)  # each (B, nh, T, hs)
-        y = self.attend(q, k, v, is_causal=True)  # (B, T, C)
+        if cache is not None:
+            k, v = cache.append(k, v)  # each (B, nh, Tk, hs): the earlier positions, then x's
+        if attn_mask is None:
+            # A single query that is the newest position may see every key: no mask at all is cheapest.
+            y = self.attend(q, k, v, is_causal=q.size(2) > 1)  # (B, T, C)
+        else:
+            y = self.attend(q, k, v, is_causal=False, attn_mask=attn_mask)  # (B, T, C)
         return self.resid_dropout(self.out_proj(y))
 
 
@@ -215,9 +314,14 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.ln_1(x))  # positions exchange information
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: LayerKVCache | None = None,
+    ) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C). `attn_mask` and `cache` as in `CausalSelfAttention.forward`."""
+        x = x + self.attn(self.ln_1(x), attn_mask, cache)  # positions exchange information
         x = x + self.mlp(self.ln_2(x))  # each position computes on its own
         return x
 
@@ -251,6 +355,8 @@ class GPT(nn.Module):
         for block in self.blocks:
             nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.out_proj.weight, mean=0.0, std=residual_std)
+        # Set only while `generate` runs.
+        self._decoding: _DecodingState | None = None
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -303,20 +409,43 @@ class GPT(nn.Module):
     # ----------------------------------------------------------------------------------------------------
     # Forward and loss
 
-    def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Final normalised hidden states for token ids `idx` (B, T) -> (B, T, C)."""
+    def _hidden(
+        self,
+        idx: torch.Tensor,
+        n_pad: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Final normalised hidden states for token ids `idx` (B, T) -> (B, T, C).
+
+        Args:
+            idx: token ids; with a cache, those of the positions after the cached ones.
+            n_pad: (B,) number of left-padding tokens each row starts with, counted from the first
+                position (the cached ones included); None when no row is padded.
+            cache: keys and values of the earlier positions; idx's are appended to it.
+        """
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, seq_len), got {tuple(idx.shape)}.")
         B, T = idx.shape
-        if T > self.config.max_seq_len:
+        start = 0 if cache is None else cache.length  # positions before idx
+        if start + T > self.config.max_seq_len:
             raise ValueError(
-                f"Sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; truncate the input "
+                f"Sequence length {start + T} exceeds max_seq_len={self.config.max_seq_len}; truncate the input "
                 f"(the collate function's max length) or build the model with a larger max_seq_len."
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C) + (T, C) -> (B, T, C)
-        for block in self.blocks:
-            x = block(x)  # (B, T, C)
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        attn_mask = None  # plain causal attention: the fast path for training
+        if n_pad is not None:
+            # Each row's first real token gets position 0, as if its prompt had been given alone; padding
+            # (hidden from every real position by the mask) clamps to 0 to stay a valid index.
+            pos = (pos - n_pad.unsqueeze(1)).clamp_min(0)  # (B, T)
+            attn_mask = _attention_mask(T, start + T, n_pad, idx.device)  # (B, 1, T, start + T)
+        elif start > 0 and T > 1:
+            # Several new queries after cached ones: SDPA's `is_causal` aligns the mask to the first key,
+            # not the last, so it would be wrong here.
+            attn_mask = _attention_mask(T, start + T, None, idx.device)  # (1, 1, T, start + T)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C) + (T, C) or (B, T, C) -> (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, attn_mask, None if cache is None else cache.layers[i])  # (B, T, C)
         return self.ln_f(x)  # (B, T, C)
 
     def forward(
@@ -404,8 +533,30 @@ class GPT(nn.Module):
     # Generation
 
     def _next_token_logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits for the token after `idx` (B, T) -> (B, V), over the padded vocabulary."""
-        x = self._hidden(idx)  # (B, T, C)
+        """Logits for the token after `idx` (B, T) -> (B, V), over the padded vocabulary.
+
+        Contexts longer than `max_seq_len` are cropped to their last `max_seq_len` tokens. While
+        `generate` runs, `self._decoding` says how many left-padding tokens each row starts with and holds
+        the key/value cache; with a cache only the positions it has not seen yet are run.
+        """
+        state = self._decoding if self._decoding is not None else _DecodingState()
+        n_pad, cache = state.n_pad, state.cache
+        max_len = self.config.max_seq_len
+        if cache is not None and idx.size(1) > max_len:
+            # The window is about to slide. Position embeddings are absolute, so every kept token moves to
+            # a new position and all cached keys and values go stale: from here on each step recomputes the
+            # window, exactly as without a cache.
+            state.cache = cache = None
+        if cache is not None:
+            # The whole prompt on the first step, then only the token chosen last.
+            x = self._hidden(idx[:, cache.length :], n_pad, cache)  # (B, T_new, C)
+        else:
+            if idx.size(1) > max_len:
+                cut = idx.size(1) - max_len
+                idx = idx[:, cut:]  # (B, max_seq_len)
+                if n_pad is not None:
+                    n_pad = (n_pad - cut).clamp_min(0)  # (B,), the padding that is still in the window
+            x = self._hidden(idx, n_pad)  # (B, T, C)
         # Only the last position is needed: skip the (B, T, V) logits tensor.
         return self.lm_head(x[:, -1, :])  # (B, V)
 
@@ -421,14 +572,23 @@ class GPT(nn.Module):
         greedy: bool = False,
         generator: torch.Generator | None = None,
         pad_id: int | None = None,
+        *,
+        use_cache: bool = True,
+        prompt_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Continue each sequence in `idx` by up to `max_new_tokens` tokens.
 
         The model runs in eval mode (no dropout) for the duration and is put back in its previous mode
         afterwards. Contexts longer than `max_seq_len` are cropped to their last `max_seq_len` tokens.
 
+        With `use_cache`, the keys and values of every position are kept, so each step runs only the new
+        token; the chosen tokens are those of the uncached path (up to float rounding in near-ties). The
+        cache covers contexts up to `max_seq_len`. Once the context outgrows it, the position of every
+        kept token changes with each step (position embeddings are absolute), so the cache is dropped and
+        each further step recomputes the last `max_seq_len` tokens, as the uncached path does.
+
         Args:
-            idx: prompt token ids, LongTensor (B, T) with T >= 1.
+            idx: prompt token ids, LongTensor (B, T) with T >= 1; left-padded when `prompt_lengths` is given.
             max_new_tokens: the most tokens to append.
             temperature: divides the logits before sampling; below 1 sharpens, above 1 flattens.
                 0 means greedy.
@@ -439,10 +599,17 @@ class GPT(nn.Module):
             greedy: take the most likely token instead of sampling (ignores temperature, top_k, top_p).
             generator: random generator for reproducible sampling; must be on the model's device.
             pad_id: what finished sequences emit while others continue; defaults to `eos_id`.
+            use_cache: keep a key/value cache (much faster for long generations); False recomputes the
+                whole context at every step.
+            prompt_lengths: (B,) number of real tokens in each row of `idx`, for a batch of prompts of
+                different lengths: row b's prompt is its last `prompt_lengths[b]` tokens and whatever
+                precedes them is padding (any ids), never attended to. Each row then gets the tokens it
+                would get alone. None means every row is a full prompt.
 
         Returns:
-            LongTensor (B, T + n) holding the prompt followed by the n <= max_new_tokens new tokens. Ids
-            are always < `config.vocab_size`: the padding rows of the vocabulary are never chosen.
+            LongTensor (B, T + n) holding the prompt (padding included) followed by the n <= max_new_tokens
+            new tokens. Ids are always < `config.vocab_size`: the padding rows of the vocabulary are never
+            chosen.
         """
         if idx.dim() != 2 or idx.size(1) < 1:
             raise ValueError(f"idx must have shape (batch, seq_len) with seq_len >= 1, got {tuple(idx.shape)}.")
@@ -457,14 +624,20 @@ class GPT(nn.Module):
         greedy = greedy or temperature == 0
         vocab_size = self.config.vocab_size
         fill_id = eos_id if pad_id is None else pad_id
+        B, T = idx.shape
+        max_len = self.config.max_seq_len
+        n_pad = _left_padding(prompt_lengths, B, T, idx.device)  # (B,) or None
+        # A prompt that already fills the context would use the cache for its first step only.
+        cache = KVCache(self.config.n_layer, min(T + max_new_tokens, max_len)) if use_cache and T < max_len else None
 
         was_training = self.training
         self.eval()
+        self._decoding = _DecodingState(n_pad=n_pad, cache=cache)
         try:
-            finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
+            finished = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
             for _ in range(max_new_tokens):
-                idx_cond = idx[:, -self.config.max_seq_len :]  # (B, <= max_seq_len)
-                logits = self._next_token_logits(idx_cond).float()  # (B, V)
+                # The whole context: `_next_token_logits` crops it, or runs only what the cache lacks.
+                logits = self._next_token_logits(idx).float()  # (B, V)
                 # The padding rows of the vocabulary are not tokens the tokenizer can decode.
                 logits[:, vocab_size:] = float("-inf")
                 if greedy:
@@ -480,8 +653,47 @@ class GPT(nn.Module):
                 if eos_id is not None and bool(finished.all()):
                     break
         finally:
+            self._decoding = None  # also frees the cache
             self.train(was_training)
         return idx
+
+
+def _left_padding(prompt_lengths: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """Left-padding tokens per row (B,) from the prompt lengths, or None when no row is padded.
+
+    Raises:
+        ValueError: if `prompt_lengths` is not B lengths in [1, T].
+    """
+    if prompt_lengths is None:
+        return None
+    lengths = torch.as_tensor(prompt_lengths, device=device)
+    if lengths.shape != (B,) or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise ValueError(
+            f"prompt_lengths must be {B} integers (one per row of idx), got shape {tuple(lengths.shape)} "
+            f"and dtype {lengths.dtype}."
+        )
+    if bool((lengths < 1).any()) or bool((lengths > T).any()):
+        raise ValueError(f"prompt_lengths must lie in [1, {T}] (the width of idx), got {lengths.tolist()}.")
+    n_pad = T - lengths.long()  # (B,)
+    # Without padding the plain causal path is exact and faster.
+    return n_pad if bool(n_pad.any()) else None
+
+
+def _attention_mask(Tq: int, Tk: int, n_pad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Boolean attention mask (B or 1, 1, Tq, Tk), True where a query may attend to a key.
+
+    The Tq queries are the last Tq of the Tk key positions. A query sees itself and earlier keys, except
+    the first n_pad[b] (left padding) of its row. A padding query still sees itself so that no row of the
+    softmax has every key masked: some SDPA kernels return NaN for such a row, and the NaN would reach real
+    positions through the values of the next layer (a zero attention weight times NaN is NaN).
+    """
+    q_pos = torch.arange(Tk - Tq, Tk, device=device).unsqueeze(1)  # (Tq, 1)
+    k_pos = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
+    mask = k_pos <= q_pos  # (Tq, Tk), causal
+    if n_pad is not None:
+        real_key = k_pos >= n_pad.view(-1, 1, 1)  # (B, 1, Tk)
+        mask = (mask & real_key) | (k_pos == q_pos)  # (B, Tq, Tk)
+    return mask.view(-1, 1, Tq, Tk)  # (B or 1, 1, Tq, Tk), broadcast over heads
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:

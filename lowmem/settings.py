@@ -85,7 +85,8 @@ def validate_config(config: Any) -> None:
     for name in positive:
         value = getattr(config, name)
         _require(value >= 1, f"--{name} must be at least 1 (it is {value}).")
-    for name in ("max_steps", "warmup_steps", "keep_latest_n_ckp", "eval_batches", "cleanup_steps", "memory_log_steps"):
+    for name in ("max_steps", "warmup_steps", "keep_latest_n_ckp", "eval_batches", "cleanup_steps", "memory_log_steps",
+                 "eval_steps"):
         value = getattr(config, name)
         _require(value >= 0, f"--{name} must be 0 or more (it is {value}).")
     _require(config.learn_rate > 0, f"--learn_rate must be above 0 (it is {config.learn_rate}); try 1e-4 to 3e-3.")
@@ -106,6 +107,11 @@ def validate_config(config: Any) -> None:
              f"--memory_watchdog_fraction must be in (0, 1] (it is {config.memory_watchdog_fraction}).")
     _require(config.memory_budget_gb >= 0, f"--memory_budget_gb must be 0 (detect) or more (it is {config.memory_budget_gb}).")
     _require(config.vocab_size >= 64, f"--vocab_size must be at least 64 (it is {config.vocab_size}).")
+    _require(config.eval_bleu_samples >= -1,
+             f"--eval_bleu_samples must be -1 (all), 0 (none) or more (it is {config.eval_bleu_samples}).")
+    _require(config.best_metric in ("bleu4", "val_loss"),
+             f"--best_metric must be bleu4 or val_loss (it is {config.best_metric!r}).")
+    _require(config.eval_max_new_tokens >= 1, f"--eval_max_new_tokens must be at least 1 (it is {config.eval_max_new_tokens}).")
     _require(config.prompt_column != config.response_column,
              "--prompt_column and --response_column must name two different columns.")
 

@@ -81,6 +81,7 @@ def checkpoint_writer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         (rank_dir / "data.json").write_text(json.dumps(data_state))
         if is_main:
             save_model(model, str(folder / "model.safetensors"))
+            (folder / "model_config.json").write_text(json.dumps(dataclasses.asdict(model.config), indent=2))
             torch.save(optimizer.state_dict(), folder / "optimizer.pt")
             trainer_state = {"train": state.state_dict(), "config": dataclasses.asdict(config), **run_facts}
             (folder / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, ensure_ascii=False))

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
 from lowmem.data.sources import resolve_parquet_files
+from lowmem.evaluate import METRIC_MODES, EvalResult, evaluate
 from lowmem.distributed import all_reduce_max, all_reduce_sum, broadcast_from_main, create_accelerator
 from lowmem.errors import ConfigError, DataError
 from lowmem.memory.log import MemoryLogger, new_run_id
@@ -33,6 +34,7 @@ from lowmem.settings import check_data_files, validate_config
 from lowmem.tokenizer import Tokenizer, train_tokenizer
 from lowmem.checkpoint import CheckpointManager
 from lowmem.signals import GracefulStop
+from lowmem.model_io import export_checkpoint, export_model
 from lowmem.instrumentation import TestHooks, TrainingTrace
 from lowmem.train_state import TrainState, check_resume, checkpoint_writer, load_checkpoint, read_trainer_state
 from lowmem.train_log import setup_training_log
@@ -164,24 +166,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
     return float(loss_sum), float(grad_norm)
 
 
-@torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, loader: StreamLoader, accelerator: Accelerator, max_batches: int = 0) -> float:
-    """Mean token loss over the loader's rows on all ranks (every rank reads its own share)."""
-    model.eval()
-    loss_sum, tokens = 0.0, 0
-    for index, batch in enumerate(loader):
-        if max_batches and index >= max_batches:
-            break
-        targets = batch["targets"].to(accelerator.device)
-        _, mean_loss = model(batch["input_ids"].to(accelerator.device), targets)
-        count = int((targets != IGNORE_INDEX).sum())
-        loss_sum += float(mean_loss) * count
-        tokens += count
-    model.train()
-    total_loss, total_tokens = all_reduce_sum(accelerator, [loss_sum, tokens])
-    return total_loss / max(total_tokens, 1.0)
-
-
 def sample_answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, device: torch.device,
                   seed: int = 0) -> str:
     """The model's answer to `prompt`, sampled (temperature 0.8, top-k 40) with a fixed seed.
@@ -209,17 +193,6 @@ def _log_line(state: TrainState, total_steps: int, window: LogWindow, lr: float,
         state.step, total_steps, state.epoch, loss_sum / max(target_tokens, 1), lr,
         window.grad_norm_sum / max(window.steps, 1), f"{input_tokens / max(elapsed, 1e-9):,.0f}", rss / MB, rss_max / MB,
     )
-
-
-def export_model(model: GPT, config: Any, out_dir: Path) -> Path:
-    """Write the weights (safetensors) and the configs that rebuild the model."""
-    from safetensors.torch import save_model
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(out_dir / "model.safetensors"))
-    (out_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(model.config), indent=2))
-    (out_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
-    return out_dir
 
 
 # ----- the loop -------------------------------------------------------------------------------------------
@@ -263,8 +236,6 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     columns = (config.prompt_column, config.response_column)
     collate = TokenizingCollate(tokenizer, config.max_seq_len, columns, config.loss_on_response_only)
     train_loader = make_loader(config.train_file, config, accelerator, collate, settings, shuffle=True)
-    valid_loader = make_loader(config.validation_file, config, accelerator, collate, settings, shuffle=False,
-                               num_workers=0)
     steps_per_epoch = len(train_loader) // config.gradient_accumulation_steps
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -279,8 +250,9 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     def all_ok(ok: bool) -> bool:
         return all_reduce_max(accelerator, [0.0 if ok else 1.0])[0] == 0.0
 
-    manager = CheckpointManager(config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric="val_loss",
-                                mode="min", is_main=is_main, barrier=accelerator.wait_for_everyone, all_ok=all_ok)
+    manager = CheckpointManager(config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
+                                mode=METRIC_MODES[config.best_metric], is_main=is_main,
+                                barrier=accelerator.wait_for_everyone, all_ok=all_ok)
     run_facts = {"world_size": accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers)}
     state = TrainState()
     resume_dir = find_resume_point(manager, accelerator) if is_keep_training else None
@@ -312,11 +284,20 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
 
         return manager.save(state.step, write, score=score, info={"epoch": state.epoch, "tokens_seen": state.tokens_seen})
 
+    def validate(with_bleu: bool = True) -> EvalResult:
+        result = evaluate(raw_model, tokenizer, config.validation_file, accelerator,
+                          batch_size=config.batch_size_per_gpu, max_seq_len=config.max_seq_len, columns=columns,
+                          bleu_samples=config.eval_bleu_samples if with_bleu else 0,
+                          max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
+                          response_only=config.loss_on_response_only)
+        logger.info("Validation at step %d: %s", state.step, result.describe())
+        return result
+
     trace = TrainingTrace(rank)
     if resume_dir is None:
-        state.val_loss_start = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
-        logger.info("Validation loss at step 0: %.4f", state.val_loss_start)
+        state.val_loss_start = validate(with_bleu=False).loss
     val_loss_end = state.val_loss_start
+    last_eval: EvalResult | None = None
     memory = make_memory_monitor(config, accelerator, settings, run_id)
     memory.start(state.epoch, state.step)
     hooks = TestHooks()
@@ -374,20 +355,25 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                 if state.step % config.logging_steps == 0 or state.step == total_steps:
                     _log_line(state, total_steps, window, lr, accelerator)
                     window = LogWindow()
+                due_eval = config.eval_steps and state.step % config.eval_steps == 0
+                if due_eval or state.step % config.save_steps == 0:
+                    last_eval = validate()
+                    val_loss_end = last_eval.loss
                 if state.step % config.save_steps == 0:
-                    val_loss_end = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
-                    save(val_loss_end, train_loader.state_dict())
+                    save(last_eval.score(config.best_metric), train_loader.state_dict())
                     last_saved = state.step
             if stopped_by or (state.step >= total_steps and not ranks_out):
                 break  # stopped, or the step budget ended inside this epoch
             state.epoch += 1
-            val_loss_end = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
-            logger.info("Epoch %d done at step %d: validation loss %.4f", state.epoch, state.step, val_loss_end)
-            save(val_loss_end, train_loader.state_dict())
+            logger.info("Epoch %d done at step %d.", state.epoch, state.step)
+            last_eval = validate()
+            val_loss_end = last_eval.loss
+            save(last_eval.score(config.best_metric), train_loader.state_dict())
             last_saved = state.step
         if not stopped_by and last_saved != state.step:
-            val_loss_end = evaluate_loss(raw_model, valid_loader, accelerator, config.eval_batches)
-            save(val_loss_end, train_loader.state_dict())
+            last_eval = validate()
+            val_loss_end = last_eval.loss
+            save(last_eval.score(config.best_metric), train_loader.state_dict())
     finally:
         stopper.uninstall()
         progress.close()
@@ -395,6 +381,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
 
     summary = {
         "val_loss_start": state.val_loss_start, "val_loss_end": val_loss_end, "steps": state.step,
+        "bleu4_end": last_eval.score("bleu4") if last_eval is not None else None,
         "tokens_seen": state.tokens_seen, "seconds": time.perf_counter() - started,
         "processes": accelerator.num_processes, "log_file": str(log_path), "stopped_by": stopped_by,
     }
@@ -407,8 +394,13 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.", state.val_loss_start,
                 val_loss_end, state.step, state.val_loss_start - val_loss_end, summary["seconds"])
     if is_main:
-        out_dir = export_model(raw_model, config, Path(config.output_dir) / "final")
+        out_dir = export_model(raw_model, config, Path(config.output_dir) / "final", tokenizer_dir=config.tokenizer_dir)
         logger.info("Model saved to %s", out_dir)
+        best = manager.manifest.get("best") or []
+        if best:
+            best_dir = export_checkpoint(Path(config.output_dir) / best[0], config, Path(config.output_dir) / "best",
+                                         tokenizer_dir=config.tokenizer_dir)
+            logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
         first = next(iter(ParquetStream(config.validation_file, columns=columns, shuffle=False)))
         answer = sample_answer(raw_model, tokenizer, first[config.prompt_column], config.sample_max_new_tokens,
                                accelerator.device, seed=config.seed)

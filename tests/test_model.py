@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lowmem.errors import ConfigError
-from lowmem.model import GPT, IGNORE_INDEX, PRESETS, GPTConfig
+from lowmem.model import GPT, IGNORE_INDEX, PRESETS, GPTConfig, KVCache
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -414,3 +414,195 @@ def test_generate_rejects_bad_sampling_settings(kwargs):
     args = {"max_new_tokens": 2, **kwargs}
     with pytest.raises(ConfigError):
         model.generate(torch.zeros(1, 2, dtype=torch.long), **args)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Generation with a key/value cache and left-padded prompts
+
+
+def left_pad(rows: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D prompts of different lengths into a left-padded (B, T) batch and their lengths (B,)."""
+    T = max(len(r) for r in rows)
+    batch = torch.full((len(rows), T), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        batch[i, T - len(r) :] = r
+    return batch, torch.tensor([len(r) for r in rows])
+
+
+def varied_model(seed: int = 0, **overrides) -> GPT:
+    """A tiny random model whose greedy output wanders over many tokens.
+
+    At GPT-2's init scale the tied embedding makes a random model repeat its last token forever, which
+    would make "the same greedy tokens" a weak check; larger weights give varied continuations whose top
+    two logits still differ by far more than float rounding (about 1e-3 against 1e-7).
+    """
+    model = tiny_model(seed, **overrides)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def test_kv_cache_writes_in_place_and_returns_all_positions():
+    cache = KVCache(n_layer=1, max_len=5)
+    layer = cache.layers[0]
+    k1, v1 = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8)
+    k, v = layer.append(k1, v1)
+    storage = layer.k.data_ptr()
+    assert k.shape == (2, 4, 3, 8) and cache.length == 3
+    k2, v2 = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8)
+    k, v = layer.append(k2, v2)
+    assert layer.k.data_ptr() == storage  # preallocated: no copy per step
+    assert torch.equal(k, torch.cat([k1, k2], dim=2)) and torch.equal(v, torch.cat([v1, v2], dim=2))
+    with pytest.raises(ValueError, match="5 positions"):
+        layer.append(torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8))
+
+
+def test_cached_forward_matches_full_forward():
+    model = tiny_model(max_seq_len=32)
+    idx, _ = random_batch(model.config, B=2, T=20)
+    full = model.lm_head(model._hidden(idx))  # (B, T, V)
+    cache = KVCache(model.config.n_layer, max_len=20)
+    with torch.no_grad():
+        parts = [model.lm_head(model._hidden(idx[:, :6], cache=cache))]  # a prompt
+        parts += [model.lm_head(model._hidden(idx[:, t : t + 1], cache=cache)) for t in range(6, 12)]  # steps
+        parts.append(model.lm_head(model._hidden(idx[:, 12:], cache=cache)))  # several positions after a cache
+    torch.testing.assert_close(torch.cat(parts, dim=1), full)
+
+
+def test_unpadded_forward_keeps_the_is_causal_fast_path(monkeypatch):
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        calls.append((kwargs["attn_mask"], kwargs["is_causal"]))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    model = tiny_model()
+    idx, targets = random_batch(model.config)
+    model(idx, targets)
+    assert calls and all(mask is None and is_causal for mask, is_causal in calls)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_generate_cached_and_uncached_give_the_same_greedy_tokens(seed):
+    model = varied_model(seed, max_seq_len=64)
+    prompt, _ = random_batch(model.config, B=3, T=8, seed=seed)
+    cached = model.generate(prompt, max_new_tokens=50, greedy=True)
+    uncached = model.generate(prompt, max_new_tokens=50, greedy=True, use_cache=False)
+    assert cached.shape == (3, 58)
+    assert all(len(set(row[8:].tolist())) >= 3 for row in cached)  # not one token repeated
+    assert torch.equal(cached, uncached)
+
+
+def test_generate_with_cache_runs_only_the_new_token_per_step(monkeypatch):
+    model = tiny_model(max_seq_len=64)
+    widths = []
+    hidden = model._hidden
+
+    def recording_hidden(idx, *args, **kwargs):
+        widths.append(idx.size(1))
+        return hidden(idx, *args, **kwargs)
+
+    monkeypatch.setattr(model, "_hidden", recording_hidden)
+    prompt, _ = random_batch(model.config, B=2, T=5)
+    model.generate(prompt, max_new_tokens=4, greedy=True)
+    assert widths == [5, 1, 1, 1]
+    widths.clear()
+    model.generate(prompt, max_new_tokens=4, greedy=True, use_cache=False)
+    assert widths == [5, 6, 7, 8]
+    assert model._decoding is None  # the cache does not outlive the call
+
+
+def test_generate_sampling_with_the_same_seed_matches_cached_and_uncached():
+    # The logits of the two paths differ by float rounding only (~1e-7), so the probabilities and the
+    # generator's draws agree unless a draw lands within that distance of a bucket edge.
+    model = varied_model(max_seq_len=64)
+    prompt, _ = random_batch(model.config, B=3, T=6)
+    settings = dict(max_new_tokens=40, temperature=1.3, top_k=20, top_p=0.9)
+    cached = model.generate(prompt, generator=torch.Generator().manual_seed(11), **settings)
+    uncached = model.generate(prompt, generator=torch.Generator().manual_seed(11), use_cache=False, **settings)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_left_padded_batch_matches_each_row_alone(use_cache):
+    model = varied_model(3, max_seq_len=64)
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (3, 9, 6)]
+    batch, lengths = left_pad(rows, pad=7)
+    out = model.generate(batch, max_new_tokens=30, greedy=True, prompt_lengths=lengths, use_cache=use_cache)
+    assert out.shape == (3, 9 + 30)
+    assert torch.equal(out[:, :9], batch)
+    for i, row in enumerate(rows):
+        alone = model.generate(row.unsqueeze(0), max_new_tokens=30, greedy=True, use_cache=use_cache)
+        assert torch.equal(out[i, 9:], alone[0, len(row) :]), f"row {i}"
+
+
+def test_generate_left_padding_ids_do_not_matter():
+    model = varied_model(max_seq_len=64)
+    rows = [torch.tensor([5, 6, 7]), torch.tensor([1, 2, 3, 4, 5, 6])]
+    zeros, lengths = left_pad(rows, pad=0)
+    other, _ = left_pad(rows, pad=model.config.vocab_size - 1)
+    a = model.generate(zeros, max_new_tokens=10, greedy=True, prompt_lengths=lengths)
+    b = model.generate(other, max_new_tokens=10, greedy=True, prompt_lengths=lengths)
+    assert torch.equal(a[:, 6:], b[:, 6:])
+    # Full-length rows are the unpadded case.
+    full = model.generate(zeros, max_new_tokens=10, greedy=True, prompt_lengths=torch.tensor([6, 6]))
+    assert torch.equal(full, model.generate(zeros, max_new_tokens=10, greedy=True))
+
+
+def test_generate_stops_at_eos_with_cache():
+    model = tiny_model(bias=True)
+    eos = 7
+    force_constant_logits(model, [eos])
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), max_new_tokens=10, eos_id=eos, greedy=True)
+    assert out.shape == (2, 4)
+    assert (out[:, -1] == eos).all()
+
+
+def test_generate_eos_mid_batch_same_with_and_without_cache():
+    model = varied_model(max_seq_len=64)
+    prompt, _ = random_batch(model.config, B=3, T=5, seed=2)
+    free = model.generate(prompt, max_new_tokens=20, greedy=True)
+    eos = int(free[0, 5 + 3])  # row 0 produces it by step 3; a finished row is then fed padding
+    pad = model.config.vocab_size - 1
+    cached = model.generate(prompt, max_new_tokens=20, greedy=True, eos_id=eos, pad_id=pad)
+    uncached = model.generate(prompt, max_new_tokens=20, greedy=True, eos_id=eos, pad_id=pad, use_cache=False)
+    assert torch.equal(cached, uncached)
+    first_eos = int((cached[0, 5:] == eos).nonzero()[0])
+    assert first_eos <= 3 and (cached[0, 5 + first_eos + 1 :] == pad).all()
+    assert cached.size(1) > 5 + first_eos + 1  # other rows went on after row 0 finished
+
+
+@pytest.mark.parametrize("prompt_len", [10, 16, 20])
+def test_generate_with_cache_past_max_seq_len_stays_valid(prompt_len):
+    model = varied_model()  # max_seq_len 16
+    prompt, _ = random_batch(model.config, B=2, T=prompt_len)
+    cached = model.generate(prompt, max_new_tokens=15, greedy=True)
+    assert cached.shape == (2, prompt_len + 15)
+    assert (cached < model.config.vocab_size).all()
+    # Past max_seq_len the cache is dropped for the uncached sliding window, so the tokens still agree.
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=15, greedy=True, use_cache=False))
+    sampled = model.generate(prompt, max_new_tokens=15, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (2, prompt_len + 15) and (sampled < model.config.vocab_size).all()
+
+
+def test_generate_left_padded_past_max_seq_len_matches_each_row_alone():
+    model = varied_model(2)  # max_seq_len 16
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (4, 12)]
+    batch, lengths = left_pad(rows)
+    out = model.generate(batch, max_new_tokens=12, greedy=True, prompt_lengths=lengths)
+    for i, row in enumerate(rows):
+        alone = model.generate(row.unsqueeze(0), max_new_tokens=12, greedy=True)
+        assert torch.equal(out[i, 12:], alone[0, len(row) :]), f"row {i}"
+
+
+@pytest.mark.parametrize("lengths", [[3], [0, 3], [3, 5], [2.0, 3.0]])
+def test_generate_rejects_bad_prompt_lengths(lengths):
+    model = tiny_model()
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        model.generate(torch.zeros(2, 4, dtype=torch.long), 2, prompt_lengths=torch.tensor(lengths))

@@ -93,3 +93,23 @@ def test_shuffle_breaks_file_order(tmp_path, seed):
     assert abs(correlation) < 0.05, correlation
     # The order inside a window is mixed too: neighbours are rarely neighbours in the file.
     assert np.mean(np.abs(np.diff(ids)) == 1) < 0.01
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_without_drop_remainder_every_row_is_read_exactly_once(three_files, world_size, num_workers):
+    consumers = rows_per_consumer(three_files, world_size, num_workers, drop_remainder=False)
+    every_row = [row for rows in consumers for row in rows]
+    assert len(every_row) == TOTAL_ROWS and len(set(every_row)) == TOTAL_ROWS
+    assert max(map(len, consumers)) - min(map(len, consumers)) <= 1
+
+
+def test_max_rows_reads_the_first_rows_of_the_sequence(three_files):
+    expected = [f"a{i}" for i in range(1000)] + [f"b{i}" for i in range(50)]
+    shares = [[r["prompt"] for r in ParquetStream(three_files, shuffle=False, drop_remainder=False, max_rows=1050,
+                                                  rank=rank, world_size=3)] for rank in range(3)]
+    assert [row for share in shares for row in share] == expected
+    assert [len(share) for share in shares] == [350, 350, 350]
+    # Shuffled, the first rows of the epoch's sequence (a buffer of 1 row leaves the sequence as it is).
+    prefix = [r["prompt"] for r in ParquetStream(three_files, seed=4, max_rows=100, buffer_size=1)]
+    assert prefix == [r["prompt"] for r in ParquetStream(three_files, seed=4, buffer_size=1)][:100]

@@ -86,9 +86,9 @@ class StreamLoader:
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (before rows with null or empty values are skipped)."""
-        rows = self.stream.rows_per_consumer
-        per_consumer = rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
-        return per_consumer * self.stream.workers_per_rank
+        batches = (rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+                   for rows in self.stream.rank_consumer_rows())
+        return sum(batches)
 
     @property
     def epoch(self) -> int:

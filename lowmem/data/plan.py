@@ -79,7 +79,8 @@ class Piece:
 class EpochPlan:
     """The row order of one epoch for `num_consumers` consumers."""
 
-    def __init__(self, group_rows: np.ndarray, seed: int, epoch: int, num_consumers: int, shuffle: bool):
+    def __init__(self, group_rows: np.ndarray, seed: int, epoch: int, num_consumers: int, shuffle: bool,
+                 drop_remainder: bool = True, max_rows: int | None = None):
         if num_consumers < 1:
             raise ValueError("num_consumers must be at least 1")
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
@@ -91,15 +92,20 @@ class EpochPlan:
         self._ends = np.cumsum(rows_in_order)  # (G,) global position just past each group
         self._starts = self._ends - rows_in_order
         total = int(self._ends[-1]) if num_groups else 0
+        if max_rows is not None:
+            total = min(total, max_rows)  # the first rows of the sequence: file order without shuffling
         self.rows_per_consumer = total // num_consumers
+        # Evaluation wants every row exactly once: the first `total % C` consumers then take one row more.
+        self._extra_rows = 0 if drop_remainder else total % num_consumers
 
     def consumer_range(self, consumer: int) -> tuple[int, int]:
         """Global positions `[start, stop)` of `consumer`'s rows."""
-        start = consumer * self.rows_per_consumer
-        return start, start + self.rows_per_consumer
+        start = consumer * self.rows_per_consumer + min(consumer, self._extra_rows)
+        return start, start + self.rows_per_consumer + (1 if consumer < self._extra_rows else 0)
 
-    def num_windows(self, window_rows: int) -> int:
-        return -(-self.rows_per_consumer // window_rows)  # ceil
+    def num_windows(self, consumer: int, window_rows: int) -> int:
+        first, last = self.consumer_range(consumer)
+        return -(-(last - first) // window_rows)  # ceil
 
     def window_range(self, consumer: int, window: int, window_rows: int) -> tuple[int, int]:
         """Global positions `[start, stop)` of one window of one consumer (the last may be short)."""

@@ -46,6 +46,11 @@ class ParquetStream(IterableDataset):
             command; None means 1/200 of the memory budget.
         num_workers: DataLoader workers per rank that will read this stream (0 = read in the training
             process). Only `len()` needs it before iterating; `StreamLoader` sets it.
+        drop_remainder: True (training) gives every consumer exactly `total_rows // consumers` rows and
+            leaves the few others out; False (evaluation) reads every row exactly once, the first
+            `total_rows % consumers` consumers taking one row more.
+        max_rows: read only the first `max_rows` rows of each epoch's sequence (of the file order when
+            not shuffling), e.g. the first validation prompts to score.
 
     Each consumer (a rank, or a DataLoader worker of a rank) yields exactly `total_rows // consumers`
     rows per epoch, minus rows with a null or empty value, which are skipped and counted.
@@ -64,6 +69,8 @@ class ParquetStream(IterableDataset):
         ultra_low_mem_threshold_gb: float = 15.0,
         large_row_group_bytes: int | None = None,
         num_workers: int = 0,
+        drop_remainder: bool = True,
+        max_rows: int | None = None,
     ):
         super().__init__()
         _check_arguments(columns, buffer_size, rank, world_size, num_workers)
@@ -73,6 +80,8 @@ class ParquetStream(IterableDataset):
         self.seed = int(seed)
         self.rank, self.world_size = int(rank), int(world_size)
         self.num_workers = int(num_workers)
+        self.drop_remainder = bool(drop_remainder)
+        self.max_rows = None if max_rows is None else int(max_rows)
         self.index = build_row_group_index(files, self.columns)
 
         budget = MemoryBudget.detect() if ultra_low_mem is None or large_row_group_bytes is None else None
@@ -101,13 +110,25 @@ class ParquetStream(IterableDataset):
     def num_consumers(self) -> int:
         return self.world_size * self.workers_per_rank
 
+    def plan(self, num_consumers: int | None = None) -> EpochPlan:
+        """This epoch's plan for `num_consumers` consumers (default: ranks × workers per rank)."""
+        return EpochPlan(self.index.rows, self.seed, self.epoch, num_consumers or self.num_consumers, self.shuffle,
+                         self.drop_remainder, self.max_rows)
+
+    def rank_consumer_rows(self) -> list[int]:
+        """Rows per epoch of each of this rank's consumers (before null or empty values are skipped)."""
+        plan = self.plan()
+        first = self.rank * self.workers_per_rank
+        ranges = (plan.consumer_range(consumer) for consumer in range(first, first + self.workers_per_rank))
+        return [stop - start for start, stop in ranges]
+
     @property
     def rows_per_consumer(self) -> int:
-        return self.index.num_rows // self.num_consumers
+        return self.plan().rows_per_consumer
 
     def __len__(self) -> int:
         """Rows this rank yields per epoch (before rows with null or empty values are skipped)."""
-        return self.rows_per_consumer * self.workers_per_rank
+        return sum(self.rank_consumer_rows())
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows. A loaded position is for its own epoch only."""
@@ -186,7 +207,7 @@ class ParquetStream(IterableDataset):
                 f"DataLoader worker(s) per rank, but this run reads with {num_consumers // self.world_size}. "
                 "Resume with the same num_workers (and number of processes) to continue exactly."
             )
-        plan = EpochPlan(self.index.rows, self.seed, self.epoch, num_consumers, self.shuffle)
+        plan = self.plan(num_consumers)
         cursor = _Cursor(*self._resume.pop(consumer, [0, 0, 0]))
         self._live[consumer] = cursor
         self._positions_consumers = num_consumers
@@ -199,7 +220,7 @@ class ParquetStream(IterableDataset):
 
     def _iter_rows(self, plan: EpochPlan, consumer: int, cursor: "_Cursor") -> Iterator[dict[str, str]]:
         groups = _GroupCache(self._get_reader(), plan, self.ultra_low_mem)
-        num_windows = plan.num_windows(self.buffer_size)
+        num_windows = plan.num_windows(consumer, self.buffer_size)
         while cursor.window < num_windows:
             window, emitted = cursor.window, cursor.emitted
             rows, skipped = self._build_window(plan, consumer, window, groups)

@@ -1,0 +1,145 @@
+"""Evaluation: loss, perplexity and BLEU-4 over a file, each sample counted once whatever the number of ranks."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from lowmem.data import ParquetStream, StreamLoader
+from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
+from lowmem.distributed import all_reduce_sum
+from lowmem.model import GPT
+from lowmem.tokenizer import Tokenizer
+
+_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+METRIC_MODES = {"bleu4": "max", "val_loss": "min"}
+
+
+@dataclass
+class BleuResult:
+    """A corpus BLEU-4 score (0-100) with sacrebleu's signature, which says how it was computed."""
+
+    score: float
+    signature: str
+    samples: int
+
+
+def bleu_tokenizer_for(references: Sequence[str]) -> str:
+    """sacrebleu's Chinese tokenizer ("zh", by character) when the references hold Chinese, else its default."""
+    return "zh" if any(_CJK.search(text) for text in references) else "13a"
+
+
+def bleu4(hypotheses: Sequence[str], references: Sequence[str], tokenize: str | None = None) -> BleuResult:
+    """Corpus BLEU-4 from sacrebleu (exponential smoothing; brevity penalty 1 for longer hypotheses)."""
+    from sacrebleu.metrics import BLEU
+
+    metric = BLEU(tokenize=tokenize or bleu_tokenizer_for(references))
+    score = metric.corpus_score(list(hypotheses), [list(references)])
+    return BleuResult(score=float(score.score), signature=str(metric.get_signature()), samples=len(hypotheses))
+
+
+@dataclass
+class EvalResult:
+    """What one evaluation measured, over all ranks."""
+
+    loss: float
+    loss_rows: int
+    loss_tokens: int
+    bleu: BleuResult | None = None
+    triples: list[dict[str, str]] = field(default_factory=list)  # prompt, reference, generation (all ranks)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 50.0))
+
+    def score(self, metric: str) -> float | None:
+        """The value of a retention metric ("bleu4" or "val_loss")."""
+        if metric == "bleu4":
+            return None if self.bleu is None else self.bleu.score
+        return self.loss
+
+    def describe(self) -> str:
+        text = f"loss {self.loss:.4f}, perplexity {self.perplexity:.2f} ({self.loss_rows:,} samples)"
+        if self.bleu is not None:
+            text += f", BLEU-4 {self.bleu.score:.2f} ({self.bleu.samples:,} samples; {self.bleu.signature})"
+        return text
+
+
+def _stream(files: str, columns: Sequence[str], accelerator: Accelerator, max_rows: int | None = None) -> ParquetStream:
+    # File order and no row left out: every rank scores its own contiguous share, once.
+    return ParquetStream(files, columns=columns, shuffle=False, drop_remainder=False, max_rows=max_rows,
+                         rank=accelerator.process_index, world_size=accelerator.num_processes)
+
+
+@torch.no_grad()
+def evaluate_loss(model: GPT, loader: StreamLoader, accelerator: Accelerator, max_batches: int = 0) -> tuple[float, int, int]:
+    """(mean token loss, rows, target tokens) over the loader's rows on all ranks."""
+    was_training = model.training
+    model.eval()
+    loss_sum, rows, tokens = 0.0, 0, 0
+    for index, batch in enumerate(loader):
+        if max_batches and index >= max_batches:
+            break
+        targets = batch["targets"].to(accelerator.device)
+        _, mean_loss = model(batch["input_ids"].to(accelerator.device), targets)
+        count = int((targets != IGNORE_INDEX).sum())
+        loss_sum += float(mean_loss) * count
+        rows += int(targets.shape[0])
+        tokens += count
+    model.train(was_training)
+    total_loss, total_rows, total_tokens = all_reduce_sum(accelerator, [loss_sum, rows, tokens])
+    return total_loss / max(total_tokens, 1.0), int(total_rows), int(total_tokens)
+
+
+@torch.no_grad()
+def generate_answers(model: GPT, tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int,
+                     device: torch.device, batch_size: int = 16) -> list[str]:
+    """Greedy answers to `prompts`, generated in batches of left-padded prompts with the key/value cache."""
+    answers: list[str] = []
+    room = max(1, model.config.max_seq_len - max_new_tokens)  # keep the end of long prompts, leave room to answer
+    for start in range(0, len(prompts), batch_size):
+        encoded = [tokenizer.encode_pair(prompt, None)[0][-room:] for prompt in prompts[start:start + batch_size]]
+        width = max(len(ids) for ids in encoded)
+        idx = torch.full((len(encoded), width), tokenizer.pad_id, dtype=torch.long)  # (B, T), padded on the left
+        for row, ids in enumerate(encoded):
+            idx[row, width - len(ids):] = torch.tensor(ids)
+        lengths = torch.tensor([len(ids) for ids in encoded], device=device)  # (B,) real tokens per row
+        out = model.generate(idx.to(device), max_new_tokens=max_new_tokens, greedy=True, eos_id=tokenizer.eos_id,
+                             prompt_lengths=lengths)
+        answers.extend(tokenizer.decode(row[width:].tolist()) for row in out)
+    return answers
+
+
+def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelerator, *, batch_size: int,
+             max_seq_len: int, columns: Sequence[str] = ("prompt", "response"), bleu_samples: int = 0,
+             max_new_tokens: int = 128, max_batches: int = 0, response_only: bool = False) -> EvalResult:
+    """Loss and perplexity over `files`, and BLEU-4 of greedy answers to their first `bleu_samples` prompts.
+
+    Every rank scores its own contiguous share of the rows; sums are all-reduced and generations gathered,
+    so each sample counts exactly once whatever the number of ranks. `bleu_samples` < 0 scores every row;
+    0 skips BLEU.
+    """
+    collate = TokenizingCollate(tokenizer, max_seq_len, columns, response_only)
+    loader = StreamLoader(_stream(files, columns, accelerator), batch_size=batch_size, collate_fn=collate)
+    loss, rows, tokens = evaluate_loss(model, loader, accelerator, max_batches)
+    result = EvalResult(loss=loss, loss_rows=rows, loss_tokens=tokens)
+    if bleu_samples == 0:
+        return result
+    prompt_column, response_column = columns
+    rows_here = list(_stream(files, columns, accelerator, max_rows=None if bleu_samples < 0 else bleu_samples))
+    prompts = [row[prompt_column] for row in rows_here]
+    was_training = model.training
+    answers = generate_answers(model, tokenizer, prompts, max_new_tokens, accelerator.device, batch_size)
+    model.train(was_training)
+    local = [{"prompt": p, "reference": row[response_column], "generation": a}
+             for p, row, a in zip(prompts, rows_here, answers)]
+    triples = gather_object(local) if accelerator.num_processes > 1 else local
+    result.bleu = bleu4([t["generation"] for t in triples], [t["reference"] for t in triples])
+    result.triples = triples
+    return result

@@ -1,0 +1,89 @@
+"""Using a trained model: `evaluate` on the test file, and `generate` answers to prompts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from lowmem.distributed import create_accelerator
+from lowmem.evaluate import bleu4, evaluate
+from lowmem.model import GPT
+from lowmem.model_io import find_model_folder, load_model_folder
+from lowmem.settings import check_data_files
+from lowmem.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def evaluate_command(config: Any, checkpoint: str | None = None, test_file: str | None = None,
+                     bleu_samples: int = -1) -> dict[str, Any]:
+    """Loss, perplexity and BLEU-4 of a trained model on the test file; writes a JSON summary and the triples.
+
+    Runs on 1..N processes (each scores its own share of the rows, every row once). Besides the model's
+    BLEU-4 it reports a trivial baseline, the prompt repeated as the answer, so the score can be read.
+    """
+    accelerator = create_accelerator(1, config.bf16)
+    folder = find_model_folder(config.output_dir, checkpoint)
+    config.test_file = test_file or config.test_file
+    check_data_files(config, ("test_file",))
+    model, tokenizer = load_model_folder(folder, config.tokenizer_dir, accelerator.device)
+    result = evaluate(model, tokenizer, config.test_file, accelerator, batch_size=config.batch_size_per_gpu,
+                      max_seq_len=model.config.max_seq_len, columns=(config.prompt_column, config.response_column),
+                      bleu_samples=bleu_samples, max_new_tokens=config.eval_max_new_tokens,
+                      response_only=config.loss_on_response_only)
+    baseline = bleu4([t["prompt"] for t in result.triples], [t["reference"] for t in result.triples])
+    summary = {
+        "model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
+        "loss": result.loss, "perplexity": result.perplexity,
+        "bleu4": result.bleu.score, "bleu_samples": result.bleu.samples, "bleu_signature": result.bleu.signature,
+        "baseline_repeat_prompt_bleu4": baseline.score,
+    }
+    if accelerator.is_main_process:
+        out_dir = Path(config.output_dir) / "eval"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        summary["summary_file"] = str(out_dir / "test_summary.json")
+        summary["generations_file"] = str(out_dir / "test_generations.jsonl")
+        Path(summary["summary_file"]).write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+        with open(summary["generations_file"], "w", encoding="utf-8") as out:
+            for triple in result.triples:
+                out.write(json.dumps(triple, ensure_ascii=False) + "\n")
+    return summary
+
+
+def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> str:
+    """The model's answer to one prompt: greedy with temperature 0, sampled otherwise."""
+    device = next(model.parameters()).device
+    ids, _ = tokenizer.encode_pair(prompt, None)
+    room = max(1, model.config.max_seq_len - max_new_tokens)
+    idx = torch.tensor([ids[-room:]], dtype=torch.long, device=device)  # (1, T)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    out = model.generate(idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         eos_id=tokenizer.eos_id, greedy=temperature == 0, generator=generator)
+    return tokenizer.decode(out[0, idx.size(1):].tolist())
+
+
+def generate_command(config: Any, prompt: str | None = None, checkpoint: str | None = None, max_new_tokens: int = 128,
+                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                     seed: int | None = None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+    """Print the answer to `prompt`; without one, answer each line typed until an empty line or end of input."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    folder = find_model_folder(config.output_dir, checkpoint)
+    model, tokenizer = load_model_folder(folder, config.tokenizer_dir, device)
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if prompt is not None:
+        print(answer(model, tokenizer, str(prompt), **options), file=stdout)
+        return
+    print(f"Model from {folder}. Type a prompt and press Enter; an empty line or Ctrl+D ends.", file=stdout)
+    while True:
+        stdout.write("prompt> ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line.strip():
+            break
+        print(answer(model, tokenizer, line.strip(), **options), file=stdout)

@@ -1,0 +1,118 @@
+"""Evaluation: BLEU-4 as sacrebleu computes it, every sample once across ranks, evaluate and generate commands."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from training_helpers import run_command, tiny_overrides, write_chat_rows
+
+from lowmem.checkpoint import CheckpointManager
+from lowmem.evaluate import METRIC_MODES, bleu4, bleu_tokenizer_for
+
+
+@pytest.mark.parametrize("hypotheses, references, tokenize", [
+    (["春风又绿江南岸", "明月何时照我还", ""], ["春风又绿江南岸", "明月几时照我还", "夜雨寄北"], "zh"),
+    (["the cat sat on the mat", "a very much longer hypothesis than its short reference text", ""],
+     ["the cat sat on a mat", "a short reference", "nothing produced here"], "13a"),
+    (["一二三四五六七八九十，再加上很多很多字", "千里"], ["一二三四五六", "千里江陵一日还"], "zh"),
+])
+def test_bleu4_equals_sacrebleu(hypotheses, references, tokenize):
+    import sacrebleu
+
+    expected = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize)
+    result = bleu4(hypotheses, references)
+    assert bleu_tokenizer_for(references) == tokenize
+    assert result.score == pytest.approx(expected.score, abs=1e-9)
+    assert f"tok:{tokenize}" in result.signature and result.samples == len(hypotheses)
+
+
+def test_bleu4_longer_hypothesis_has_no_bonus_and_empty_scores_zero():
+    perfect = bleu4(["明月几时有"], ["明月几时有"]).score
+    longer = bleu4(["明月几时有把酒问青天"], ["明月几时有"]).score
+    assert perfect == pytest.approx(100.0)
+    assert longer <= perfect  # brevity penalty never rewards length
+    assert bleu4([""], ["明月几时有"]).score == 0.0
+
+
+@pytest.mark.parametrize("metric, scores, kept", [
+    ("bleu4", {10: 12.0, 20: 30.0, 30: 25.0, 40: 5.0}, ["checkpoint-20", "checkpoint-30", "checkpoint-40"]),
+    ("val_loss", {10: 3.0, 20: 2.0, 30: 2.5, 40: 4.0}, ["checkpoint-20", "checkpoint-30", "checkpoint-40"]),
+    ("val_loss", {10: 1.0, 20: 2.0, 30: 3.0, 40: 4.0}, ["checkpoint-10", "checkpoint-20", "checkpoint-40"]),
+])
+def test_retention_by_bleu_keeps_highest_and_by_loss_lowest(tmp_path, metric, scores, kept):
+    manager = CheckpointManager(tmp_path, keep_best_n=2, metric=metric, mode=METRIC_MODES[metric])
+    for step, score in scores.items():
+        manager.save(step, lambda folder: (folder / "w.bin").write_bytes(b"w"), score=score)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == kept
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run whose validation (61 rows) and test (67 rows) files are not multiples of batch × ranks."""
+    folder = tmp_path_factory.mktemp("trained")
+    train = write_chat_rows(folder / "train.parquet", 600, seed=1)
+    valid = write_chat_rows(folder / "valid.parquet", 61, seed=2, row_group_rows=10)
+    test = write_chat_rows(folder / "test.parquet", 67, seed=3, row_group_rows=10)
+    done = run_command(["train", *tiny_overrides(folder, train, valid), f"--test_file={test}", "--max_steps=30",
+                        "--eval_bleu_samples=-1", "--save_steps=15", "--keep_latest_n_ckp=1"], cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder, train, valid, test, done.stderr
+
+
+def test_training_validates_every_sample_once_and_keeps_the_best_by_bleu(trained):
+    folder, _, _, _, output = trained
+    assert "Validation at step 30: loss" in output
+    assert "(61 samples)" in output and "BLEU-4" in output and "(61 samples; nrefs:1" in output
+    manifest = json.loads((folder / "run" / "checkpoints.json").read_text())
+    assert manifest["metric"] == "bleu4" and manifest["mode"] == "max"
+    assert (folder / "run" / "best" / "model.safetensors").is_file()
+    assert (folder / "run" / "final" / "tokenizer.model").is_file()
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_evaluate_scores_every_test_sample_exactly_once(trained, tmp_path, processes):
+    folder, train, valid, test, _ = trained
+    args = ["evaluate", *tiny_overrides(folder, train, valid), f"--test_file={test}", "--batch_size_per_gpu=4"]
+    if processes == 1:
+        done = run_command(args, cwd=folder)
+    else:
+        if shutil.which("accelerate") is None:
+            pytest.skip("the accelerate launcher is not on PATH")
+        done = run_command(args, cwd=folder, env={"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
+                           launcher=["accelerate", "launch", "--multi_gpu", "--num_processes", "3",
+                                     "--main_process_port", "0"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((folder / "run" / "eval" / "test_summary.json").read_text())
+    assert summary["samples"] == 67 and summary["bleu_samples"] == 67
+    triples = [json.loads(line) for line in (folder / "run" / "eval" / "test_generations.jsonl").read_text().splitlines()]
+    import pyarrow.parquet as pq
+
+    expected = pq.read_table(test).column("prompt").to_pylist()
+    assert [t["prompt"] for t in triples] == expected, "every test prompt once, in file order"
+    assert 0 <= summary["bleu4"] <= 100 and summary["baseline_repeat_prompt_bleu4"] >= 0
+
+
+def test_generate_answers_a_prompt_and_reads_prompts_until_an_empty_line(trained):
+    folder, train, valid, _, _ = trained
+    done = run_command(["generate", "--prompt=题9-1：春风明月", *tiny_overrides(folder, train, valid),
+                        "--max_new_tokens=12"], cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip()
+    import subprocess
+    import sys
+    from training_helpers import ROOT
+
+    interactive = subprocess.run([sys.executable, str(ROOT / "train_low_mem.py"), "generate",
+                                  *tiny_overrides(folder, train, valid), "--max_new_tokens=6"],
+                                 input="题1：春风\n题2：明月\n\nnot read\n", capture_output=True, text=True, cwd=folder,
+                                 env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert interactive.returncode == 0, interactive.stderr[-2000:]
+    assert interactive.stdout.count("prompt> ") == 3  # two answered, the empty line ends
+
+
+def test_generate_without_a_model_says_which_command_to_run(tmp_path):
+    done = run_command(["generate", "--prompt=hello", f"--output_dir={tmp_path / 'none'}"], cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "python train_low_mem.py train" in done.stderr
