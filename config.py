@@ -67,6 +67,7 @@ class TrainConfig:
     eval_steps: int = 0  # optimizer steps between validations (0 = at epoch ends and checkpoints only)
     eval_bleu_samples: int = 64  # first validation prompts whose greedy answers BLEU-4 scores (0 none, -1 all)
     eval_max_new_tokens: int = 128  # longest answer generated for BLEU-4
+    eval_no_repeat_ngram_size: int = 3  # BLEU answers never repeat an n-gram of their own (0 = plain greedy)
     best_metric: str = "bleu4"  # what ranks checkpoints: bleu4 (higher is better) or val_loss (lower is better)
     sample_max_new_tokens: int = 96  # tokens generated for the sample printed at the end
 

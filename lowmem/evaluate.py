@@ -53,6 +53,7 @@ class EvalResult:
     loss_tokens: int
     bleu: BleuResult | None = None
     triples: list[dict[str, str]] = field(default_factory=list)  # prompt, reference, generation (all ranks)
+    decoding: str = ""  # how the scored answers were generated
 
     @property
     def perplexity(self) -> float:
@@ -67,7 +68,8 @@ class EvalResult:
     def describe(self) -> str:
         text = f"loss {self.loss:.4f}, perplexity {self.perplexity:.2f} ({self.loss_rows:,} samples)"
         if self.bleu is not None:
-            text += f", BLEU-4 {self.bleu.score:.2f} ({self.bleu.samples:,} samples; {self.bleu.signature})"
+            text += (f", BLEU-4 {self.bleu.score:.2f} ({self.bleu.samples:,} samples, {self.decoding}; "
+                     f"{self.bleu.signature})")
         return text
 
 
@@ -99,7 +101,7 @@ def evaluate_loss(model: GPT, loader: StreamLoader, accelerator: Accelerator, ma
 
 @torch.no_grad()
 def generate_answers(model: GPT, tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int,
-                     device: torch.device, batch_size: int = 16) -> list[str]:
+                     device: torch.device, batch_size: int = 16, no_repeat_ngram_size: int = 0) -> list[str]:
     """Greedy answers to `prompts`, generated in batches of left-padded prompts with the key/value cache."""
     answers: list[str] = []
     room = max(1, model.config.max_seq_len - max_new_tokens)  # keep the end of long prompts, leave room to answer
@@ -111,14 +113,15 @@ def generate_answers(model: GPT, tokenizer: Tokenizer, prompts: Sequence[str], m
             idx[row, width - len(ids):] = torch.tensor(ids)
         lengths = torch.tensor([len(ids) for ids in encoded], device=device)  # (B,) real tokens per row
         out = model.generate(idx.to(device), max_new_tokens=max_new_tokens, greedy=True, eos_id=tokenizer.eos_id,
-                             prompt_lengths=lengths)
+                             prompt_lengths=lengths, no_repeat_ngram_size=no_repeat_ngram_size)
         answers.extend(tokenizer.decode(row[width:].tolist()) for row in out)
     return answers
 
 
 def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelerator, *, batch_size: int,
              max_seq_len: int, columns: Sequence[str] = ("prompt", "response"), bleu_samples: int = 0,
-             max_new_tokens: int = 128, max_batches: int = 0, response_only: bool = False) -> EvalResult:
+             max_new_tokens: int = 128, max_batches: int = 0, response_only: bool = False,
+             no_repeat_ngram_size: int = 0) -> EvalResult:
     """Loss and perplexity over `files`, and BLEU-4 of greedy answers to their first `bleu_samples` prompts.
 
     Every rank scores its own contiguous share of the rows; sums are all-reduced and generations gathered,
@@ -135,11 +138,13 @@ def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelera
     rows_here = list(_stream(files, columns, accelerator, max_rows=None if bleu_samples < 0 else bleu_samples))
     prompts = [row[prompt_column] for row in rows_here]
     was_training = model.training
-    answers = generate_answers(model, tokenizer, prompts, max_new_tokens, accelerator.device, batch_size)
+    answers = generate_answers(model, tokenizer, prompts, max_new_tokens, accelerator.device, batch_size,
+                               no_repeat_ngram_size)
     model.train(was_training)
     local = [{"prompt": p, "reference": row[response_column], "generation": a}
              for p, row, a in zip(prompts, rows_here, answers)]
     triples = gather_object(local) if accelerator.num_processes > 1 else local
     result.bleu = bleu4([t["generation"] for t in triples], [t["reference"] for t in triples])
+    result.decoding = f"greedy, no repeated {no_repeat_ngram_size}-grams" if no_repeat_ngram_size else "greedy"
     result.triples = triples
     return result

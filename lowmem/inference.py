@@ -35,12 +35,14 @@ def evaluate_command(config: Any, checkpoint: str | None = None, test_file: str 
     result = evaluate(model, tokenizer, config.test_file, accelerator, batch_size=config.batch_size_per_gpu,
                       max_seq_len=model.config.max_seq_len, columns=(config.prompt_column, config.response_column),
                       bleu_samples=bleu_samples, max_new_tokens=config.eval_max_new_tokens,
-                      response_only=config.loss_on_response_only)
+                      response_only=config.loss_on_response_only,
+                      no_repeat_ngram_size=config.eval_no_repeat_ngram_size)
     baseline = bleu4([t["prompt"] for t in result.triples], [t["reference"] for t in result.triples])
     summary = {
         "model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
         "loss": result.loss, "perplexity": result.perplexity,
         "bleu4": result.bleu.score, "bleu_samples": result.bleu.samples, "bleu_signature": result.bleu.signature,
+        "decoding": result.decoding,
         "baseline_repeat_prompt_bleu4": baseline.score,
     }
     if accelerator.is_main_process:

@@ -575,6 +575,7 @@ class GPT(nn.Module):
         *,
         use_cache: bool = True,
         prompt_lengths: torch.Tensor | None = None,
+        no_repeat_ngram_size: int = 0,
     ) -> torch.Tensor:
         """Continue each sequence in `idx` by up to `max_new_tokens` tokens.
 
@@ -601,6 +602,8 @@ class GPT(nn.Module):
             pad_id: what finished sequences emit while others continue; defaults to `eos_id`.
             use_cache: keep a key/value cache (much faster for long generations); False recomputes the
                 whole context at every step.
+            no_repeat_ngram_size: with n > 0, never produce a token that would repeat an n-gram already in
+                the row's answer (the prompt is not counted).
             prompt_lengths: (B,) number of real tokens in each row of `idx`, for a batch of prompts of
                 different lengths: row b's prompt is its last `prompt_lengths[b]` tokens and whatever
                 precedes them is padding (any ids), never attended to. Each row then gets the tokens it
@@ -635,11 +638,14 @@ class GPT(nn.Module):
         self._decoding = _DecodingState(n_pad=n_pad, cache=cache)
         try:
             finished = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
+            answer_start = idx.size(1)
             for _ in range(max_new_tokens):
                 # The whole context: `_next_token_logits` crops it, or runs only what the cache lacks.
                 logits = self._next_token_logits(idx).float()  # (B, V)
                 # The padding rows of the vocabulary are not tokens the tokenizer can decode.
                 logits[:, vocab_size:] = float("-inf")
+                if no_repeat_ngram_size > 0:
+                    _ban_repeated_ngrams(logits, idx[:, answer_start:], no_repeat_ngram_size)
                 if greedy:
                     next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
                 else:
@@ -694,6 +700,20 @@ def _attention_mask(Tq: int, Tk: int, n_pad: torch.Tensor | None, device: torch.
         real_key = k_pos >= n_pad.view(-1, 1, 1)  # (B, 1, Tk)
         mask = (mask & real_key) | (k_pos == q_pos)  # (B, Tq, Tk)
     return mask.view(-1, 1, Tq, Tk)  # (B or 1, 1, Tq, Tk), broadcast over heads
+
+
+def _ban_repeated_ngrams(logits: torch.Tensor, answer: torch.Tensor, n: int) -> None:
+    """Set to -inf, in place, each token that would repeat an n-gram already in the row's answer (B, t).
+
+    A small model's greedy answers fall into loops of one phrase; forbidding repeated n-grams within the
+    answer (not the prompt, which a continuation may echo) is the usual remedy.
+    """
+    for row, tokens in enumerate(answer.tolist()):
+        if len(tokens) < n:
+            continue
+        prefix = tokens[len(tokens) - n + 1:]  # the n-1 tokens a new token would extend
+        banned = {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i:i + n - 1] == prefix}
+        logits[row, list(banned)] = float("-inf")
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:

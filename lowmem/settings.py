@@ -86,7 +86,7 @@ def validate_config(config: Any) -> None:
         value = getattr(config, name)
         _require(value >= 1, f"--{name} must be at least 1 (it is {value}).")
     for name in ("max_steps", "warmup_steps", "keep_latest_n_ckp", "eval_batches", "cleanup_steps", "memory_log_steps",
-                 "eval_steps"):
+                 "eval_steps", "eval_no_repeat_ngram_size"):
         value = getattr(config, name)
         _require(value >= 0, f"--{name} must be 0 or more (it is {value}).")
     _require(config.learn_rate > 0, f"--learn_rate must be above 0 (it is {config.learn_rate}); try 1e-4 to 3e-3.")

@@ -289,7 +289,8 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                           batch_size=config.batch_size_per_gpu, max_seq_len=config.max_seq_len, columns=columns,
                           bleu_samples=config.eval_bleu_samples if with_bleu else 0,
                           max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
-                          response_only=config.loss_on_response_only)
+                          response_only=config.loss_on_response_only,
+                          no_repeat_ngram_size=config.eval_no_repeat_ngram_size)
         logger.info("Validation at step %d: %s", state.step, result.describe())
         return result
 

@@ -606,3 +606,20 @@ def test_generate_rejects_bad_prompt_lengths(lengths):
     model = tiny_model()
     with pytest.raises(ValueError, match="prompt_lengths"):
         model.generate(torch.zeros(2, 4, dtype=torch.long), 2, prompt_lengths=torch.tensor(lengths))
+
+
+def test_no_repeat_ngram_size_forbids_repeating_an_ngram_of_the_answer(monkeypatch):
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=64, n_layer=1, n_head=1, n_embd=8))
+    preference = torch.arange(64, dtype=torch.float32).flip(0)  # token 0 most likely, then 1, 2, ...
+
+    def scripted(idx):  # the same preferences at every step: plain greedy repeats token 0 forever
+        return preference.expand(idx.size(0), -1).clone()
+
+    monkeypatch.setattr(model, "_next_token_logits", scripted)
+    prompt = torch.tensor([[5, 0, 0, 0]])
+    plain = model.generate(prompt, max_new_tokens=10, greedy=True, use_cache=False)[0, 4:].tolist()
+    assert plain == [0] * 10
+    banned = model.generate(prompt, max_new_tokens=30, greedy=True, use_cache=False, no_repeat_ngram_size=2)[0, 4:].tolist()
+    bigrams = list(zip(banned, banned[1:]))
+    assert len(bigrams) == len(set(bigrams)), banned
+    assert banned[:2] == [0, 0], "the prompt's n-grams do not count"
