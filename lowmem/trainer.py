@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -22,6 +21,7 @@ from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
 from lowmem.data.sources import resolve_parquet_files
 from lowmem.evaluate import METRIC_MODES, EvalResult, evaluate
+from lowmem.inference import answer
 from lowmem.distributed import all_reduce_max, all_reduce_sum, broadcast_from_main, create_accelerator
 from lowmem.errors import ConfigError, DataError
 from lowmem.memory.log import MemoryLogger, new_run_id
@@ -164,21 +164,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return float(loss_sum), float(grad_norm)
-
-
-def sample_answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, device: torch.device,
-                  seed: int = 0) -> str:
-    """The model's answer to `prompt`, sampled (temperature 0.8, top-k 40) with a fixed seed.
-
-    Sampling rather than greedy decoding: a small model's greedy output falls into loops of one phrase
-    long before its sampled output stops reading like the data.
-    """
-    ids, _ = tokenizer.encode_pair(prompt, None)
-    idx = torch.tensor([ids[-model.config.max_seq_len:]], dtype=torch.long, device=device)  # (1, T)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens=max_new_tokens, temperature=0.8, top_k=40, eos_id=tokenizer.eos_id,
-                         generator=generator)
-    return tokenizer.decode(out[0, idx.size(1):].tolist())
 
 
 def _log_line(state: TrainState, total_steps: int, window: LogWindow, lr: float, accelerator: Accelerator) -> None:
@@ -403,10 +388,11 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                                          tokenizer_dir=config.tokenizer_dir)
             logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
         first = next(iter(ParquetStream(config.validation_file, columns=columns, shuffle=False)))
-        answer = sample_answer(raw_model, tokenizer, first[config.prompt_column], config.sample_max_new_tokens,
-                               accelerator.device, seed=config.seed)
+        # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
+        sampled = answer(raw_model, tokenizer, first[config.prompt_column], config.sample_max_new_tokens,
+                         temperature=0.8, top_k=40, seed=config.seed)
         logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", first[config.prompt_column],
-                    answer, first[config.response_column])
-        summary["sample"] = {"prompt": first[config.prompt_column], "answer": answer}
+                    sampled, first[config.response_column])
+        summary["sample"] = {"prompt": first[config.prompt_column], "answer": sampled}
     accelerator.wait_for_everyone()
     return summary

@@ -258,7 +258,8 @@ def test_save_into_a_read_only_folder_fails_with_a_message_and_keeps_older_check
     folder = Path(tempfile.mkdtemp(prefix="lowmem-readonly-"))
     try:
         folder.chmod(0o777)
-        data = [shutil.copy(path, folder) for path in chat_data]
+        for path in chat_data:
+            shutil.copy(path, folder)
         data_files = (folder / "train.parquet", folder / "valid.parquet")
         for path in data_files:
             path.chmod(0o644)

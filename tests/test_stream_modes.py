@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import write_rows
