@@ -79,7 +79,8 @@ def test_large_config_builds_the_large_model_and_takes_two_steps(tmp_path, chat_
         ["train", "--use_large_config=True", "--max_steps=2", f"--train_file={data / 'train.parquet'}",
          f"--validation_file={data / 'valid.parquet'}", f"--test_file={data / 'test.parquet'}",
          f"--tokenizer_dir={tmp_path / 'tok'}", f"--output_dir={tmp_path / 'large'}", "--vocab_size=6000",
-         "--batch_size_per_gpu=2", "--eval_batches=1", "--sample_max_new_tokens=4"],
+         "--batch_size_per_gpu=2", "--eval_batches=1", "--sample_max_new_tokens=4", "--eval_bleu_samples=2",
+         "--eval_max_new_tokens=4"],
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
