@@ -286,11 +286,14 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
     budgets = _values(records, "budget")
     budget = budget_bytes if budget_bytes is not None else (budgets[-1] if budgets else None)
     verdict, projected, explanation = _verdict(slope, stderr, recent_slope, len(fit), steps[-1], rss[-1], budget)
-    peak_index = max(range(len(rss)), key=rss.__getitem__)
+    # The peak is the highest RSS a record saw, or, where logged, the kernel's high-water mark, which
+    # also catches the peaks between records (they are taken right after a cleanup).
+    highest = [max(record["rss"], record.get("rss_high_water") or 0) for record in records]
+    peak_index = max(range(len(highest)), key=highest.__getitem__)
     available = _values(records, "sys_available")
     return RankSummary(
         run=records[0].get("run"), rank=records[0].get("rank"), world_size=records[0].get("world_size"),
-        records=len(records), first_step=first_step, last_step=last_step, start_rss=rss[0], peak_rss=rss[peak_index],
+        records=len(records), first_step=first_step, last_step=last_step, start_rss=rss[0], peak_rss=highest[peak_index],
         peak_rss_step=steps[peak_index], end_rss=rss[-1], fit_from_step=fit[0][0] if fit else None,
         fit_records=len(fit), slope_mb_per_1k_steps=slope, slope_stderr_mb_per_1k_steps=stderr,
         recent_slope_mb_per_1k_steps=recent_slope,

@@ -339,3 +339,19 @@ def test_monitor_cleans_up_and_records_on_schedule(tmp_path, caplog):
     records, notes = read_log(log.path)
     assert [r["event"] for r in records] == ["start", "record", "record", "end"] and notes == []
     assert sum("memory record rank 0" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_peak_includes_the_high_water_mark_between_records():
+    from lowmem.memlog import summarize
+    from lowmem.memory.probe import take_snapshot
+
+    snapshot = take_snapshot(include_uss=False)
+    assert snapshot.rss_high_water is not None and snapshot.rss_high_water >= snapshot.rss * 0.99
+    mb = 1024**2
+    records = [{"step": step, "rss": 500 * mb, "rss_high_water": (800 if step >= 200 else 600) * mb, "budget": 4096 * mb,
+                "event": "record", "run": "r", "rank": 0, "world_size": 1} for step in range(0, 1000, 100)]
+    summary = summarize(records)
+    assert summary.peak_rss == 800 * mb and summary.peak_rss_step == 200
+    assert summary.end_rss == 500 * mb and summary.verdict == "FLAT"
+    old_logs = [{key: value for key, value in record.items() if key != "rss_high_water"} for record in records]
+    assert summarize(old_logs).peak_rss == 500 * mb

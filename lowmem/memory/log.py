@@ -15,7 +15,7 @@ EVENTS = ("start", "record", "watchdog", "end")
 RECORD_FIELDS = (
     "time", "run", "rank", "world_size", "epoch", "step", "event",
     "rss", "uss", "workers", "workers_rss", "workers_uss", "sys_available", "budget",
-    "cuda_allocated", "cuda_reserved", "cuda_peak", "arrow_bytes", "freed",
+    "cuda_allocated", "cuda_reserved", "cuda_peak", "arrow_bytes", "freed", "rss_high_water",
 )
 
 
@@ -49,7 +49,8 @@ def format_line(record: dict[str, Any]) -> str:
     parts = [f"memory {record.get('event', 'record')} rank {record.get('rank')} epoch {record.get('epoch')} "
              f"step {record.get('step')}"]
     rss, uss = record.get("rss"), record.get("uss")
-    parts.append(f"rss {_mb(rss)}" + ("" if uss is None else f" (uss {_mb(uss)})"))
+    parts.append(f"rss {_mb(rss)}" + ("" if uss is None else f" (uss {_mb(uss)})")
+                 + ("" if record.get("rss_high_water") is None else f", peak so far {_mb(record['rss_high_water'])}"))
     if record.get("workers"):
         workers_uss = record.get("workers_uss")
         parts.append(f"{record['workers']} workers rss {_mb(record.get('workers_rss'))}"

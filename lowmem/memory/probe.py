@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import resource
+
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,6 +38,7 @@ class MemorySnapshot:
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     cuda_peak: int | None = None
+    rss_high_water: int | None = None  # the process's highest RSS so far (the kernel's ru_maxrss), this process only
 
     @property
     def footprint(self) -> int:
@@ -101,8 +105,11 @@ def take_snapshot(process: psutil.Process | None = None, include_children: bool 
     ~4 ms with two workers. `include_uss=False` (uss and workers_uss None) and `include_children=False`
     keep checks cheap when they are frequent.
     """
+    own = process is None or process.pid == os.getpid()
     process = process or psutil.Process()
     rss = process.memory_info().rss
+    # Records come right after a cleanup; the kernel's high-water mark also sees the peaks between them.
+    high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if own else None  # Linux: KiB
     uss = _uss(process) if include_uss else None
     workers, workers_rss, workers_uss = (_children_memory(process, include_uss) if include_children
                                          else (0, None, None))
@@ -111,5 +118,5 @@ def take_snapshot(process: psutil.Process | None = None, include_children: bool 
         rss=rss, uss=uss, workers=workers, workers_rss=workers_rss, workers_uss=workers_uss,
         sys_available=psutil.virtual_memory().available,
         arrow_bytes=pa.default_memory_pool().bytes_allocated(),
-        cuda_allocated=allocated, cuda_reserved=reserved, cuda_peak=peak,
+        cuda_allocated=allocated, cuda_reserved=reserved, cuda_peak=peak, rss_high_water=high_water,
     )
