@@ -114,15 +114,14 @@ def make_memory_monitor(config: Any, accelerator: Accelerator, settings: MemoryS
 
 
 def make_loader(files: str, config: Any, accelerator: Accelerator, collate: TokenizingCollate,
-                settings: MemorySettings, shuffle: bool, num_workers: int | None = None) -> StreamLoader:
+                settings: MemorySettings, shuffle: bool) -> StreamLoader:
     """A StreamLoader over this rank's share of `files`."""
     stream = ParquetStream(
         files, columns=(config.prompt_column, config.response_column), buffer_size=config.dataloader_buffer_size,
         shuffle=shuffle, seed=config.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
         ultra_low_mem=settings.ultra_low_mem, ultra_low_mem_threshold_gb=config.ultra_low_mem_threshold_gb,
     )
-    workers = settings.num_workers if num_workers is None else num_workers
-    return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate, num_workers=workers,
+    return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate, num_workers=settings.num_workers,
                         pin_memory=settings.pin_memory)
 
 

@@ -53,6 +53,19 @@ def order_correlation(group_rows: np.ndarray, order: np.ndarray) -> float:
     return float(np.dot(weight, x * y) / np.sqrt(np.dot(weight, x * x) * np.dot(weight, y * y)))
 
 
+def consumer_range(consumer: int, num_consumers: int, total_rows: int, drop_remainder: bool = True) -> tuple[int, int]:
+    """Positions `[start, stop)` of `consumer`'s rows in a sequence of `total_rows` (whatever its order).
+
+    With `drop_remainder` every consumer gets `total_rows // num_consumers` rows and the last few are left
+    out; without it (evaluation wants every row exactly once) the first `total_rows % num_consumers`
+    consumers take one row more.
+    """
+    per_consumer = total_rows // num_consumers
+    extra = 0 if drop_remainder else total_rows % num_consumers
+    start = consumer * per_consumer + min(consumer, extra)
+    return start, start + per_consumer + (1 if consumer < extra else 0)
+
+
 def group_order(group_rows: np.ndarray, seed: int, epoch: int) -> np.ndarray:
     """A random row-group order whose correlation with the file order is negligible (see module doc)."""
     rng = _rng(seed, epoch, _GROUP_ORDER)
@@ -94,14 +107,11 @@ class EpochPlan:
         total = int(self._ends[-1]) if num_groups else 0
         if max_rows is not None:
             total = min(total, max_rows)  # the first rows of the sequence: file order without shuffling
-        self.rows_per_consumer = total // num_consumers
-        # Evaluation wants every row exactly once: the first `total % C` consumers then take one row more.
-        self._extra_rows = 0 if drop_remainder else total % num_consumers
+        self.total_rows, self.drop_remainder = total, drop_remainder
 
     def consumer_range(self, consumer: int) -> tuple[int, int]:
         """Global positions `[start, stop)` of `consumer`'s rows."""
-        start = consumer * self.rows_per_consumer + min(consumer, self._extra_rows)
-        return start, start + self.rows_per_consumer + (1 if consumer < self._extra_rows else 0)
+        return consumer_range(consumer, self.num_consumers, self.total_rows, self.drop_remainder)
 
     def num_windows(self, consumer: int, window_rows: int) -> int:
         first, last = self.consumer_range(consumer)

@@ -6,6 +6,7 @@ kept (as pyarrow FileMetaData) so that readers can reopen a file without parsing
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import logging
@@ -134,8 +135,12 @@ class RowGroupIndex:
     def num_row_groups(self) -> int:
         return int(self.rows.shape[0])
 
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """A short hash of the file list and row-group layout: a saved position is only valid for the same data."""
+        """A short hash of the file list and row-group layout: a saved position is only valid for the same data.
+
+        Cached: every saved position carries it, and the training loop takes one each step.
+        """
         digest = hashlib.sha256()
         for path in self.paths:
             digest.update(os.path.basename(path).encode())

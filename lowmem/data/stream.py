@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lowmem.data.plan import EpochPlan, Piece
+from lowmem.data.plan import EpochPlan, Piece, consumer_range
 from lowmem.data.reader import RowGroupReader
 from lowmem.data.sources import FileSpec, build_row_group_index, warn_large_row_groups
 from lowmem.errors import DataError
@@ -117,14 +117,12 @@ class ParquetStream(IterableDataset):
 
     def rank_consumer_rows(self) -> list[int]:
         """Rows per epoch of each of this rank's consumers (before null or empty values are skipped)."""
-        plan = self.plan()
+        # Counting needs only the total, not the epoch's order: no plan is built.
+        total = self.index.num_rows if self.max_rows is None else min(self.index.num_rows, self.max_rows)
         first = self.rank * self.workers_per_rank
-        ranges = (plan.consumer_range(consumer) for consumer in range(first, first + self.workers_per_rank))
+        ranges = (consumer_range(consumer, self.num_consumers, total, self.drop_remainder)
+                  for consumer in range(first, first + self.workers_per_rank))
         return [stop - start for start, stop in ranges]
-
-    @property
-    def rows_per_consumer(self) -> int:
-        return self.plan().rows_per_consumer
 
     def __len__(self) -> int:
         """Rows this rank yields per epoch (before rows with null or empty values are skipped)."""
@@ -162,7 +160,7 @@ class ParquetStream(IterableDataset):
         """The state dict of this stream with the given consumer positions."""
         return {
             "format": STATE_FORMAT,
-            "data": self.index.fingerprint(),
+            "data": self.index.fingerprint,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "buffer_size": self.buffer_size,
@@ -350,7 +348,7 @@ def _check_state_matches(stream: ParquetStream, state: dict[str, Any]) -> None:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise DataError("This is not a ParquetStream position (unknown format); it cannot be resumed from.")
     differences = []
-    if state["data"] != stream.index.fingerprint():
+    if state["data"] != stream.index.fingerprint:
         differences.append("the data files (names or row groups) changed")
     for field in ("seed", "shuffle", "buffer_size", "world_size", "rank"):
         if state[field] != getattr(stream, field):
