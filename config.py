@@ -56,7 +56,9 @@ class TrainConfig:
     adam_beta2: float = 0.95  # AdamW second-moment coefficient
     grad_clip: float = 1.0  # clip the gradient norm to this (0 = no clipping)
     bf16: bool = True  # bf16 autocast on GPUs that support it (the CPU always runs float32)
+    compile: bool = False  # torch.compile the model (faster steps on GPU after a slow first few; checkpoints load either way)
     loss_on_response_only: bool = False  # train on the response tokens only (default: prompt and response)
+    pack_rows: bool = True  # pack several rows into each sequence (attention stays within a row) instead of padding
 
     # --- logging, evaluation, output ---
     output_dir: str = "model_save/demo"  # run folder: checkpoints and the exported model

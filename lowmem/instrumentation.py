@@ -41,13 +41,18 @@ class TrainingTrace:
     def enabled(self) -> bool:
         return self.path is not None
 
-    def record_batch(self, input_ids: torch.Tensor, pad_id: int) -> None:
-        """Remember a hash of each row's (unpadded) tokens."""
+    def record_batch(self, input_ids: torch.Tensor, pad_id: int, segment_ids: torch.Tensor | None = None) -> None:
+        """Remember a hash of each row's (unpadded) tokens; packed sequences are split into their rows."""
         if not self.enabled:
             return
-        for row in input_ids.tolist():
-            tokens = [token for token in row if token != pad_id]
-            self.rows.append(hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:16])
+        segments = segment_ids.tolist() if segment_ids is not None else [[1] * input_ids.size(1)] * input_ids.size(0)
+        for tokens_of_sequence, segments_of_sequence in zip(input_ids.tolist(), segments):
+            rows: dict[int, list[int]] = {}
+            for token, segment in zip(tokens_of_sequence, segments_of_sequence):
+                if segment and token != pad_id:
+                    rows.setdefault(segment, []).append(token)
+            for tokens in rows.values():
+                self.rows.append(hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:16])
 
     def record_loss(self, step: int, loss: float) -> None:
         """Remember a step's loss (the mean over every token of the step, all ranks), at full precision."""

@@ -414,6 +414,7 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         n_pad: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final normalised hidden states for token ids `idx` (B, T) -> (B, T, C).
 
@@ -422,6 +423,8 @@ class GPT(nn.Module):
             n_pad: (B,) number of left-padding tokens each row starts with, counted from the first
                 position (the cached ones included); None when no row is padded.
             cache: keys and values of the earlier positions; idx's are appended to it.
+            segment_ids: (B, T) ids of the packed rows each sequence holds (contiguous runs, 0 for padding):
+                positions restart at 0 with each segment, and attention stays inside it.
         """
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, seq_len), got {tuple(idx.shape)}.")
@@ -434,7 +437,9 @@ class GPT(nn.Module):
             )
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         attn_mask = None  # plain causal attention: the fast path for training
-        if n_pad is not None:
+        if segment_ids is not None:
+            pos, attn_mask = _segment_positions_and_mask(segment_ids)  # (B, T), (B, 1, T, T)
+        elif n_pad is not None:
             # Each row's first real token gets position 0, as if its prompt had been given alone; padding
             # (hidden from every real position by the mask) clamps to 0 to stay a valid index.
             pos = (pos - n_pad.unsqueeze(1)).clamp_min(0)  # (B, T)
@@ -453,6 +458,7 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for every position, and the mean next-token loss when `targets` is given.
 
@@ -463,13 +469,15 @@ class GPT(nn.Module):
             loss_mask: optional (B, T) weights, usually 0/1 or bool: 0 leaves a position out of the loss
                 (e.g. prompt tokens), 1 counts it. Combined with `IGNORE_INDEX` (a position counts only if
                 both allow it).
+            segment_ids: optional (B, T) ids of rows packed side by side (see `TokenizingCollate(pack=True)`):
+                each row then gets the positions and attention it would have alone.
 
         Returns:
             (logits, loss): logits (B, T, padded_vocab_size); loss is a float32 scalar, the weighted mean
             over counted positions (0.0 when no position counts, so a fully masked batch cannot turn the
             loss or the gradients into NaN), or None without targets.
         """
-        x = self._hidden(idx)  # (B, T, C)
+        x = self._hidden(idx, segment_ids=segment_ids)  # (B, T, C)
         logits = self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits, None
@@ -700,6 +708,21 @@ def _attention_mask(Tq: int, Tk: int, n_pad: torch.Tensor | None, device: torch.
         real_key = k_pos >= n_pad.view(-1, 1, 1)  # (B, 1, Tk)
         mask = (mask & real_key) | (k_pos == q_pos)  # (B, Tq, Tk)
     return mask.view(-1, 1, Tq, Tk)  # (B or 1, 1, Tq, Tk), broadcast over heads
+
+
+def _segment_positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (B, T) counted from each segment's start, and the mask (B, 1, T, T) of causal attention
+    within a segment. Segments are contiguous runs of one id; padding (id 0) attends to padding only, and
+    always to itself, so no softmax row is fully masked.
+    """
+    B, T = segment_ids.shape
+    index = torch.arange(T, device=segment_ids.device).expand(B, T)  # (B, T)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)  # (B, T): True where a segment begins
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T)
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()  # (T, T)
+    return index - first, (same & causal).unsqueeze(1)
 
 
 def _ban_repeated_ngrams(logits: torch.Tensor, answer: torch.Tensor, n: int) -> None:

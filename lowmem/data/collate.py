@@ -1,4 +1,10 @@
-"""Turning rows into training batches: tokenize, cut to length, pad to the longest row of the batch."""
+"""Turning rows into training batches: tokenize, cut to length, then pack or pad.
+
+Packing puts several rows of a batch side by side in one sequence of `max_seq_len` tokens, with segment
+ids that keep attention and positions inside each row (`GPT.forward(segment_ids=...)`), so each row is
+computed exactly as if it were alone. On the demo data padding to the longest row wastes about half of
+every batch (rows of 48-164 tokens in a width of 192); packing fills about 90% of it.
+"""
 
 from __future__ import annotations
 
@@ -14,15 +20,39 @@ IGNORE_INDEX = -100  # targets the loss skips: padding (and the prompt, when tra
 PAD_TO_MULTIPLE_OF = 32
 
 
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Group row indices into bins whose lengths sum to at most `capacity` (first fit, longest rows first).
+
+    Deterministic: ties keep the rows' order, and each bin lists its rows in their batch order. Every row
+    fits (rows are cut to `capacity` before packing).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for index in order:
+        for b, free in enumerate(room):
+            if lengths[index] <= free:
+                bins[b].append(index)
+                room[b] -= lengths[index]
+                break
+        else:
+            bins.append([index])
+            room.append(capacity - lengths[index])
+    return [sorted(rows) for rows in bins]
+
+
 class TokenizingCollate:
     """Rows `{prompt, response}` → `{"input_ids", "targets"}` LongTensors of shape (B, T).
 
     Each row becomes `[bos] prompt [sep] response [eos]`, cut at the end to `max_seq_len + 1` tokens, then
-    shifted: inputs are tokens 0..n-1 and targets tokens 1..n. Batches are padded to their longest row,
-    not to `max_seq_len` (rounded up to a multiple of 32, at most `max_seq_len`): with short rows most of
-    a fixed-length batch would be padding, and the model would spend its time on it. Packing rows into full sequences would waste nothing, but it lets
-    attention cross from one row into the next and makes one row's tokens depend on its neighbours,
-    which the prompt/response task does not want.
+    shifted: inputs are tokens 0..n-1 and targets tokens 1..n. Widths are rounded up to a multiple of 32
+    (at most `max_seq_len`).
+
+    With `pack=False` each row is one sequence, padded to the longest row of the batch (not to
+    `max_seq_len`: with short rows most of a fixed-length batch would be padding). With `pack=True` the
+    rows are packed (`pack_rows`) into fewer sequences, and the batch also holds `segment_ids` (B', T):
+    1, 2, ... for the rows of a sequence, 0 for padding. The model keeps attention and positions within a
+    segment, so packing changes the speed, not the result; the batch still holds the same rows.
 
     Picklable (the tokenizer is), so it runs inside DataLoader workers.
 
@@ -31,14 +61,16 @@ class TokenizingCollate:
         max_seq_len: the longest input the model takes.
         columns: the (prompt, response) column names.
         response_only: leave prompt tokens out of the loss.
+        pack: pack rows into shared sequences (with `segment_ids`) instead of padding each row.
     """
 
     def __init__(self, tokenizer: Any, max_seq_len: int, columns: Sequence[str] = ("prompt", "response"),
-                 response_only: bool = False):
+                 response_only: bool = False, pack: bool = False):
         self.tokenizer = tokenizer
         self.max_seq_len = int(max_seq_len)
         self.prompt_column, self.response_column = columns
         self.response_only = response_only
+        self.pack = pack
 
     def __call__(self, rows: list[dict[str, str]]) -> dict[str, torch.Tensor]:
         pairs = self.tokenizer.encode_pair_batch(
@@ -46,14 +78,27 @@ class TokenizingCollate:
         )
         limit = self.max_seq_len + 1
         lengths = [min(len(ids), limit) - 1 for ids, _ in pairs]
-        width = min(self.max_seq_len, -(-max(lengths) // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF)
-        input_ids = np.full((len(rows), width), self.tokenizer.pad_id, dtype=np.int64)  # (B, T)
-        targets = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)  # (B, T)
-        for row, ((ids, response_start), length) in enumerate(zip(pairs, lengths)):
-            ids = np.asarray(ids[: length + 1], dtype=np.int64)
-            input_ids[row, :length] = ids[:-1]
-            targets[row, :length] = ids[1:]
-            if self.response_only:
-                # Position j predicts token j + 1: the prompt and separator are predicted before the response.
-                targets[row, : max(0, min(response_start - 1, length))] = IGNORE_INDEX
-        return {"input_ids": torch.from_numpy(input_ids), "targets": torch.from_numpy(targets)}
+        bins = pack_rows(lengths, self.max_seq_len) if self.pack else [[row] for row in range(len(rows))]
+        filled = max(sum(lengths[row] for row in rows_in_bin) for rows_in_bin in bins)
+        width = min(self.max_seq_len, -(-filled // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF)
+        input_ids = np.full((len(bins), width), self.tokenizer.pad_id, dtype=np.int64)  # (B', T)
+        targets = np.full((len(bins), width), IGNORE_INDEX, dtype=np.int64)  # (B', T)
+        segment_ids = np.zeros((len(bins), width), dtype=np.int64)  # (B', T)
+        for sequence, rows_in_bin in enumerate(bins):
+            start = 0
+            for segment, row in enumerate(rows_in_bin, start=1):
+                ids, response_start = pairs[row]
+                length = lengths[row]
+                ids = np.asarray(ids[: length + 1], dtype=np.int64)
+                end = start + length
+                input_ids[sequence, start:end] = ids[:-1]
+                targets[sequence, start:end] = ids[1:]
+                segment_ids[sequence, start:end] = segment
+                if self.response_only:
+                    # Position j predicts token j + 1: the prompt and separator are predicted before the response.
+                    targets[sequence, start: start + max(0, min(response_start - 1, length))] = IGNORE_INDEX
+                start = end
+        batch = {"input_ids": torch.from_numpy(input_ids), "targets": torch.from_numpy(targets)}
+        if self.pack:
+            batch["segment_ids"] = torch.from_numpy(segment_ids)
+        return batch
