@@ -8,6 +8,7 @@ Commands:
     memlog      summarise a run's memory logs: growth per rank and a leak verdict
     repack      rewrite parquet files into small row groups
     bench_data  benchmark the data pipeline against a plain pyarrow read
+    bench_train benchmark training steps through the pipeline against in-memory batches
 
 `python train_low_mem.py COMMAND --help` documents each one.
 """
@@ -182,6 +183,30 @@ def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000) -> N
     print(run_bench(list(files) or None, rows=rows, buffer_size=buffer_size))
 
 
+def bench_train(use_large_config: bool = False, steps: int = 20, skip_steps: int = 3, data_file: str | None = None,
+                rows: int = 0, peak_tflops: float = 0.0, **overrides: Any) -> None:
+    """Benchmark training: the same model and optimizer on in-memory batches (the ceiling) and through the pipeline.
+
+    Prints one table: tokens/s of each, their ratio, the share of step time spent waiting for data, peak RSS
+    per process and, on a GPU, peak GPU memory and MFU. Run it under `accelerate launch` to measure
+    several processes.
+
+    Args:
+        use_large_config: benchmark TrainConfigPretrainLarge instead of TrainConfig.
+        steps: timed optimizer steps in each phase.
+        skip_steps: untimed steps before them (warm-up; torch.compile compiles here).
+        data_file: parquet rows to train on (default: the config's train_file).
+        rows: generate a parquet file of this many synthetic rows instead.
+        peak_tflops: the GPU's dense bf16 peak in TFLOP/s for MFU (default: from the GPU's name).
+    """
+    from lowmem.bench.train_bench import bench_train as run_bench
+
+    table = run_bench(_config(use_large_config, overrides), steps=steps, skip_steps=skip_steps, data_file=data_file,
+                      rows=rows, peak_tflops=peak_tflops)
+    if table:
+        print(table)
+
+
 _document_options()
 
 COMMANDS = {
@@ -192,6 +217,7 @@ COMMANDS = {
     "memlog": memlog,
     "repack": repack,
     "bench_data": bench_data,
+    "bench_train": bench_train,
 }
 
 
