@@ -117,10 +117,14 @@ def validate_config(config: Any) -> None:
 
 
 def check_data_files(config: Any, names: tuple[str, ...] = ("train_file", "validation_file")) -> None:
-    """Fail early, with where to put the data, when a configured data path does not exist."""
+    """Fail early, with where to put the data, when a configured local data path does not exist.
+
+    URIs (s3://, gs://, hdfs://) pass: checking them costs requests, and the data stream resolves them
+    with messages of its own (missing bucket, credentials, endpoint).
+    """
     for name in names:
         path = getattr(config, name)
-        if any(ch in path for ch in "*?[") or os.path.exists(path):
+        if "://" in path or any(ch in path for ch in "*?[") or os.path.exists(path):
             continue
         raise ConfigError(
             f"The {name.replace('_', ' ')} '{path}' does not exist (looked in '{os.getcwd()}'). Put your parquet "

@@ -2,6 +2,7 @@
 
 Nothing here reads row data: row counts, sizes and schemas all come from each file's footer, which is
 kept (as pyarrow FileMetaData) so that readers can reopen a file without parsing the footer again.
+Paths may be local or URIs on object storage (s3://, gs://, hdfs://; see `lowmem.data.storage`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import glob
 import hashlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Iterator, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lowmem.data.storage import DataFile, is_uri, read_remote_metadata, resolve_uri
 from lowmem.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -28,6 +31,8 @@ FileSpec = Union[PathLike, Sequence[PathLike]]
 
 _GLOB_CHARS = set("*?[")
 REPACK_ROW_GROUP_ROWS = 10_000
+# Remote footers are fetched this many at a time: each is a round trip, and there may be thousands of files.
+_FOOTER_FETCH_THREADS = 16
 
 
 def _is_text_type(type_: pa.DataType) -> bool:
@@ -40,45 +45,60 @@ def resolve_parquet_files(files: FileSpec) -> list[str]:
     """Expand a path, a glob, a directory, or a list of them into a sorted, de-duplicated list of files.
 
     A directory contributes every `*.parquet` file below it. Order is stable (sorted within each
-    entry, entries in the order given) because the epoch plan is a function of the file list.
+    entry, entries in the order given) because the epoch plan is a function of the file list. URIs
+    (s3://bucket/prefix/, s3://bucket/prefix/*.parquet, gs://..., hdfs://...) are listed the same way
+    and come back as the URIs of single files.
     """
+    return [file.name for file in resolve_data_files(files)]
+
+
+def resolve_data_files(files: FileSpec) -> list[DataFile]:
+    """Like `resolve_parquet_files`, with each file's filesystem (None for local files) kept for reading."""
     entries: Iterable[PathLike] = [files] if isinstance(files, (str, os.PathLike)) else files
-    resolved: list[str] = []
+    resolved: list[DataFile] = []
     for entry in entries:
         text = os.fspath(entry)
-        if any(ch in text for ch in _GLOB_CHARS):
-            matches = sorted(m for m in glob.glob(text, recursive=True) if os.path.isfile(m))
-            if not matches:
-                raise DataError(
-                    f"No parquet files match the pattern '{text}'. Check the pattern, or pass the files or "
-                    "their directory directly."
-                )
-        elif os.path.isdir(text):
-            matches = sorted(str(p) for p in Path(text).rglob("*.parquet") if p.is_file())
-            if not matches:
-                raise DataError(
-                    f"No parquet files found in the directory '{text}' (looked for *.parquet, recursively). "
-                    "Put your .parquet files there or point to the files themselves."
-                )
-        elif os.path.exists(text):
-            matches = [text]
+        if is_uri(text):
+            resolved.extend(resolve_uri(text))
         else:
-            raise DataError(
-                f"Data file not found: '{text}'. Check the path (relative paths are taken from "
-                f"'{os.getcwd()}'), or pass a directory or a glob such as 'data/*.parquet'."
-            )
-        resolved.extend(matches)
+            resolved.extend(DataFile(name=path, path=path) for path in _resolve_local(text))
     if not resolved:
         raise DataError("No data files were given. Pass a parquet file, a directory, a glob or a list of them.")
     # Keep the first occurrence of each file: the same file twice would give its rows twice per epoch.
     seen: set[str] = set()
     unique = []
-    for path in resolved:
-        key = os.path.realpath(path)
+    for file in resolved:
+        key = file.name if file.is_remote else os.path.realpath(file.path)
         if key not in seen:
             seen.add(key)
-            unique.append(path)
+            unique.append(file)
     return unique
+
+
+def _resolve_local(text: str) -> list[str]:
+    """The local files a path, a glob or a directory names, sorted."""
+    if any(ch in text for ch in _GLOB_CHARS):
+        matches = sorted(m for m in glob.glob(text, recursive=True) if os.path.isfile(m))
+        if not matches:
+            raise DataError(
+                f"No parquet files match the pattern '{text}'. Check the pattern, or pass the files or "
+                "their directory directly."
+            )
+        return matches
+    if os.path.isdir(text):
+        matches = sorted(str(p) for p in Path(text).rglob("*.parquet") if p.is_file())
+        if not matches:
+            raise DataError(
+                f"No parquet files found in the directory '{text}' (looked for *.parquet, recursively). "
+                "Put your .parquet files there or point to the files themselves."
+            )
+        return matches
+    if os.path.exists(text):
+        return [text]
+    raise DataError(
+        f"Data file not found: '{text}'. Check the path (relative paths are taken from "
+        f"'{os.getcwd()}'), or pass a directory or a glob such as 'data/*.parquet'."
+    )
 
 
 def open_parquet_metadata(path: str) -> pq.FileMetaData:
@@ -119,13 +139,18 @@ class RowGroupIndex:
     Row group `i` is group `group_in_file[i]` of file `file_id[i]`, with `rows[i]` rows.
     """
 
-    paths: tuple[str, ...]
+    files: tuple[DataFile, ...]
     metadata: tuple[pq.FileMetaData, ...]
     columns: tuple[str, ...]
     file_id: np.ndarray  # (G,) int32
     group_in_file: np.ndarray  # (G,) int32
     rows: np.ndarray  # (G,) int64
     uncompressed_bytes: np.ndarray  # (G,) int64, of the selected columns only
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Each file's name: its local path or its URI."""
+        return tuple(file.name for file in self.files)
 
     @property
     def num_rows(self) -> int:
@@ -139,7 +164,8 @@ class RowGroupIndex:
     def fingerprint(self) -> str:
         """A short hash of the file list and row-group layout: a saved position is only valid for the same data.
 
-        Cached: every saved position carries it, and the training loop takes one each step.
+        Cached: every saved position carries it, and the training loop takes one each step. Only base
+        names count, so a position saved on local files resumes on the same files copied to object storage.
         """
         digest = hashlib.sha256()
         for path in self.paths:
@@ -163,11 +189,11 @@ class RowGroupIndex:
 
 def build_row_group_index(files: FileSpec, columns: Sequence[str]) -> RowGroupIndex:
     """Resolve `files`, read every footer, check the columns, and index the row groups."""
-    paths = resolve_parquet_files(files)
+    data_files = resolve_data_files(files)
     metadata_list = []
     file_ids, groups, rows, sizes = [], [], [], []
-    for file_id, path in enumerate(paths):
-        metadata = open_parquet_metadata(path)
+    for file_id, (file, metadata) in enumerate(zip(data_files, _read_footers(data_files))):
+        path = file.name
         _check_columns(path, metadata, columns)
         if metadata.num_rows == 0:
             raise DataError(
@@ -184,7 +210,7 @@ def build_row_group_index(files: FileSpec, columns: Sequence[str]) -> RowGroupIn
             sizes.append(sum(row_group.column(i).total_uncompressed_size for i in column_positions))
         metadata_list.append(metadata)
     return RowGroupIndex(
-        paths=tuple(paths),
+        files=tuple(data_files),
         metadata=tuple(metadata_list),
         columns=tuple(columns),
         file_id=np.asarray(file_ids, dtype=np.int32),
@@ -192,6 +218,18 @@ def build_row_group_index(files: FileSpec, columns: Sequence[str]) -> RowGroupIn
         rows=np.asarray(rows, dtype=np.int64),
         uncompressed_bytes=np.asarray(sizes, dtype=np.int64),
     )
+
+
+def _read_footers(files: Sequence[DataFile]) -> Iterator[pq.FileMetaData]:
+    """Every file's footer, in order: local ones one after the other, remote ones a few at a time."""
+    if not any(file.is_remote for file in files):
+        return (open_parquet_metadata(file.path) for file in files)
+    with ThreadPoolExecutor(max_workers=min(_FOOTER_FETCH_THREADS, len(files))) as pool:
+        return iter(list(pool.map(_read_footer, files)))
+
+
+def _read_footer(file: DataFile) -> pq.FileMetaData:
+    return read_remote_metadata(file) if file.is_remote else open_parquet_metadata(file.path)
 
 
 def _column_positions(metadata: pq.FileMetaData, columns: Sequence[str]) -> list[int]:
@@ -211,12 +249,15 @@ def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int) -> list[str]:
         if size <= limit_bytes:
             continue
         flagged.append(path)
-        stem, _ = os.path.splitext(path)
+        # repack reads and writes local files: a remote file is copied here first, and uploaded after.
+        source = os.path.basename(path) if is_uri(path) else path
+        stem, _ = os.path.splitext(source)
         logger.warning(
             "Row group %d of '%s' holds %d rows, %.0f MB uncompressed, over the %.0f MB limit for one "
-            "read: every read of it holds that much in memory. Rewrite the file with small row groups:\n"
+            "read: every read of it holds that much in memory. Rewrite the file with small row groups%s:\n"
             "    python train_low_mem.py repack %s %s --row_group_rows=%d",
             group, path, rows, size / 1e6, limit_bytes / 1e6,
-            path, f"{stem}.repacked.parquet", REPACK_ROW_GROUP_ROWS,
+            " (copy it here first, and upload the result in its place)" if is_uri(path) else "",
+            source, f"{stem}.repacked.parquet", REPACK_ROW_GROUP_ROWS,
         )
     return flagged
