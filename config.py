@@ -57,6 +57,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip the gradient norm to this (0 = no clipping)
     bf16: bool = True  # bf16 autocast on GPUs that support it (the CPU always runs float32)
     compile: bool = False  # torch.compile the model (faster steps on GPU after a slow first few; checkpoints load either way)
+    compile_backend: str = "inductor"  # torch.compile backend ("eager" only traces the model: for debugging)
     loss_on_response_only: bool = False  # train on the response tokens only (default: prompt and response)
     pack_rows: bool = True  # pack several rows into each sequence (attention stays within a row) instead of padding
 

@@ -32,5 +32,6 @@ def maybe_compile(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     """
     if not getattr(config, "compile", False):
         return model
-    logger.info("Compiling the model with torch.compile (the first steps take longer).")
-    return torch.compile(model)
+    logger.info("Compiling the model with torch.compile, backend %s (the first steps take longer).",
+                config.compile_backend)
+    return torch.compile(model, backend=config.compile_backend)
