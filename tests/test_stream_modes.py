@@ -133,3 +133,19 @@ def test_repack_refuses_to_overwrite_its_input(tmp_path):
     with pytest.raises(DataError, match="input itself"):
         repack(source, source)
     assert pq.read_table(source).num_rows == 2
+
+
+@pytest.mark.parametrize("budget_gb, processes, on_gpu, expected", [
+    (12, 3, True, (True, 1, False)),  # the reference host: 4 GiB per GPU process, one worker each
+    (4, 3, True, (True, 0, False)),  # 1.3 GiB each: no room for a worker's copy of the pipeline
+    (64, 3, True, (False, 2, True)),
+    (12, 3, False, (True, 0, False)),  # the CPU: workers would take cores from the step
+    (64, 1, False, (False, 0, False)),
+])
+def test_workers_and_modes_follow_the_budget(budget_gb, processes, on_gpu, expected):
+    from lowmem.memory.settings import decide_memory_settings
+
+    settings = decide_memory_settings(None, -1, 15.0, local_processes=processes, on_gpu=on_gpu, budget_gb=budget_gb)
+    assert (settings.ultra_low_mem, settings.num_workers, settings.pin_memory) == expected
+    kept = decide_memory_settings(False, 3, 15.0, local_processes=processes, on_gpu=on_gpu, budget_gb=budget_gb)
+    assert (kept.ultra_low_mem, kept.num_workers) == (False, 3)  # explicit values are kept

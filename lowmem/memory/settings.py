@@ -9,6 +9,11 @@ from lowmem.memory.budget import GIB, MemoryBudget
 
 # DataLoader workers per process when memory allows: tokenizing in a worker overlaps with the model's step.
 DEFAULT_WORKERS_ON_GPU = 2
+# On a low budget a GPU process still gets one worker when its share allows it: a GPU step of the large
+# config takes tens of milliseconds, and tokenizing and reading in the training process would leave the
+# GPU idle for a good part of each step. The worker holds one row group and the shuffle buffer, like the
+# main process would (bench_train measures that share).
+MIN_SHARE_FOR_A_WORKER_GIB = 2.0
 
 
 @dataclass(frozen=True)
@@ -35,15 +40,22 @@ def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int, thresho
     """Choose ultra-low-mem mode, DataLoader workers and pinned memory from the host's budget.
 
     Values given explicitly (ultra_low_mem not None, num_workers >= 0) are kept; automatic ones follow
-    the budget: below `threshold_gb`, ultra-low-mem mode, no workers (each worker is a copy of the
-    process) and no pinned memory (page-locked memory cannot be swapped or reclaimed). On the CPU there
-    are no workers either: they would take cores from the model's own step.
+    the budget: below `threshold_gb`, ultra-low-mem mode, one worker on a GPU if the process's share is at
+    least `MIN_SHARE_FOR_A_WORKER_GIB` (else none), and no pinned memory (page-locked memory cannot be
+    swapped or reclaimed). On the CPU there are no workers: they would take cores from the model's own step.
     """
     budget = MemoryBudget.detect(local_processes, budget_gb)
     low = budget.is_low(threshold_gb)
     auto_ultra = ultra_low_mem is None
     ultra = low if auto_ultra else bool(ultra_low_mem)
-    workers = num_workers if num_workers >= 0 else (0 if low or not on_gpu else DEFAULT_WORKERS_ON_GPU)
+    if num_workers >= 0:
+        workers = num_workers
+    elif not on_gpu:
+        workers = 0
+    elif not low:
+        workers = DEFAULT_WORKERS_ON_GPU
+    else:
+        workers = 1 if budget.per_process_bytes >= MIN_SHARE_FOR_A_WORKER_GIB * GIB else 0
     pin = on_gpu and not low
     reason = (
         f"memory budget {budget.total_bytes / GIB:.1f} GiB for {budget.local_processes} process(es) "
