@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import uuid
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
@@ -24,11 +26,13 @@ def bf16_supported(on_cpu: bool) -> bool:
 
 
 def requested_processes() -> int:
-    """How many processes the launcher was asked for.
+    """How many processes the launcher was asked for, over all machines.
 
-    torchrun and multi-process `accelerate launch` set WORLD_SIZE. A single-process `accelerate launch`
-    sets nothing, even when given `--num_processes 3` (on a machine without GPUs and without
-    `--multi_gpu`), so the launcher's own command line (our parent process) is read as well.
+    torchrun and multi-process `accelerate launch` set WORLD_SIZE (the total over all machines; on several
+    machines `accelerate launch --num_processes` is that total too, and each machine starts its share). A
+    single-process `accelerate launch` sets nothing, even when given `--num_processes 3` (on a machine
+    without GPUs and without `--multi_gpu`), so the launcher's own command line (our parent process) is
+    read as well.
     """
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
@@ -64,9 +68,52 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool) -> Accelera
         raise ConfigError(
             f"The launcher was asked for {launched} processes, but Accelerate runs {accelerator.num_processes}. "
             "On a machine without GPUs use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N "
-            "train_low_mem.py train`; on GPUs check that N GPUs are visible (CUDA_VISIBLE_DEVICES)."
+            "train_low_mem.py train`; on GPUs check that N GPUs are visible (CUDA_VISIBLE_DEVICES). On several "
+            "machines N is the total over all of them, and every machine needs --multi_gpu (or a config file "
+            "from configs/accelerate/)."
         )
     return accelerator
+
+
+def local_processes(accelerator: Accelerator) -> int:
+    """Processes on this machine (LOCAL_WORLD_SIZE, set by the launcher); all of them on one machine."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+
+
+def is_multi_node(accelerator: Accelerator) -> bool:
+    """True when the processes run on more than one machine."""
+    return accelerator.num_processes > local_processes(accelerator)
+
+
+def check_shared_folder(accelerator: Accelerator, folder: str | Path, option: str = "--output_dir") -> None:
+    """On several machines, fail early unless every process sees `folder` as the same folder.
+
+    A checkpoint is one folder that every rank writes its part into and the main process then marks
+    complete and renames: on a disk of one machine only, the other machines' parts would land elsewhere and
+    the checkpoint could never be resumed from. The main process writes a probe file; every rank looks for it.
+    """
+    if not is_multi_node(accelerator):
+        return
+    token = broadcast_from_main(accelerator, lambda: uuid.uuid4().hex)
+    probe = Path(folder) / f".lowmem-shared-{token}"
+    if accelerator.is_main_process:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token)
+    accelerator.wait_for_everyone()
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    [blind] = all_reduce_sum(accelerator, [0.0 if seen else 1.0])  # also keeps the probe until all have looked
+    if accelerator.is_main_process:
+        probe.unlink(missing_ok=True)
+    if blind:
+        raise ConfigError(
+            f"{int(blind)} of {accelerator.num_processes} processes cannot see {option}={folder} as the main "
+            "process writes it: on several machines, checkpoints must go to a filesystem that every machine "
+            "mounts at the same path (NFS, a cluster filesystem). Set "
+            f"{option} to such a path (the tokenizer folder too, or copy the tokenizer to every machine first)."
+        )
 
 
 def broadcast_from_main(accelerator: Accelerator, compute: Callable[[], T]) -> T:

@@ -12,7 +12,9 @@ import torch
 
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
+from lowmem.parallelism import load_weights, save_weights, unwrap
 from lowmem.tokenizer import Tokenizer
+
 
 def _write_model_folder(out_dir: Path, model_config: dict[str, Any], config: Any, tokenizer_dir: str,
                         write_weights: Callable[[Path], Any]) -> Path:
@@ -30,11 +32,12 @@ def _write_model_folder(out_dir: Path, model_config: dict[str, Any], config: Any
 
 
 def export_model(model: GPT, config: Any, out_dir: Path, tokenizer_dir: str) -> Path:
-    """Export the model as it is: weights (safetensors), the configs that rebuild it, and its tokenizer."""
-    from safetensors.torch import save_model
+    """Export the model as it is: weights (safetensors), the configs that rebuild it, and its tokenizer.
 
-    return _write_model_folder(out_dir, dataclasses.asdict(model.config), config, tokenizer_dir,
-                               lambda path: save_model(model, str(path)))
+    `model` is a whole GPT (see `lowmem.parallelism.model_for_eval`), plain or wrapped by torch.compile.
+    """
+    return _write_model_folder(out_dir, dataclasses.asdict(unwrap(model).config), config, tokenizer_dir,
+                               lambda path: save_weights(model, path))
 
 
 def export_checkpoint(checkpoint: Path, config: Any, out_dir: Path, tokenizer_dir: str) -> Path:
@@ -42,7 +45,6 @@ def export_checkpoint(checkpoint: Path, config: Any, out_dir: Path, tokenizer_di
     model_config = json.loads((checkpoint / "model_config.json").read_text())
     return _write_model_folder(out_dir, model_config, config, tokenizer_dir,
                                lambda path: shutil.copy(checkpoint / "model.safetensors", path))
-
 
 
 def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> Path:
@@ -63,10 +65,8 @@ def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.dev
 
     The tokenizer exported with the model is used when the folder has one, else the one in `tokenizer_dir`.
     """
-    from safetensors.torch import load_model
-
     model = GPT(GPTConfig(**json.loads((folder / "model_config.json").read_text())))
-    load_model(model, str(folder / "model.safetensors"))
+    load_weights(model, folder / "model.safetensors")
     model.to(device).eval()
     tokenizer = Tokenizer.load(folder if (folder / "tokenizer.model").is_file() else tokenizer_dir)
     return model, tokenizer

@@ -2,11 +2,17 @@
 
 A checkpoint folder (written atomically by `lowmem.checkpoint.CheckpointManager`):
 
-    model.safetensors      the weights (main process)
-    optimizer.pt           AdamW's state (main process; identical on every rank under DDP)
+    model.safetensors      the whole model's weights (main process), under every strategy
+    model_config.json      the GPT's sizes
+    optimizer.pt           AdamW's state (main process; identical on every rank under DDP), or
+    deepspeed/state/       under DeepSpeed: the engine's checkpoint, one optimizer shard per rank, or
+    optimizer/             under FSDP: the optimizer state, one shard per rank (torch.distributed.checkpoint)
     trainer_state.json     epoch, step, tokens seen, world size, workers, and the config it ran with
     rank<r>/rng.pt         each rank's Python, numpy and torch (CPU and CUDA) random states
     rank<r>/data.json      each rank's data position (StreamLoader.state_dict())
+
+Weights and optimizer state are `lowmem.parallelism`'s business (what each strategy needs); this module
+adds the rest. Every rank writes its own files into the same folder; the main process the shared ones.
 
 The learning rate needs no state: it is a pure function of the step.
 """
@@ -22,8 +28,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 
 from lowmem.errors import ConfigError
+from lowmem.parallelism import load_model_and_optimizer, save_model_and_optimizer
 
 # Changing one of these between a save and a resume changes what the rest of the run computes.
 EXACTNESS_FIELDS = (
@@ -69,20 +77,22 @@ def restore_rng(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def checkpoint_writer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data_state: dict[str, Any],
-                      state: TrainState, config: Any, rank: int, is_main: bool, run_facts: dict[str, Any]):
-    """A `write(folder)` callback for CheckpointManager.save that writes this rank's part."""
-    from safetensors.torch import save_model
+def checkpoint_writer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,
+                      data_state: dict[str, Any], state: TrainState, config: Any, run_facts: dict[str, Any]):
+    """A `write(folder)` callback for CheckpointManager.save that writes this rank's part.
+
+    Every rank must call the callback (under FSDP and DeepSpeed, saving the weights and optimizer is a
+    collective).
+    """
+    rank, is_main = accelerator.process_index, accelerator.is_main_process
 
     def write(folder: Path) -> None:
         rank_dir = folder / f"rank{rank}"
         rank_dir.mkdir(parents=True, exist_ok=True)
         torch.save(capture_rng(), rank_dir / "rng.pt")
         (rank_dir / "data.json").write_text(json.dumps(data_state))
+        save_model_and_optimizer(folder, model, optimizer, accelerator)
         if is_main:
-            save_model(model, str(folder / "model.safetensors"))
-            (folder / "model_config.json").write_text(json.dumps(dataclasses.asdict(model.config), indent=2))
-            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
             trainer_state = {"train": state.state_dict(), "config": dataclasses.asdict(config), **run_facts}
             (folder / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, ensure_ascii=False))
 
@@ -124,13 +134,13 @@ def check_resume(folder: Path, saved: dict[str, Any], config: Any, run_facts: di
     return inexact
 
 
-def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
-    """Load weights, optimizer and this rank's random states; return this rank's data position."""
-    from safetensors.torch import load_model
+def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    accelerator: Accelerator) -> dict[str, Any]:
+    """Load weights, optimizer and this rank's random states; return this rank's data position.
 
-    load_model(model, str(folder / "model.safetensors"))
-    # mmap: the file's pages are read on demand and can be dropped again, so several ranks loading at once
-    # do not each hold a full copy of the optimizer state in anonymous memory.
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", mmap=True, weights_only=True))
+    Every rank calls it; `model` and `optimizer` are the prepared ones.
+    """
+    rank = accelerator.process_index
+    load_model_and_optimizer(folder, model, optimizer, accelerator)
     restore_rng(torch.load(folder / f"rank{rank}" / "rng.pt", weights_only=False))
     return json.loads((folder / f"rank{rank}" / "data.json").read_text())

@@ -22,7 +22,8 @@ from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
 from lowmem.data.sources import resolve_parquet_files
 from lowmem.evaluate import METRIC_MODES, EvalResult, evaluate
 from lowmem.inference import answer
-from lowmem.distributed import all_reduce_max, all_reduce_sum, broadcast_from_main, create_accelerator
+from lowmem.distributed import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
+                                create_accelerator)
 from lowmem.errors import ConfigError, DataError
 from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
@@ -35,6 +36,8 @@ from lowmem.tokenizer import Tokenizer, train_tokenizer
 from lowmem.checkpoint import CheckpointManager
 from lowmem.signals import GracefulStop
 from lowmem.model_io import export_checkpoint, export_model
+from lowmem.parallelism import describe, model_for_eval, prepare_model_and_optimizer
+from lowmem.performance import enable_tf32, maybe_compile
 from lowmem.instrumentation import TestHooks, TrainingTrace
 from lowmem.train_state import TrainState, check_resume, checkpoint_writer, load_checkpoint, read_trainer_state
 from lowmem.train_log import setup_training_log
@@ -154,7 +157,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
         with accelerator.accumulate(model):
             input_ids = batch["input_ids"].to(accelerator.device, non_blocking=True)  # (B, T)
             targets = batch["targets"].to(accelerator.device, non_blocking=True)  # (B, T)
-            _, mean_loss = model(input_ids, targets)
+            segment_ids = batch.get("segment_ids")  # (B, T) when rows are packed
+            if segment_ids is not None:
+                segment_ids = segment_ids.to(accelerator.device, non_blocking=True)
+            _, mean_loss = model(input_ids, targets, segment_ids=segment_ids)
             batch_loss_sum = mean_loss * (targets != IGNORE_INDEX).sum()
             accelerator.backward(batch_loss_sum * scale)
             loss_sum += batch_loss_sum.detach()
@@ -197,6 +203,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     check_data_files(config)
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
+    check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     set_seed(config.seed)
     started = time.perf_counter()
     rank, is_main = accelerator.process_index, accelerator.is_main_process
@@ -210,15 +217,19 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     logger.info("Memory settings (decided by rank 0): %s.", settings.reason, extra={"all_ranks": True})
 
     model = GPT(model_config_for(config, tokenizer.vocab_size))
-    optimizer = model.configure_optimizer(config.weight_decay, config.learn_rate, (config.adam_beta1, config.adam_beta2),
-                                          device_type=accelerator.device.type)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    raw_model: GPT = accelerator.unwrap_model(model)
-    logger.info("Model: %.2f M parameters (%.2f M without embeddings).", raw_model.num_params() / 1e6,
-                raw_model.num_params(exclude_embeddings=True) / 1e6)
+    logger.info("Model: %.2f M parameters (%.2f M without embeddings).", model.num_params() / 1e6,
+                model.num_params(exclude_embeddings=True) / 1e6)
+    # The optimizer, the wrapping and (below) checkpoints and the model to evaluate depend on how accelerate
+    # was launched (DDP, DeepSpeed, FSDP): lowmem.parallelism handles each.
+    model, optimizer = prepare_model_and_optimizer(model, config, accelerator)
+    logger.info("Parallelism: %s.", describe(accelerator))
+    if enable_tf32(accelerator.device.type == "cuda"):
+        logger.info("TF32 matmuls on: float32 work runs on the tensor cores.")
+    model = maybe_compile(model, config)
 
     columns = (config.prompt_column, config.response_column)
-    collate = TokenizingCollate(tokenizer, config.max_seq_len, columns, config.loss_on_response_only)
+    collate = TokenizingCollate(tokenizer, config.max_seq_len, columns, config.loss_on_response_only,
+                                pack=config.pack_rows)
     train_loader = make_loader(config.train_file, config, accelerator, collate, settings, shuffle=True)
     steps_per_epoch = len(train_loader) // config.gradient_accumulation_steps
     if steps_per_epoch == 0:
@@ -245,7 +256,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
     if resume_dir is not None:
         saved = read_trainer_state(resume_dir)
         changes = check_resume(resume_dir, saved, config, run_facts, allow_config_change)
-        data_state = load_checkpoint(resume_dir, raw_model, optimizer, rank)
+        data_state = load_checkpoint(resume_dir, model, optimizer, accelerator)
         state.load_state_dict(saved["train"])
         try:
             train_loader.load_state_dict(data_state)
@@ -260,7 +271,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                 len(train_loader.stream), steps_per_epoch, total_steps)
 
     def save(score: float | None, data_state: dict[str, Any]) -> Path:
-        write_parts = checkpoint_writer(raw_model, optimizer, data_state, state, config, rank, is_main, run_facts)
+        write_parts = checkpoint_writer(model, optimizer, accelerator, data_state, state, config, run_facts)
 
         def write(folder: Path) -> None:
             write_parts(folder)
@@ -269,12 +280,13 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
         return manager.save(state.step, write, score=score, info={"epoch": state.epoch, "tokens_seen": state.tokens_seen})
 
     def validate(with_bleu: bool = True) -> EvalResult:
-        result = evaluate(raw_model, tokenizer, config.validation_file, accelerator,
-                          batch_size=config.batch_size_per_gpu, max_seq_len=config.max_seq_len, columns=columns,
-                          bleu_samples=config.eval_bleu_samples if with_bleu else 0,
-                          max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
-                          response_only=config.loss_on_response_only,
-                          no_repeat_ngram_size=config.eval_no_repeat_ngram_size)
+        with model_for_eval(model, accelerator) as eval_model:
+            result = evaluate(eval_model, tokenizer, config.validation_file, accelerator,
+                              batch_size=config.batch_size_per_gpu, max_seq_len=config.max_seq_len, columns=columns,
+                              bleu_samples=config.eval_bleu_samples if with_bleu else 0,
+                              max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
+                              response_only=config.loss_on_response_only,
+                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size)
         logger.info("Validation at step %d: %s", state.step, result.describe())
         return result
 
@@ -323,7 +335,7 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                 loss_sum, grad_norm = train_step(model, optimizer, accelerator, micro_batches, global_tokens,
                                                  config.grad_clip)
                 for batch in micro_batches:
-                    trace.record_batch(batch["input_ids"], tokenizer.pad_id)
+                    trace.record_batch(batch["input_ids"], tokenizer.pad_id, batch.get("segment_ids"))
                 if trace.enabled:
                     step_loss, step_tokens = all_reduce_sum(accelerator, [loss_sum, target_tokens])
                     trace.record_loss(state.step + 1, step_loss / max(step_tokens, 1.0))
@@ -375,23 +387,27 @@ def train(config: Any, is_keep_training: bool = False, allow_config_change: bool
                     stopped_by, state.step)
         accelerator.wait_for_everyone()
         return summary
-    trace.finish(raw_model, state.step)
-    logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.", state.val_loss_start,
-                val_loss_end, state.step, state.val_loss_start - val_loss_end, summary["seconds"])
-    if is_main:
-        out_dir = export_model(raw_model, config, Path(config.output_dir) / "final", tokenizer_dir=config.tokenizer_dir)
-        logger.info("Model saved to %s", out_dir)
-        best = manager.manifest.get("best") or []
-        if best:
-            best_dir = export_checkpoint(Path(config.output_dir) / best[0], config, Path(config.output_dir) / "best",
-                                         tokenizer_dir=config.tokenizer_dir)
-            logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
-        first = next(iter(ParquetStream(config.validation_file, columns=columns, shuffle=False)))
-        # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
-        sampled = answer(raw_model, tokenizer, first[config.prompt_column], config.sample_max_new_tokens,
-                         temperature=0.8, top_k=40, seed=config.seed)
-        logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", first[config.prompt_column],
-                    sampled, first[config.response_column])
-        summary["sample"] = {"prompt": first[config.prompt_column], "answer": sampled}
+    # Every rank enters together: under FSDP the whole model is gathered from the shards.
+    with model_for_eval(model, accelerator) as final_model:
+        trace.finish(final_model, state.step)
+        logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.",
+                    state.val_loss_start, val_loss_end, state.step, state.val_loss_start - val_loss_end,
+                    summary["seconds"])
+        if is_main:
+            out_dir = export_model(final_model, config, Path(config.output_dir) / "final",
+                                   tokenizer_dir=config.tokenizer_dir)
+            logger.info("Model saved to %s", out_dir)
+            best = manager.manifest.get("best") or []
+            if best:
+                best_dir = export_checkpoint(Path(config.output_dir) / best[0], config,
+                                             Path(config.output_dir) / "best", tokenizer_dir=config.tokenizer_dir)
+                logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
+            first = next(iter(ParquetStream(config.validation_file, columns=columns, shuffle=False)))
+            # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
+            sampled = answer(final_model, tokenizer, first[config.prompt_column], config.sample_max_new_tokens,
+                             temperature=0.8, top_k=40, seed=config.seed)
+            logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", first[config.prompt_column],
+                        sampled, first[config.response_column])
+            summary["sample"] = {"prompt": first[config.prompt_column], "answer": sampled}
     accelerator.wait_for_everyone()
     return summary

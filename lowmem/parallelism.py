@@ -1,0 +1,379 @@
+"""What each way of spreading training over devices needs, in one place.
+
+The trainer calls a few functions from here and never asks which strategy runs:
+
+    prepare_model_and_optimizer   create the optimizer the strategy accepts and `accelerator.prepare` both
+    save_model_and_optimizer      write this rank's part of the weights and optimizer into a checkpoint folder
+    load_model_and_optimizer      read them back
+    model_for_eval                a whole, usable GPT for evaluation, generation and export
+
+The strategy comes from how `accelerate launch` was configured (see configs/accelerate/):
+
+    plain / DDP   one process, or data parallel with a full replica per process. Checkpoint: the main
+                  process writes `model.safetensors` and `optimizer.pt` (identical on every rank under DDP).
+    DeepSpeed     ZeRO stage 1 or 2 (the optimizer state, and in stage 2 the gradients, are split over the
+                  ranks; with offload, the optimizer state lives in host memory and is stepped there).
+                  Checkpoint: every rank writes its optimizer shard through the engine's own
+                  `save_checkpoint` into `deepspeed/`; the main process also writes the (replicated) weights to
+                  `model.safetensors` for evaluation and export. Resume reads `deepspeed/` only.
+    FSDP          parameters, gradients and optimizer state sharded (FSDP1 or FSDP2). Checkpoint: the
+                  weights are gathered in full to `model.safetensors` (the file evaluation, export and resume
+                  read); the optimizer state stays sharded: every rank writes its own shard into `optimizer/`
+                  with torch.distributed.checkpoint. Gathering it instead would put twice the model's size
+                  (AdamW's two moments) into one host's memory, the very thing this project avoids, and the
+                  sharded form is re-sharded on load if the number of processes changes.
+
+Every function accepts a model wrapped by `torch.compile` (its state-dict keys start with `_orig_mod.`) or
+by DDP (`module.`): weights are always written with the plain model's names and load into either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from lowmem.errors import CheckpointError, ConfigError
+from lowmem.model import GPT
+
+logger = logging.getLogger(__name__)
+
+PLAIN, DEEPSPEED, FSDP = "plain", "deepspeed", "fsdp"
+WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"  # plain / DDP
+DEEPSPEED_DIR = "deepspeed"  # DeepSpeed engine checkpoint (one shard per rank)
+DEEPSPEED_TAG = "state"  # the engine's sub-folder name; fixed, so no `latest` file is needed
+FSDP_OPTIMIZER_DIR = "optimizer"  # torch.distributed.checkpoint folder (one shard per rank)
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP / DataParallel / DeepSpeedEngine
+
+
+# ----- which strategy -------------------------------------------------------------------------------------
+def strategy(accelerator: Accelerator) -> str:
+    """"plain" (one process or DDP), "deepspeed" or "fsdp", as `accelerate launch` configured it."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return DEEPSPEED
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return FSDP
+    return PLAIN
+
+
+def describe(accelerator: Accelerator) -> str:
+    """One line for the log: the strategy and its main settings."""
+    kind = strategy(accelerator)
+    if kind == DEEPSPEED:
+        plugin = accelerator.state.deepspeed_plugin
+        return (f"DeepSpeed ZeRO-{plugin.zero_stage}, optimizer offload: {plugin.offload_optimizer_device}, "
+                f"{accelerator.num_processes} processes")
+    if kind == FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        return f"FSDP{plugin.fsdp_version}, {accelerator.num_processes} processes"
+    return "DDP" if accelerator.num_processes > 1 else "single process"
+
+
+# ----- unwrapping and plain state dicts --------------------------------------------------------------------
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside torch.compile, DDP, DataParallel, DeepSpeed and FSDP1's outer wrappers.
+
+    Only attributes are followed: unlike `accelerator.unwrap_model(keep_fp32_wrapper=False)`, nothing is
+    changed on the model, so the training model keeps its mixed-precision forward.
+    """
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile
+            model = model._orig_mod
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine",
+                                      "FullyShardedDataParallel"):
+            model = model.module
+        else:
+            return model
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` without torch.compile's wrapper only: what torch.distributed.checkpoint's FSDP functions take."""
+    while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
+def strip_prefixes(name: str) -> str:
+    """A state-dict key without the prefixes that compile and DDP wrappers add (`_orig_mod.`, `module.`)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name
+
+
+def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights under the plain model's names, whether `model` is compiled, DDP-wrapped or plain."""
+    return {strip_prefixes(name): tensor for name, tensor in unwrap(model).state_dict().items()}
+
+
+def _tied_names(module: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one Parameter (GPT ties the token embedding and the output layer)."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def load_model_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load weights into `model` (plain, compiled or DDP-wrapped) from a state dict with or without wrapper
+    prefixes. Of tied parameters one name is enough; anything else missing or unexpected is an error."""
+    target = unwrap(model)
+    clean = {strip_prefixes(name): tensor for name, tensor in state.items()}
+    missing, unexpected = target.load_state_dict(clean, strict=False)
+    covered = {name for group in _tied_names(target) if any(n in clean for n in group) for name in group}
+    missing = [name for name in missing if name not in covered]
+    if missing or unexpected:
+        raise RuntimeError(f"The weights do not fit the model: missing {missing}, unexpected {unexpected}.")
+
+
+def _without_shared_duplicates(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep one name per shared tensor (safetensors refuses shared storage), the alphabetically first, as
+    `safetensors.torch.save_model` does: files written either way have the same keys."""
+    kept: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name in sorted(state):
+        tensor = state[name]
+        if tensor.device.type != "meta":
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+        kept[name] = tensor.detach().contiguous()
+    return kept
+
+
+def save_weights(model_or_state: torch.nn.Module | dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write weights to a safetensors file under the plain model's names (a compiled model's included)."""
+    from safetensors.torch import save_file
+
+    state = model_or_state if isinstance(model_or_state, dict) else model_state_dict(model_or_state)
+    state = {strip_prefixes(name): tensor for name, tensor in state.items()}
+    save_file(_without_shared_duplicates(state), str(path), metadata={"format": "pt"})
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load a safetensors file (from `save_weights` or `safetensors.torch.save_model`) into a plain or
+    compiled model."""
+    from safetensors.torch import load_file
+
+    load_model_state_dict(model, load_file(str(path)))
+
+
+# ----- preparing --------------------------------------------------------------------------------------------
+def _check_supported(accelerator: Accelerator) -> None:
+    if strategy(accelerator) == DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise ConfigError(
+            "DeepSpeed ZeRO stage 3 splits the weights themselves over the GPUs, and this trainer's evaluation, "
+            "generation and export need whole weights on each GPU. Use configs/accelerate/deepspeed_zero2_offload"
+            ".yaml (ZeRO-2 with the optimizer in host memory) or configs/accelerate/fsdp.yaml (everything sharded)."
+        )
+
+
+def _create_optimizer(model: GPT, config: Any, accelerator: Accelerator) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (GPT.configure_optimizer), in the form the strategy accepts.
+
+    DeepSpeed with the optimizer offloaded to the CPU steps it with its own CPU Adam (it refuses a torch
+    optimizer there); a DeepSpeed config file that names an optimizer gets accelerate's DummyOptim carrying
+    our parameter groups.
+    """
+    adamw = model.configure_optimizer(config.weight_decay, config.learn_rate, (config.adam_beta1, config.adam_beta2),
+                                      device_type=accelerator.device.type)
+    if strategy(accelerator) != DEEPSPEED:
+        return adamw
+    plugin = accelerator.state.deepspeed_plugin
+    groups = [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in adamw.param_groups]
+    if "optimizer" in plugin.deepspeed_config:
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim(groups, lr=config.learn_rate)
+    if plugin.offload_optimizer_device in ("cpu", "nvme"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # imported only here: deepspeed is optional
+
+        return DeepSpeedCPUAdam(groups, lr=config.learn_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                adamw_mode=True)
+    return adamw
+
+
+def _fill_deepspeed_config(config: Any, accelerator: Accelerator) -> None:
+    """Values DeepSpeed's config needs that accelerate takes from a DataLoader we do not hand it."""
+    plugin = accelerator.state.deepspeed_plugin
+    ds = plugin.deepspeed_config
+    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds["train_micro_batch_size_per_gpu"] = config.batch_size_per_gpu
+    # DeepSpeed clips inside its own step (accelerator.clip_grad_norm_ does nothing there): give it ours.
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = config.grad_clip if config.grad_clip > 0 else 0.0
+
+
+def prepare_model_and_optimizer(model: GPT, config: Any,
+                                accelerator: Accelerator) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Create the optimizer for `model` and prepare both for the launched strategy (DDP, DeepSpeed, FSDP).
+
+    Model and optimizer go into one `accelerator.prepare` call: FSDP replaces the parameters while wrapping
+    and accelerate re-points the optimizer at the new ones only when it sees both together.
+
+    Args:
+        model: the plain GPT, on the CPU.
+        config: the training config (weight_decay, learn_rate, adam_beta1/2, batch_size_per_gpu, grad_clip).
+        accelerator: the run's Accelerator.
+    """
+    _check_supported(accelerator)
+    optimizer = _create_optimizer(model, config, accelerator)
+    if strategy(accelerator) == DEEPSPEED:
+        _fill_deepspeed_config(config, accelerator)
+    return accelerator.prepare(model, optimizer)
+
+
+# ----- checkpoints ------------------------------------------------------------------------------------------
+def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's AcceleratedOptimizer."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_rank: bool = False,
+                     ) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights under plain names: on the main process (None elsewhere), or with
+    `on_every_rank` on every process (on its device). Every rank must call it: FSDP gathers the shards."""
+    if strategy(accelerator) == FSDP:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # cpu_offload gathers into the main process's host memory only; without it every rank gets the
+        # whole model on its GPU.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
+        state = get_model_state_dict(_uncompiled(model), options=options)
+        state = {strip_prefixes(name): tensor for name, tensor in state.items()}
+        return state if on_every_rank or accelerator.is_main_process else None
+    if on_every_rank or accelerator.is_main_process:
+        return model_state_dict(model)
+    return None
+
+
+def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             accelerator: Accelerator) -> None:
+    """Write this rank's part of the weights and the optimizer state into a checkpoint folder.
+
+    Every rank calls it (inside CheckpointManager.save's write step, all into the same temporary folder).
+    The main process writes `model.safetensors` and `model_config.json` under every strategy.
+    """
+    import json
+
+    kind = strategy(accelerator)
+    state = full_model_state(model, accelerator)
+    if accelerator.is_main_process:
+        save_weights(state, folder / WEIGHTS_FILE)
+        (folder / "model_config.json").write_text(json.dumps(dataclasses.asdict(unwrap(model).config), indent=2))
+    del state
+    if kind == DEEPSPEED:
+        # Every rank writes its own optimizer shard; rank 0 also the engine's module states.
+        model.save_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+    elif kind == FSDP:
+        _save_sharded_optimizer(folder / FSDP_OPTIMIZER_DIR, model, optimizer)
+    elif accelerator.is_main_process:
+        torch.save(_inner_optimizer(optimizer).state_dict(), folder / OPTIMIZER_FILE)
+
+
+def _save_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Each rank writes its optimizer shard (torch.distributed.checkpoint); also works unsharded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model = _uncompiled(model)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, _inner_optimizer(optimizer))}, checkpoint_id=str(folder))
+
+
+def _load_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model, inner = _uncompiled(model), _inner_optimizer(optimizer)
+    # The current (sharded) optimizer state is the template that tells DCP what to read into.
+    state = {"optimizer": get_optimizer_state_dict(model, inner)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_optimizer_state_dict(model, inner, optim_state_dict=state["optimizer"])
+
+
+def _saved_strategy(folder: Path) -> str:
+    if (folder / DEEPSPEED_DIR).is_dir():
+        return DEEPSPEED
+    if (folder / FSDP_OPTIMIZER_DIR).is_dir():
+        return FSDP
+    return PLAIN
+
+
+def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             accelerator: Accelerator) -> None:
+    """Load the weights and optimizer state saved by `save_model_and_optimizer`; every rank calls it."""
+    kind, saved = strategy(accelerator), _saved_strategy(folder)
+    if kind != saved:
+        raise ConfigError(
+            f"The checkpoint {folder} was saved under {saved} and this run uses {kind}: its optimizer state "
+            "cannot be read across strategies. Resume with the accelerate config file it was trained with, or "
+            f"start a new run in another --output_dir (its {WEIGHTS_FILE} can still be evaluated and exported)."
+        )
+    if kind == DEEPSPEED:
+        # The engine restores the module's weights and the optimizer's fp32 master weights and moments.
+        load_path, _ = model.load_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                                             load_optimizer_states=True, load_lr_scheduler_states=False)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {folder / DEEPSPEED_DIR}.")
+        return
+    if kind == FSDP:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = load_file(str(folder / WEIGHTS_FILE))
+        with torch.device("meta"):  # the plain model's ties, whatever FSDP made of the parameters
+            ties = _tied_names(GPT(unwrap(model).config))
+        for group in ties:  # the file holds one name of a tied pair
+            present = next((name for name in group if name in state), None)
+            for name in group:
+                if present is not None:
+                    state.setdefault(name, state[present])
+        set_model_state_dict(_uncompiled(model), state, options=StateDictOptions(full_state_dict=True))
+        _load_sharded_optimizer(folder / FSDP_OPTIMIZER_DIR, model, optimizer)
+        return
+    load_weights(model, folder / WEIGHTS_FILE)
+    # mmap: the file's pages are read on demand and can be dropped again, so several ranks loading at once
+    # do not each hold a full copy of the optimizer state in anonymous memory.
+    saved_state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", mmap=True, weights_only=True)
+    _inner_optimizer(optimizer).load_state_dict(saved_state)
+
+
+# ----- evaluation and export --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def model_for_eval(model: torch.nn.Module, accelerator: Accelerator) -> Iterator[GPT]:
+    """A whole GPT that evaluation, generation and export can use as they would a plain model.
+
+    Plain, DDP and DeepSpeed ZeRO-1/2 keep whole weights on every rank: the training model itself, without
+    its wrappers (and without torch.compile, which would recompile for every new generation length).
+    FSDP holds only shards, so every rank gathers the weights into a temporary replica on its device, used
+    for the evaluation and freed after it: it costs one more copy of the weights on each GPU while it lasts
+    (no gradients, no optimizer state), which models of the size this project trains afford. The replica is
+    float32 and runs without the training autocast. Every rank must enter the context together under FSDP.
+    """
+    if strategy(accelerator) != FSDP:
+        yield unwrap(model)
+        return
+    state = full_model_state(model, accelerator, on_every_rank=True)
+    with torch.device(accelerator.device):
+        replica = GPT(unwrap(model).config)
+    load_model_state_dict(replica, state)
+    del state
+    replica.eval()
+    try:
+        yield replica
+    finally:
+        del replica
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
