@@ -165,10 +165,19 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
             accelerator.backward(batch_loss_sum * scale)
             loss_sum += batch_loss_sum.detach()
             if accelerator.sync_gradients:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+                norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+                # DeepSpeed clips inside its engine and returns None here; its engine knows the norm.
+                grad_norm = norm if norm is not None else _engine_grad_norm(model)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return float(loss_sum), float(grad_norm)
+
+
+def _engine_grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The gradient norm a DeepSpeed engine measured at its last step (0 when it has none)."""
+    get_norm = getattr(model, "get_global_grad_norm", None)
+    norm = get_norm() if callable(get_norm) else None
+    return torch.as_tensor(0.0 if norm is None else float(norm))
 
 
 def _log_line(state: TrainState, total_steps: int, window: LogWindow, lr: float, accelerator: Accelerator) -> None:
