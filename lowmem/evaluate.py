@@ -28,6 +28,8 @@ class BleuResult:
     score: float
     signature: str
     samples: int
+    precisions: tuple[float, ...] = ()  # 1- to 4-gram precisions (0-100): which n-grams the answers get right
+    brevity_penalty: float = 1.0  # below 1 when the answers are shorter than the references in all
 
 
 def bleu_tokenizer_for(references: Sequence[str]) -> str:
@@ -41,7 +43,8 @@ def bleu4(hypotheses: Sequence[str], references: Sequence[str], tokenize: str | 
 
     metric = BLEU(tokenize=tokenize or bleu_tokenizer_for(references))
     score = metric.corpus_score(list(hypotheses), [list(references)])
-    return BleuResult(score=float(score.score), signature=str(metric.get_signature()), samples=len(hypotheses))
+    return BleuResult(score=float(score.score), signature=str(metric.get_signature()), samples=len(hypotheses),
+                      precisions=tuple(float(p) for p in score.precisions), brevity_penalty=float(score.bp))
 
 
 @dataclass

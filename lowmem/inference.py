@@ -25,7 +25,9 @@ def evaluate_command(config: Any, checkpoint: str | None = None, test_file: str 
     """Loss, perplexity and BLEU-4 of a trained model on the test file; writes a JSON summary and the triples.
 
     Runs on 1..N processes (each scores its own share of the rows, every row once). Besides the model's
-    BLEU-4 it reports a trivial baseline, the prompt repeated as the answer, so the score can be read.
+    BLEU-4 it reports two baselines that know nothing of the task, so the score can be read: the prompt
+    repeated as the answer, and the next sample's reference as the answer (text of the right form and
+    length, on another subject).
     """
     accelerator = create_accelerator(1, config.bf16)
     folder = find_model_folder(config.output_dir, checkpoint)
@@ -37,13 +39,18 @@ def evaluate_command(config: Any, checkpoint: str | None = None, test_file: str 
                       bleu_samples=bleu_samples, max_new_tokens=config.eval_max_new_tokens,
                       response_only=config.loss_on_response_only,
                       no_repeat_ngram_size=config.eval_no_repeat_ngram_size)
-    baseline = bleu4([t["prompt"] for t in result.triples], [t["reference"] for t in result.triples])
+    references = [t["reference"] for t in result.triples]
+    baseline = bleu4([t["prompt"] for t in result.triples], references)
+    other_reference = bleu4(references[1:] + references[:1], references)
     summary = {
         "model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
         "loss": result.loss, "perplexity": result.perplexity,
         "bleu4": result.bleu.score, "bleu_samples": result.bleu.samples, "bleu_signature": result.bleu.signature,
         "decoding": result.decoding,
-        "baseline_repeat_prompt_bleu4": baseline.score,
+        "bleu_precisions": result.bleu.precisions, "bleu_brevity_penalty": result.bleu.brevity_penalty,
+        "baseline_repeat_prompt_bleu4": baseline.score, "baseline_repeat_prompt_precisions": baseline.precisions,
+        "baseline_other_reference_bleu4": other_reference.score,
+        "baseline_other_reference_precisions": other_reference.precisions,
     }
     if accelerator.is_main_process:
         out_dir = Path(config.output_dir) / "eval"

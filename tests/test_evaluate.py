@@ -26,6 +26,7 @@ def test_bleu4_equals_sacrebleu(hypotheses, references, tokenize):
     assert bleu_tokenizer_for(references) == tokenize
     assert result.score == pytest.approx(expected.score, abs=1e-9)
     assert f"tok:{tokenize}" in result.signature and result.samples == len(hypotheses)
+    assert result.precisions == pytest.approx(expected.precisions) and result.brevity_penalty == pytest.approx(expected.bp)
 
 
 def test_bleu4_longer_hypothesis_has_no_bonus_and_empty_scores_zero():
@@ -93,6 +94,12 @@ def test_evaluate_scores_every_test_sample_exactly_once(trained, tmp_path, proce
     expected = pq.read_table(test).column("prompt").to_pylist()
     assert [t["prompt"] for t in triples] == expected, "every test prompt once, in file order"
     assert 0 <= summary["bleu4"] <= 100 and summary["baseline_repeat_prompt_bleu4"] >= 0
+    assert len(summary["bleu_precisions"]) == 4 and 0 < summary["bleu_brevity_penalty"] <= 1
+    references = [t["reference"] for t in triples]
+    import sacrebleu
+
+    shifted = sacrebleu.corpus_bleu(references[1:] + references[:1], [references], tokenize="zh")
+    assert summary["baseline_other_reference_bleu4"] == pytest.approx(shifted.score)
 
 
 def test_generate_answers_a_prompt_and_reads_prompts_until_an_empty_line(trained):

@@ -32,7 +32,7 @@ def tiny_overrides(tmp_path: Path, train_file: Path, valid_file: Path) -> list[s
         f"--tokenizer_dir={tmp_path / 'tok'}", f"--output_dir={tmp_path / 'run'}", "--vocab_size=400",
         "--n_layer=2", "--n_head=2", "--n_embd=32", "--max_seq_len=64", "--batch_size_per_gpu=8",
         "--dataloader_buffer_size=50", "--logging_steps=5", "--warmup_steps=2", "--sample_max_new_tokens=8",
-        "--eval_bleu_samples=8", "--eval_max_new_tokens=8",
+        "--eval_bleu_samples=8", "--eval_max_new_tokens=8", "--epochs=1",  # later flags win: tests may change it
     ]
 
 
