@@ -64,11 +64,11 @@ class TrainConfig:
     # --- logging, evaluation, output ---
     output_dir: str = "model_save/demo"  # run folder: checkpoints and the exported model
     logging_steps: int = 10  # optimizer steps between log lines
-    save_steps: int = 300  # optimizer steps between checkpoints
+    save_steps: int = 500  # optimizer steps between checkpoints
     keep_latest_n_ckp: int = 3  # best checkpoints kept besides the latest
     eval_batches: int = 0  # validation batches for the loss (0 = the whole validation file)
     eval_steps: int = 0  # optimizer steps between validations (0 = at epoch ends and checkpoints only)
-    eval_bleu_samples: int = 64  # first validation prompts whose greedy answers BLEU-4 scores (0 none, -1 all)
+    eval_bleu_samples: int = -1  # first validation prompts whose greedy answers BLEU-4 scores (0 none, -1 all)
     eval_max_new_tokens: int = 128  # longest answer generated for BLEU-4
     eval_no_repeat_ngram_size: int = 0  # >0: BLEU answers never repeat an n-gram of their own (0 = plain greedy)
     best_metric: str = "bleu4"  # what ranks checkpoints: bleu4 (higher is better) or val_loss (lower is better)
