@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import sentencepiece as spm
 
+from lowmem.data.storage import DataFile, is_uri, resolve_uri
 from lowmem.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,16 @@ class _TextStats:
     sentences: int = 0
 
 
-def _stream_sentences(files: Sequence[Path], columns: tuple[str, ...], stats: _TextStats) -> Iterator[str]:
+def _data_files(files: Sequence[str | Path]) -> list[DataFile]:
+    """Local paths as they are; URIs (s3://, gs://, hdfs://) resolved to their files and filesystems."""
+    resolved: list[DataFile] = []
+    for file in files:
+        text = str(file)
+        resolved.extend(resolve_uri(text) if is_uri(text) else [DataFile(name=text, path=text)])
+    return resolved
+
+
+def _stream_sentences(files: Sequence[DataFile], columns: tuple[str, ...], stats: _TextStats) -> Iterator[str]:
     """Every training sentence of ``files``, read one Arrow batch at a time."""
     for path in files:
         for value in _stream_values(path, columns):
@@ -94,13 +104,14 @@ def _stream_sentences(files: Sequence[Path], columns: tuple[str, ...], stats: _T
                 yield sentence
 
 
-def _stream_values(path: Path, columns: tuple[str, ...]) -> Iterator[str | None]:
+def _stream_values(file: DataFile, columns: tuple[str, ...]) -> Iterator[str | None]:
     """The values of ``columns`` in one file, one Arrow batch in memory at a time."""
     parquet = None
+    path = file.name
     try:
         # pre_buffer=False: with the default, pyarrow keeps the compressed bytes of every row group
         # it has read until the file is closed, so memory would grow to the size of the file.
-        parquet = pq.ParquetFile(path, pre_buffer=False)
+        parquet = pq.ParquetFile(file.path, pre_buffer=False, filesystem=file.filesystem)
         for batch in parquet.iter_batches(batch_size=READ_BATCH_SIZE, columns=list(columns)):
             for column in batch.columns:
                 yield from column.to_pylist()
@@ -157,7 +168,7 @@ def _split_sentences(text: str) -> Iterator[str]:
             yield line[start : start + max_chars]
 
 
-def _check_files(files: Sequence[Path], columns: tuple[str, ...]) -> None:
+def _check_files(files: Sequence[DataFile], columns: tuple[str, ...]) -> None:
     """Fail before training (with the file named) on missing files, missing or non-string columns.
 
     Only the footers are read, so a bad last file fails at once rather than after streaming all
@@ -165,11 +176,12 @@ def _check_files(files: Sequence[Path], columns: tuple[str, ...]) -> None:
     """
     if not files:
         raise DataError(f"no training files given for the tokenizer; pass parquet files with columns {list(columns)}")
-    for path in files:
-        if not path.is_file():
+    for file in files:
+        path = file.name
+        if not file.is_remote and not Path(file.path).is_file():
             raise DataError(f"training file not found: {path}; check the path (put your parquet files under data/)")
         try:
-            schema = pq.read_schema(path)
+            schema = pq.read_schema(file.path, filesystem=file.filesystem)
         except (OSError, pa.ArrowException) as exc:
             raise DataError(f"cannot read parquet file {path}: {exc}") from exc
         for name in columns:
@@ -306,7 +318,7 @@ def train_tokenizer(
     """
     if isinstance(files, (str, Path)):
         files = [files]
-    paths = [Path(f) for f in files]
+    paths = _data_files(files)
     if vocab_size <= NUM_RESERVED_PIECES:
         raise ConfigError(
             f"vocab_size={vocab_size} is too small: {NUM_RESERVED_PIECES} ids are taken by special and byte pieces"
@@ -325,7 +337,7 @@ def train_tokenizer(
     sample = _reservoir_sample(_stream_sentences(paths, tuple(columns), stats), max_sentences, seed)
     if not sample:
         raise DataError(
-            f"no text to train the tokenizer on: columns {list(columns)} of {[str(p) for p in paths]} "
+            f"no text to train the tokenizer on: columns {list(columns)} of {[p.name for p in paths]} "
             "are all null or empty"
         )
     logger.info(

@@ -181,3 +181,13 @@ def test_footer_is_fetched_once_per_file(uploaded, bucket, requests_log):
     for file_id, key in enumerate(keys):
         opens = groups.count(file_id)
         assert requests_log.gets(key) == opens * len(stream.columns)
+
+
+def test_tokenizer_trains_from_s3_like_from_local_files(uploaded, tmp_path):
+    from lowmem.tokenizer import train_tokenizer
+
+    local, uri = uploaded
+    options = dict(vocab_size=300, columns=("prompt", "response"), seed=3, hard_vocab_limit=False)
+    from_disk = train_tokenizer([str(p) for p in local], tmp_path / "local", **options)
+    from_bucket = train_tokenizer(resolve_parquet_files(uri), tmp_path / "s3", **options)
+    assert from_bucket.read_bytes() == from_disk.read_bytes()  # same sentences, same sample, same model
