@@ -82,10 +82,14 @@ class _TextStats:
     sentences: int = 0
 
 
-def _data_files(files: Sequence[str | Path]) -> list[DataFile]:
-    """Local paths as they are; URIs (s3://, gs://, hdfs://) resolved to their files and filesystems."""
+def _data_files(files: Sequence[str | Path | DataFile]) -> list[DataFile]:
+    """Files already resolved as they are; local paths as given; URIs (s3://, gs://, hdfs://) resolved to
+    their files and filesystems."""
     resolved: list[DataFile] = []
     for file in files:
+        if isinstance(file, DataFile):
+            resolved.append(file)
+            continue
         text = str(file)
         resolved.extend(resolve_uri(text) if is_uri(text) else [DataFile(name=text, path=text)])
     return resolved
@@ -280,7 +284,7 @@ def _vocab_text(sp: spm.SentencePieceProcessor) -> str:
 
 
 def train_tokenizer(
-    files: list[str | Path],
+    files: list[str | Path | DataFile],
     out_dir: str | Path,
     vocab_size: int = 8000,
     columns: tuple[str, ...] = ("prompt", "response"),
@@ -293,7 +297,8 @@ def train_tokenizer(
     """Train a SentencePiece BPE tokenizer on parquet text, streamed, and save it atomically.
 
     Args:
-        files: parquet files holding the training text.
+        files: parquet files holding the training text: local paths, URIs, or files already resolved
+            (`lowmem.data.sources.resolve_data_files`, which saves listing object storage again).
         out_dir: folder for ``tokenizer.model`` and ``tokenizer.vocab`` (created if missing).
         vocab_size: number of pieces, the 261 special and byte pieces included; it must also
             leave room for every character kept by the 99.95 % character coverage.

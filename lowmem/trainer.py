@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,11 @@ from tqdm import tqdm
 
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
-from lowmem.data.sources import resolve_parquet_files
+from lowmem.data.sources import resolve_data_files
 from lowmem.evaluate import METRIC_MODES, EvalResult, evaluate
 from lowmem.inference import answer
 from lowmem.distributed import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
-                                create_accelerator)
+                                create_accelerator, local_processes)
 from lowmem.errors import ConfigError, DataError
 from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
@@ -68,7 +67,7 @@ def model_config_for(config: Any, vocab_size: int) -> GPTConfig:
 
 def train_tokenizer_for(config: Any) -> Tokenizer:
     """Train the tokenizer a config asks for; with too little text for `vocab_size`, a smaller one, said so."""
-    train_tokenizer(resolve_parquet_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
+    train_tokenizer(resolve_data_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
                     columns=(config.prompt_column, config.response_column),
                     max_sentences=config.tokenizer_max_sentences, seed=config.seed, hard_vocab_limit=False)
     tokenizer = Tokenizer.load(config.tokenizer_dir)
@@ -97,7 +96,7 @@ def shared_memory_settings(config: Any, accelerator: Accelerator) -> MemorySetti
     """Rank 0 decides from the memory budget and broadcasts, so no two ranks run with different settings."""
     return broadcast_from_main(accelerator, lambda: decide_memory_settings(
         config.ultra_low_mem, config.dataloader_num_workers, config.ultra_low_mem_threshold_gb,
-        local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)),
+        local_processes=local_processes(accelerator),
         on_gpu=accelerator.device.type == "cuda", budget_gb=config.memory_budget_gb,
     ))
 

@@ -58,7 +58,7 @@ def _with_endpoint_from_environment(uri: str) -> str:
     gives the same endpoint everywhere.
     """
     parts = urlsplit(uri)
-    endpoint = next((os.environ[name] for name in ENDPOINT_VARIABLES if os.environ.get(name)), None)
+    endpoint = _configured_endpoint()
     if parts.scheme != "s3" or not endpoint or "endpoint_override=" in parts.query:
         return uri
     option = f"endpoint_override={quote(endpoint, safe='')}"
@@ -182,8 +182,13 @@ def _not_found(filesystem: pafs.FileSystem, path: str, uri: str) -> DataError:
     )
 
 
+def _configured_endpoint() -> str | None:
+    """The S3 endpoint the environment names (AWS_ENDPOINT_URL_S3 first), or None."""
+    return next((os.environ[name] for name in ENDPOINT_VARIABLES if os.environ.get(name)), None)
+
+
 def _endpoint_hint() -> str:
-    endpoint = next((os.environ[name] for name in ENDPOINT_VARIABLES if os.environ.get(name)), None)
+    endpoint = _configured_endpoint()
     if endpoint:
         return f", and that AWS_ENDPOINT_URL ({endpoint}) points to the right store"
     return ", the region (AWS_REGION), and for an S3-compatible store set AWS_ENDPOINT_URL=http://host:port"
