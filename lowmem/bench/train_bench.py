@@ -14,7 +14,6 @@ cost of producing them on the fly. Tokens are real (non-padding) input tokens.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import resource
 import tempfile
 import time
@@ -27,7 +26,6 @@ import torch
 
 from lowmem.data.collate import TokenizingCollate
 
-logger = logging.getLogger(__name__)
 MB = 1e6
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by GPU name, from the vendors' data sheets; `--peak_tflops` overrides.
@@ -50,10 +48,6 @@ class PhaseResult:
     data_wait_seconds: float = 0.0
     peak_rss: int = 0  # highest RSS sampled in the phase: this process plus its DataLoader workers
     peak_gpu_bytes: int = 0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
 
 
 class RssSampler:
