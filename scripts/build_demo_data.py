@@ -12,11 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# Lets the script run from a plain checkout, without `pip install -e .`.
-sys.path.insert(0, str(REPO_ROOT))
+from demo_corpus import build_demo_corpus  # beside this script
 
-from lowmem.data.demo_corpus import build_demo_corpus  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_SOURCE = REPO_ROOT.parent / "shared" / "corpora" / "chinese-poetry"
 DEFAULT_OUT = REPO_ROOT / "data"

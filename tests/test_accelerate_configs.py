@@ -84,7 +84,7 @@ def test_deepspeed_plugin_builds_from_the_file(monkeypatch):
     assert plugin.zero_stage == 2 and plugin.offload_optimizer_device == "cpu"
     zero = plugin.deepspeed_config["zero_optimization"]
     assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu"
-    assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == "auto", "filled in by lowmem.parallelism"
+    assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == "auto", "filled in by lowmem.distributed.strategy"
     assert "optimizer" not in plugin.deepspeed_config, "the trainer's optimizer (DeepSpeed's CPU Adam) is used"
 
 
@@ -121,6 +121,6 @@ def test_fsdp_plugin_builds_from_the_file(monkeypatch):
 def test_deepspeed_cpu_adam_is_there_when_deepspeed_is():
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (it is only needed with deepspeed_zero2_offload.yaml)")
-    from deepspeed.ops.adam import DeepSpeedCPUAdam  # what lowmem.parallelism creates with optimizer offload
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # what lowmem.distributed.strategy creates with optimizer offload
 
     assert DeepSpeedCPUAdam

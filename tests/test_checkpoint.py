@@ -15,7 +15,7 @@ from typing import Callable
 
 import pytest
 
-import lowmem.checkpoint as ckpt
+import lowmem.checkpoint.folders as ckpt
 from lowmem.checkpoint import MANIFEST_NAME, MARKER_NAME, CheckpointManager, file_crc32, write_json_atomic
 from lowmem.errors import CheckpointError, ConfigError, LowmemError
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -10,9 +11,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lowmem.data.demo_corpus import build_demo_corpus
 from lowmem.errors import DataError
 
+
+def _load_script_module(name: str):
+    """A module of scripts/ (build helpers, not part of the package), loaded from its file."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_demo_corpus = _load_script_module("demo_corpus").build_demo_corpus
 SPLITS = ("train", "valid", "test")
 REPO_DATA = Path(__file__).resolve().parents[1] / "data"
 

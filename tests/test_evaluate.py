@@ -9,7 +9,7 @@ import pytest
 from training_helpers import run_command, tiny_overrides, write_chat_rows
 
 from lowmem.checkpoint import CheckpointManager
-from lowmem.evaluate import METRIC_MODES, bleu4, bleu_tokenizer_for
+from lowmem.eval.validation import METRIC_MODES, bleu4, bleu_tokenizer_for
 
 
 @pytest.mark.parametrize("hypotheses, references, tokenize", [
@@ -115,7 +115,7 @@ def test_generate_answers_a_prompt_and_reads_prompts_until_an_empty_line(trained
     interactive = subprocess.run([sys.executable, str(ROOT / "train_low_mem.py"), "generate",
                                   *tiny_overrides(folder, train, valid), "--max_new_tokens=6"],
                                  input="题1：春风\n题2：明月\n\nnot read\n", capture_output=True, text=True, cwd=folder,
-                                 env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+                                 timeout=120)
     assert interactive.returncode == 0, interactive.stderr[-2000:]
     assert interactive.stdout.count("prompt> ") == 3  # two answered, the empty line ends
 

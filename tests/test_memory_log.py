@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from lowmem.errors import DataError
-from lowmem.memlog import (FLAT_FLOOR_MB_PER_1K, TABLE_COLUMNS, find_run, memlog_command, read_log, read_run,
+from lowmem.memory.report import (FLAT_FLOOR_MB_PER_1K, TABLE_COLUMNS, find_run, memlog_command, read_log, read_run,
                            summarize)
 from lowmem.memory import (SETTINGS_TO_LOWER, MemoryLogger, MemoryMonitor, MemorySnapshot, MemoryWatchdog,
                            cleanup_memory, format_line, new_run_id, take_snapshot)
@@ -342,7 +342,7 @@ def test_monitor_cleans_up_and_records_on_schedule(tmp_path, caplog):
 
 
 def test_peak_includes_the_high_water_mark_between_records():
-    from lowmem.memlog import summarize
+    from lowmem.memory.report import summarize
     from lowmem.memory.probe import take_snapshot
 
     snapshot = take_snapshot(include_uss=False)

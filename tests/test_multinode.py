@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from training_helpers import ROOT, tiny_overrides, write_chat_rows
+from training_helpers import command_line, tiny_overrides, write_chat_rows
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,12 @@ def free_port() -> int:
 def launch_two_nodes(args: list[str], cwd: Path, env: dict[str, str], timeout: int = 240) -> list[str]:
     """Start both nodes' `accelerate launch` at once; wait for both; return each node's output."""
     port = free_port()
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **env}
+    full_env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **env}
     nodes = []
     for machine_rank in range(NODES):
         command = ["accelerate", "launch", "--multi_gpu", "--num_machines", str(NODES), "--num_processes", str(WORLD),
                    "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
-                   "--main_process_port", str(port), str(ROOT / "train_low_mem.py"), *args]
+                   "--main_process_port", str(port), *command_line(args, env, launcher=[])]
         nodes.append(subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
     outputs = []
@@ -115,7 +115,7 @@ def test_two_nodes_train_checkpoint_and_resume_exactly(workspace):
 
 def test_output_folder_not_shared_between_nodes_is_refused(workspace, monkeypatch):
     """Checkpoints on several machines need one folder all of them see: a folder only one sees is an error."""
-    from lowmem import distributed
+    from lowmem.distributed import collectives as distributed
     from lowmem.errors import ConfigError
 
     class Accelerator:  # rank 1 of 4, on a machine of 2 processes, that never sees the main process's probe

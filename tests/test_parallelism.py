@@ -1,4 +1,4 @@
-"""lowmem.parallelism on the CPU: plain names for wrapped models, checkpoint parts per strategy, the eval model.
+"""lowmem.distributed.strategy on the CPU: plain names for wrapped models, checkpoint parts per strategy, the eval model.
 
 DeepSpeed and FSDP need GPUs (and deepspeed) to run for real; here their checkpoint code runs on a plain
 model in one process (torch.distributed.checkpoint works without a process group), and a stand-in for
@@ -15,7 +15,8 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_model
 
-from lowmem import parallelism
+from lowmem.distributed import strategy
+from lowmem.model import weights
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
 
@@ -41,7 +42,7 @@ def one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    left, right = parallelism.model_state_dict(a), parallelism.model_state_dict(b)
+    left, right = weights.model_state_dict(a), weights.model_state_dict(b)
     return left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
 
 
@@ -58,7 +59,7 @@ class DistributedDataParallel(torch.nn.Module):
                                  "_orig_mod.blocks.0.ln_1.weight", "_orig_mod.module.blocks.0.ln_1.weight",
                                  "module._orig_mod.blocks.0.ln_1.weight"])
 def test_wrapper_prefixes_are_stripped(key):
-    assert parallelism.strip_prefixes(key) == "blocks.0.ln_1.weight"
+    assert weights.strip_prefixes(key) == "blocks.0.ln_1.weight"
 
 
 def test_compiled_and_ddp_models_give_plain_names():
@@ -66,31 +67,31 @@ def test_compiled_and_ddp_models_give_plain_names():
     plain_keys = set(model.state_dict())
     compiled = torch.compile(model)  # not run: the wrapper's keys already carry `_orig_mod.`
     assert all(key.startswith("_orig_mod.") for key in compiled.state_dict())
-    assert set(parallelism.model_state_dict(compiled)) == plain_keys
-    assert set(parallelism.model_state_dict(DistributedDataParallel(model))) == plain_keys
-    assert parallelism.unwrap(torch.compile(DistributedDataParallel(model))) is model
+    assert set(weights.model_state_dict(compiled)) == plain_keys
+    assert set(weights.model_state_dict(DistributedDataParallel(model))) == plain_keys
+    assert weights.unwrap(torch.compile(DistributedDataParallel(model))) is model
 
 
 def test_state_with_prefixes_loads_into_a_plain_model():
     source, target = tiny_gpt(0), tiny_gpt(1)
-    parallelism.load_model_state_dict(target, DistributedDataParallel(source).state_dict())  # `module.` keys
+    weights.load_model_state_dict(target, DistributedDataParallel(source).state_dict())  # `module.` keys
     assert same_weights(source, target)
-    parallelism.load_model_state_dict(target, torch.compile(tiny_gpt(2)).state_dict())  # `_orig_mod.` keys
+    weights.load_model_state_dict(target, torch.compile(tiny_gpt(2)).state_dict())  # `_orig_mod.` keys
     assert same_weights(tiny_gpt(2), target)
 
 
 # ----- weight files -----------------------------------------------------------------------------------------
 def test_save_compiled_load_plain_and_back(tmp_path):
     trained = tiny_gpt(0)
-    parallelism.save_weights(torch.compile(trained), tmp_path / "compiled.safetensors")
+    weights.save_weights(torch.compile(trained), tmp_path / "compiled.safetensors")
     assert not any(key.startswith("_orig_mod.") for key in load_file(tmp_path / "compiled.safetensors"))
     plain = tiny_gpt(1)
-    parallelism.load_weights(plain, tmp_path / "compiled.safetensors")
+    weights.load_weights(plain, tmp_path / "compiled.safetensors")
     assert same_weights(trained, plain)
 
-    parallelism.save_weights(plain, tmp_path / "plain.safetensors")
+    weights.save_weights(plain, tmp_path / "plain.safetensors")
     compiled = torch.compile(tiny_gpt(2))
-    parallelism.load_weights(compiled, tmp_path / "plain.safetensors")
+    weights.load_weights(compiled, tmp_path / "plain.safetensors")
     assert same_weights(trained, compiled)
     assert compiled._orig_mod.lm_head.weight is compiled._orig_mod.tok_emb.weight, "the tie survives loading"
 
@@ -99,18 +100,18 @@ def test_weight_files_match_safetensors_save_model(tmp_path):
     """Tied weights are written once, under the name save_model keeps: old and new files are interchangeable."""
     model = tiny_gpt()
     save_model(model, str(tmp_path / "reference.safetensors"))
-    parallelism.save_weights(model, tmp_path / "ours.safetensors")
+    weights.save_weights(model, tmp_path / "ours.safetensors")
     reference, ours = load_file(tmp_path / "reference.safetensors"), load_file(tmp_path / "ours.safetensors")
     assert reference.keys() == ours.keys()
     assert all(torch.equal(reference[key], ours[key]) for key in reference)
 
 
 def test_loading_weights_of_another_model_fails(tmp_path):
-    parallelism.save_weights(tiny_gpt(), tmp_path / "w.safetensors")
+    weights.save_weights(tiny_gpt(), tmp_path / "w.safetensors")
     state = load_file(tmp_path / "w.safetensors")
     del state["blocks.1.mlp.fc.weight"]
     with pytest.raises(RuntimeError, match=r"missing \['blocks.1.mlp.fc.weight'\]"):
-        parallelism.load_model_state_dict(tiny_gpt(), state)
+        weights.load_model_state_dict(tiny_gpt(), state)
 
 
 # ----- checkpoint parts -------------------------------------------------------------------------------------
@@ -119,10 +120,10 @@ def round_trip(folder: Path, accelerator, wrap=lambda m: m) -> tuple[GPT, torch.
     model = tiny_gpt(0)
     optimizer = model.configure_optimizer(0.1, 1e-3)
     one_step(model, optimizer)
-    parallelism.save_model_and_optimizer(folder, wrap(model), optimizer, accelerator)
+    strategy.save_model_and_optimizer(folder, wrap(model), optimizer, accelerator)
     restored = tiny_gpt(1)
     restored_optimizer = restored.configure_optimizer(0.1, 1e-3)
-    parallelism.load_model_and_optimizer(folder, wrap(restored), restored_optimizer, accelerator)
+    strategy.load_model_and_optimizer(folder, wrap(restored), restored_optimizer, accelerator)
     return model, optimizer, restored, restored_optimizer
 
 
@@ -159,7 +160,7 @@ def test_checkpoint_of_another_strategy_is_refused_with_a_message(tmp_path):
     round_trip(tmp_path, stub_accelerator(DistributedType.FSDP))
     model = tiny_gpt()
     with pytest.raises(ConfigError, match="saved under fsdp and this run uses plain"):
-        parallelism.load_model_and_optimizer(tmp_path, model, model.configure_optimizer(0.1, 1e-3),
+        strategy.load_model_and_optimizer(tmp_path, model, model.configure_optimizer(0.1, 1e-3),
                                              stub_accelerator())
 
 
@@ -185,25 +186,25 @@ def test_deepspeed_engine_saves_its_own_shards_and_weights_are_exported_whole(tm
     accelerator = stub_accelerator(DistributedType.DEEPSPEED, zero_stage=2, offload_optimizer_device="cpu")
     model = tiny_gpt()
     engine = DeepSpeedEngine(model)
-    parallelism.save_model_and_optimizer(tmp_path, engine, optimizer=None, accelerator=accelerator)
+    strategy.save_model_and_optimizer(tmp_path, engine, optimizer=None, accelerator=accelerator)
     assert engine.calls == [("save", str(tmp_path / "deepspeed"), "state", False)]
     assert (tmp_path / "deepspeed" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
     assert not (tmp_path / "optimizer.pt").exists()
     plain = tiny_gpt(1)
-    parallelism.load_weights(plain, tmp_path / "model.safetensors")  # plain names, for evaluation and export
+    weights.load_weights(plain, tmp_path / "model.safetensors")  # plain names, for evaluation and export
     assert same_weights(model, plain)
 
-    parallelism.load_model_and_optimizer(tmp_path, engine, optimizer=None, accelerator=accelerator)
+    strategy.load_model_and_optimizer(tmp_path, engine, optimizer=None, accelerator=accelerator)
     assert engine.calls[-1][:3] == ("load", str(tmp_path / "deepspeed"), "state")
     assert engine.calls[-1][3]["load_optimizer_states"] is True
-    with parallelism.model_for_eval(engine, accelerator) as eval_model:
+    with strategy.model_for_eval(engine, accelerator) as eval_model:
         assert eval_model is model, "ZeRO-2 keeps whole weights on every rank: no copy"
 
 
 def test_deepspeed_zero3_is_refused_with_a_message():
     accelerator = stub_accelerator(DistributedType.DEEPSPEED, zero_stage=3, offload_optimizer_device="cpu")
     with pytest.raises(ConfigError, match="ZeRO stage 3.*deepspeed_zero2_offload.yaml"):
-        parallelism.prepare_model_and_optimizer(tiny_gpt(), config=None, accelerator=accelerator)
+        strategy.prepare_model_and_optimizer(tiny_gpt(), config=None, accelerator=accelerator)
 
 
 def test_deepspeed_config_gets_batch_size_and_clipping_from_the_run():
@@ -212,20 +213,20 @@ def test_deepspeed_config_gets_batch_size_and_clipping_from_the_run():
                                                      "gradient_clipping": "auto"})
     config = types.SimpleNamespace(batch_size_per_gpu=24, grad_clip=0.5, weight_decay=0.1, learn_rate=1e-3,
                                    adam_beta1=0.9, adam_beta2=0.95)
-    parallelism._fill_deepspeed_config(config, accelerator)
+    strategy._fill_deepspeed_config(config, accelerator)
     assert accelerator.state.deepspeed_plugin.deepspeed_config == {"train_micro_batch_size_per_gpu": 24,
                                                                    "gradient_clipping": 0.5}
     # Without offload the torch AdamW is kept (DeepSpeed wraps it), with the model's two parameter groups.
-    optimizer = parallelism._create_optimizer(tiny_gpt(), config, accelerator)
+    optimizer = strategy._create_optimizer(tiny_gpt(), config, accelerator)
     assert isinstance(optimizer, torch.optim.AdamW) and len(optimizer.param_groups) == 2
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_fsdp_eval_model_is_a_whole_replica():
     model = tiny_gpt()
-    with parallelism.model_for_eval(model, stub_accelerator(DistributedType.FSDP)) as replica:
+    with strategy.model_for_eval(model, stub_accelerator(DistributedType.FSDP)) as replica:
         assert isinstance(replica, GPT) and replica is not model and not replica.training
         assert same_weights(model, replica)
         assert replica.lm_head.weight is replica.tok_emb.weight
-    with parallelism.model_for_eval(torch.compile(model), stub_accelerator()) as plain:
+    with strategy.model_for_eval(torch.compile(model), stub_accelerator()) as plain:
         assert plain is model, "plain and DDP: the training model without its wrappers"

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from training_helpers import ROOT, run_command, tiny_overrides, write_chat_rows
+from training_helpers import command_line, run_command, tiny_overrides, write_chat_rows
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+) \| epoch \d+ \| loss ([\d.]+)")
 
@@ -102,11 +102,9 @@ def traced_losses(trace_dir, rank: int = 0) -> dict[int, float]:
 
 def start_run(folder, chat_data, env: dict, launcher=None, extra=()) -> subprocess.Popen:
     """Start the training command in its own process group (so a kill reaches every rank, as a scheduler's does)."""
-    command = (launcher or [sys.executable]) + [str(ROOT / "train_low_mem.py"), "train",
-                                                 *overrides(folder, chat_data, *extra)]
+    command = command_line(["train", *overrides(folder, chat_data, *extra)], env, launcher)
     return subprocess.Popen(command, cwd=folder, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            start_new_session=True,
-                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT), **env})
+                            start_new_session=True, env={**os.environ, **env})
 
 
 def kill_all(process: subprocess.Popen) -> None:
@@ -188,20 +186,20 @@ def _wait_for_step(process: subprocess.Popen, step: int) -> str:
 
 
 def test_second_signal_exits_at_once(monkeypatch):
-    from lowmem import signals
+    from lowmem.train import stop as signals
 
     exits = []
     monkeypatch.setattr(signals.os, "_exit", lambda code: exits.append(code))
     stop = signals.GracefulStop()
-    assert not stop.requested(step=1)
+    assert not stop.requested
     stop._handle(signal.SIGINT, None)
-    assert stop.requested(step=1) and stop.requested_by == "SIGINT" and exits == []
+    assert stop.requested and stop.requested_by == "SIGINT" and exits == []
     stop._handle(signal.SIGINT, None)  # the second: at once, nothing saved or deleted on the way out
     assert exits == [128 + signal.SIGINT]
 
 
 def test_signal_handlers_are_restored():
-    from lowmem.signals import GracefulStop
+    from lowmem.train.stop import GracefulStop
 
     before = signal.getsignal(signal.SIGTERM)
     stop = GracefulStop().install()

@@ -143,7 +143,7 @@ def test_repack_refuses_to_overwrite_its_input(tmp_path):
     (64, 1, False, (False, 0, False)),
 ])
 def test_workers_and_modes_follow_the_budget(budget_gb, processes, on_gpu, expected):
-    from lowmem.memory.settings import decide_memory_settings
+    from lowmem.memory.data_settings import decide_memory_settings
 
     settings = decide_memory_settings(None, -1, 15.0, local_processes=processes, on_gpu=on_gpu, budget_gb=budget_gb)
     assert (settings.ultra_low_mem, settings.num_workers, settings.pin_memory) == expected

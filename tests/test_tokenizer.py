@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from lowmem import tokenizer as tk
+from lowmem.data import tokenizer as tk
 from lowmem.errors import ConfigError, DataError
-from lowmem.tokenizer import Tokenizer, train_tokenizer
+from lowmem.data.tokenizer import Tokenizer, train_tokenizer
 
 CHINESE = [
     "今天天气很好，我们一起去公园散步吧。",
@@ -112,7 +112,7 @@ def test_same_seed_gives_same_model(data_file: Path, tmp_path: Path) -> None:
 
 
 def test_sentence_cap_is_applied(data_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="lowmem.tokenizer"):
+    with caplog.at_level(logging.INFO, logger="lowmem.data.tokenizer"):
         train_tokenizer([data_file], tmp_path, vocab_size=500, max_sentences=200)
     assert re.search(r"on 200 of \d+ sentences", caplog.text)
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from config import TrainConfig, TrainConfigPretrainLarge
+from lowmem.config import TrainConfig, TrainConfigPretrainLarge
 from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate, pack_rows
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
-from lowmem.schedule import get_lr
-from lowmem.settings import apply_overrides, describe_fields, validate_config
-from lowmem.trainer import train_step
+from lowmem.train.schedule import get_lr
+from lowmem.config import apply_overrides, describe_fields, validate_config
+from lowmem.train.trainer import train_step
 
 
 def _batch(rows: int, seed: int) -> dict[str, torch.Tensor]:

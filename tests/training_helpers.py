@@ -36,9 +36,20 @@ def tiny_overrides(tmp_path: Path, train_file: Path, valid_file: Path) -> list[s
     ]
 
 
+HARNESS = ROOT / "tests" / "harness" / "run_train.py"
+
+
+def command_line(args: list[str], env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None) -> list[str]:
+    """`train_low_mem.py ARGS`, or the test harness when `env` asks for test callbacks (LOWMEM_* variables),
+    optionally under a launcher."""
+    script = HARNESS if any(name.startswith("LOWMEM_") for name in env or {}) else ROOT / "train_low_mem.py"
+    return (launcher if launcher is not None else [sys.executable]) + [str(script), *args]
+
+
 def run_command(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 600,
                 launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run `train_low_mem.py` (optionally under a launcher) and return the finished process."""
-    command = (launcher or [sys.executable]) + [str(ROOT / "train_low_mem.py"), *args]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    """Run `train_low_mem.py` or the harness (optionally under a launcher) and return the finished process."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(command_line(args, env, launcher), cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)

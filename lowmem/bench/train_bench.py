@@ -100,7 +100,7 @@ def measure_data_phase(loader: Any, micro_batches: int, pad_id: int) -> tuple[Ph
 def run_steps(name: str, batches: Iterator[dict[str, torch.Tensor]], steps: int, skip_steps: int, step_fn: Any,
               accumulation: int, pad_id: int, on_gpu: bool) -> PhaseResult:
     """`skip_steps` untimed steps, then `steps` timed ones; the time spent in `next(batches)` is data wait."""
-    from lowmem.trainer import take
+    from lowmem.train.trainer import take
 
     sampler = RssSampler()
     result = PhaseResult(name, 0, 0.0, 0)
@@ -145,12 +145,13 @@ def bench_train(config: Any, steps: int = 20, skip_steps: int = 3, data_file: st
 
     from lowmem.bench.data_bench import generate_file, machine_line
     from lowmem.data.collate import IGNORE_INDEX
-    from lowmem.distributed import all_reduce_sum, broadcast_from_main, create_accelerator
+    from lowmem.distributed.accelerator import create_accelerator
+    from lowmem.distributed.collectives import all_reduce_sum, broadcast_from_main
     from lowmem.model import GPT
-    from lowmem.parallelism import prepare_model_and_optimizer
-    from lowmem.performance import enable_tf32, maybe_compile
-    from lowmem.settings import validate_config
-    from lowmem.trainer import ensure_tokenizer, make_loader, model_config_for, shared_memory_settings, train_step
+    from lowmem.distributed.strategy import prepare_model_and_optimizer
+    from lowmem.train.performance import enable_tf32, maybe_compile
+    from lowmem.config import validate_config
+    from lowmem.train.trainer import ensure_tokenizer, make_loader, model_config_for, shared_memory_settings, train_step
 
     validate_config(config)
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16)

@@ -57,7 +57,7 @@ class TokenizingCollate:
     Picklable (the tokenizer is), so it runs inside DataLoader workers.
 
     Args:
-        tokenizer: a `lowmem.tokenizer.Tokenizer`.
+        tokenizer: a `lowmem.data.tokenizer.Tokenizer`.
         max_seq_len: the longest input the model takes.
         columns: the (prompt, response) column names.
         response_only: leave prompt tokens out of the loss.

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-GIB = 1024**3
+from lowmem.units import GIB
 
 # cgroup v2 exposes one file; v1 a different one. "max" (v2) or a huge number (v1) means no limit.
 _CGROUP_V2_LIMIT = Path("/sys/fs/cgroup/memory.max")
@@ -34,25 +33,8 @@ def read_cgroup_limit_bytes(v2_path: Path = _CGROUP_V2_LIMIT, v1_path: Path = _C
     return None
 
 
-# Overrides the detected budget, in GiB: one value, or one per local rank ("8,32,32") to test that ranks
-# seeing different memory still run with rank 0's settings.
-BUDGET_OVERRIDE_ENV = "LOWMEM_MEMORY_BUDGET_GB"
-
-
-def _budget_override_bytes() -> int | None:
-    text = os.environ.get(BUDGET_OVERRIDE_ENV, "").strip()
-    if not text:
-        return None
-    values = [float(v) for v in text.split(",")]
-    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    return int(values[min(rank, len(values) - 1)] * GIB)
-
-
 def memory_budget_bytes() -> int:
-    """The host memory this machine may use: min(physical RAM, cgroup limit), unless overridden."""
-    override = _budget_override_bytes()
-    if override is not None:
-        return override
+    """The host memory this machine may use: min(physical RAM, cgroup limit)."""
     physical = psutil.virtual_memory().total
     limit = read_cgroup_limit_bytes()
     return physical if limit is None else min(physical, limit)
@@ -68,6 +50,7 @@ class MemoryBudget:
     @classmethod
     def detect(cls, local_processes: int = 1, budget_gb: float = 0.0) -> "MemoryBudget":
         """Measure the budget of this host (or take `budget_gb` when above 0), shared among `local_processes`."""
+        # Looked up at call time, so that a test may replace the detection.
         total = int(budget_gb * GIB) if budget_gb > 0 else memory_budget_bytes()
         return cls(total_bytes=total, local_processes=max(1, local_processes))
 

@@ -26,6 +26,16 @@ class MemoryMonitor:
                  cleanup: Callable[[bool], int] = cleanup_memory) -> None:
         self.memory_logger, self.watchdog, self.on_gpu = memory_logger, watchdog, on_gpu
         self.cleanup_steps, self.memory_log_steps, self.cleanup = cleanup_steps, memory_log_steps, cleanup
+        self.earlier_runs: list[str] = []  # ids of the runs this one resumed, oldest first
+
+    def state_dict(self) -> dict[str, Any]:
+        """Which memory logs hold this training's records: a resumed run writes a new log under a new id."""
+        return {"run_id": self.memory_logger.run_id, "earlier_runs": self.earlier_runs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.earlier_runs = [*state.get("earlier_runs", []), state["run_id"]]
+        logger.info("Memory log: run %s continues runs %s (`lowmem memlog RUN_ID` reads each).",
+                    self.memory_logger.run_id, ", ".join(self.earlier_runs))
 
     def start(self, epoch: int, step: int) -> dict[str, Any]:
         """Log the memory before training (after the model and data are set up)."""

@@ -12,8 +12,8 @@ import torch
 
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
-from lowmem.parallelism import load_weights, save_weights, unwrap
-from lowmem.tokenizer import Tokenizer
+from lowmem.model.weights import load_weights, save_weights, unwrap
+from lowmem.data.tokenizer import Tokenizer
 
 
 def _write_model_folder(out_dir: Path, model_config: dict[str, Any], config: Any, tokenizer_dir: str,
@@ -34,7 +34,7 @@ def _write_model_folder(out_dir: Path, model_config: dict[str, Any], config: Any
 def export_model(model: GPT, config: Any, out_dir: Path, tokenizer_dir: str) -> Path:
     """Export the model as it is: weights (safetensors), the configs that rebuild it, and its tokenizer.
 
-    `model` is a whole GPT (see `lowmem.parallelism.model_for_eval`), plain or wrapped by torch.compile.
+    `model` is a whole GPT (see `lowmem.distributed.strategy.model_for_eval`), plain or wrapped by torch.compile.
     """
     return _write_model_folder(out_dir, dataclasses.asdict(unwrap(model).config), config, tokenizer_dir,
                                lambda path: save_weights(model, path))

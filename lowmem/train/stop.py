@@ -9,22 +9,19 @@ from types import FrameType
 
 logger = logging.getLogger(__name__)
 
-# Tests set this to stop after a given optimizer step exactly as a signal arriving during it would.
-STOP_AFTER_STEP_ENV = "LOWMEM_STOP_AFTER_STEP"
-
 
 class GracefulStop:
     """Turns the first SIGINT/SIGTERM into a request to stop after the current optimizer step.
 
-    The training loop shares the request with every rank at the end of each step (in the collective it
-    already makes), so all ranks save together and exit. A second signal ends the process at once with
+    `request(reason)` asks for the same stop from code (a callback, a time limit). The training loop shares
+    the request with every rank at the end of each step (in the collective it already makes), so all ranks
+    save together and exit. A second signal ends the process at once with
     `os._exit`, touching nothing: an interrupted save leaves only its temporary folder, which the next
     run removes, and the existing checkpoints stay as they were.
     """
 
     def __init__(self) -> None:
         self.requested_by: str | None = None
-        self._stop_after_step = int(os.environ.get(STOP_AFTER_STEP_ENV, "0") or 0)
         self._previous: dict[int, object] = {}
 
     def install(self) -> "GracefulStop":
@@ -46,8 +43,12 @@ class GracefulStop:
         logger.warning("%s received: finishing this step, saving a checkpoint, then exiting "
                        "(send it again to exit at once).", name)
 
-    def requested(self, step: int) -> bool:
-        """True once a stop was asked for (by a signal, or by the test setting at `step`)."""
-        if self._stop_after_step and step >= self._stop_after_step and self.requested_by is None:
-            self.requested_by = f"{STOP_AFTER_STEP_ENV}={self._stop_after_step}"
+    def request(self, reason: str) -> None:
+        """Ask for a stop after the current step, as a signal would; `reason` is what the log names."""
+        if self.requested_by is None:
+            self.requested_by = reason
+
+    @property
+    def requested(self) -> bool:
+        """True once a stop was asked for, by a signal or by `request`."""
         return self.requested_by is not None

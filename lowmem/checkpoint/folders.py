@@ -232,6 +232,7 @@ class CheckpointManager:
             barrier, a process whose write failed cannot stop the main one from marking the checkpoint complete.
         fsync: fsync each file before the marker is written, so a power cut cannot leave a marker that
             describes data never written to disk. Off only for tests on throwaway folders.
+        save_every: `due(step)` is True every this many steps (0: never; the caller saves when it decides).
 
     The main process removes leftovers of interrupted saves when it is created (never a complete checkpoint)
     and reads the manifest back, so the retention list survives resumes.
@@ -239,7 +240,7 @@ class CheckpointManager:
 
     def __init__(self, run_dir: str | Path, keep_best_n: int, metric: str = "val_loss", mode: str = "min",
                  is_main: bool = True, barrier: Callable[[], None] = lambda: None,
-                 all_ok: Callable[[bool], bool] | None = None, fsync: bool = True) -> None:
+                 all_ok: Callable[[bool], bool] | None = None, fsync: bool = True, save_every: int = 0) -> None:
         if not isinstance(keep_best_n, int) or keep_best_n < 0:
             raise ConfigError(f"keep_best_n must be 0 or more (it is {keep_best_n!r}); 0 keeps only the latest.")
         if mode not in ("min", "max"):
@@ -255,12 +256,25 @@ class CheckpointManager:
         self._barrier = barrier
         self._all_ok = all_ok
         self._fsync = fsync
+        self.save_every = save_every
+        self.last_saved_step: int | None = None  # this training's last save (a resume loads it)
         self._scores: dict[int, float | None] = {}
         self._damaged: set[int] = set()  # steps found damaged by latest_complete(); never kept or resumed from
         if is_main and self.run_dir.is_dir():
             self.cleanup_incomplete()
             self._load_scores()
             self._refresh_manifest()
+
+    # ----- when, and what the trainer keeps of it ------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """True when a checkpoint is due after optimizer step `step`."""
+        return bool(self.save_every) and step % self.save_every == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_saved_step": self.last_saved_step, "metric": self.metric, "mode": self.mode}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_saved_step = state.get("last_saved_step")
 
     # ----- looking at what is on disk -------------------------------------------------------------------
     def _scan(self) -> list[_Found]:
@@ -517,12 +531,14 @@ class CheckpointManager:
             raise ValueError(f"step must be an int of 0 or more, not {step!r}")
         tmp = self.run_dir / f".checkpoint-{step}.tmp"
         final = self.run_dir / f"checkpoint-{step}"
-        self._stage(step, tmp, (lambda: self._prepare(tmp)) if self.is_main else None)
-        self._stage(step, tmp, lambda: write(tmp))
-        if self.is_main:
-            self._stage(step, tmp, lambda: self._finish(step, tmp, final, score, info))
-        else:
-            self._stage(step, tmp, None)
+        previous, self.last_saved_step = self.last_saved_step, step  # the state written into this checkpoint
+        try:
+            self._stage(step, tmp, (lambda: self._prepare(tmp)) if self.is_main else None)
+            self._stage(step, tmp, lambda: write(tmp))
+            self._stage(step, tmp, (lambda: self._finish(step, tmp, final, score, info)) if self.is_main else None)
+        except BaseException:
+            self.last_saved_step = previous
+            raise
         return final
 
     def _prepare(self, tmp: Path) -> None:

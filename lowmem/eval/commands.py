@@ -10,12 +10,12 @@ from typing import Any, TextIO
 
 import torch
 
-from lowmem.distributed import create_accelerator
-from lowmem.evaluate import bleu4, evaluate
+from lowmem.distributed.accelerator import create_accelerator
+from lowmem.eval.validation import bleu4, evaluate
 from lowmem.model import GPT
-from lowmem.model_io import find_model_folder, load_model_folder
-from lowmem.settings import check_data_files
-from lowmem.tokenizer import Tokenizer
+from lowmem.checkpoint.export import find_model_folder, load_model_folder
+from lowmem.config import check_data_files
+from lowmem.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

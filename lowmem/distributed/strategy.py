@@ -41,16 +41,16 @@ from accelerate.utils import DistributedType
 
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
+from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict, save_weights,
+                                  strip_prefixes, tied_names, uncompiled, unwrap)
 
 logger = logging.getLogger(__name__)
 
 PLAIN, DEEPSPEED, FSDP = "plain", "deepspeed", "fsdp"
-WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"  # plain / DDP
 DEEPSPEED_DIR = "deepspeed"  # DeepSpeed engine checkpoint (one shard per rank)
 DEEPSPEED_TAG = "state"  # the engine's sub-folder name; fixed, so no `latest` file is needed
 FSDP_OPTIMIZER_DIR = "optimizer"  # torch.distributed.checkpoint folder (one shard per rank)
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP / DataParallel / DeepSpeedEngine
 
 
 # ----- which strategy -------------------------------------------------------------------------------------
@@ -74,99 +74,6 @@ def describe(accelerator: Accelerator) -> str:
         plugin = accelerator.state.fsdp_plugin
         return f"FSDP{plugin.fsdp_version}, {accelerator.num_processes} processes"
     return "DDP" if accelerator.num_processes > 1 else "single process"
-
-
-# ----- unwrapping and plain state dicts --------------------------------------------------------------------
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside torch.compile, DDP, DataParallel, DeepSpeed and FSDP1's outer wrappers.
-
-    Only attributes are followed: unlike `accelerator.unwrap_model(keep_fp32_wrapper=False)`, nothing is
-    changed on the model, so the training model keeps its mixed-precision forward.
-    """
-    while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile
-            model = model._orig_mod
-        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine",
-                                      "FullyShardedDataParallel"):
-            model = model.module
-        else:
-            return model
-
-
-def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` without torch.compile's wrapper only: what torch.distributed.checkpoint's FSDP functions take."""
-    while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
-        model = model._orig_mod
-    return model
-
-
-def strip_prefixes(name: str) -> str:
-    """A state-dict key without the prefixes that compile and DDP wrappers add (`_orig_mod.`, `module.`)."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, stripped = name[len(prefix):], True
-    return name
-
-
-def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights under the plain model's names, whether `model` is compiled, DDP-wrapped or plain."""
-    return {strip_prefixes(name): tensor for name, tensor in unwrap(model).state_dict().items()}
-
-
-def _tied_names(module: torch.nn.Module) -> list[list[str]]:
-    """Groups of parameter names that are one Parameter (GPT ties the token embedding and the output layer)."""
-    groups: dict[int, list[str]] = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(parameter), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
-def load_model_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load weights into `model` (plain, compiled or DDP-wrapped) from a state dict with or without wrapper
-    prefixes. Of tied parameters one name is enough; anything else missing or unexpected is an error."""
-    target = unwrap(model)
-    clean = {strip_prefixes(name): tensor for name, tensor in state.items()}
-    missing, unexpected = target.load_state_dict(clean, strict=False)
-    covered = {name for group in _tied_names(target) if any(n in clean for n in group) for name in group}
-    missing = [name for name in missing if name not in covered]
-    if missing or unexpected:
-        raise RuntimeError(f"The weights do not fit the model: missing {missing}, unexpected {unexpected}.")
-
-
-def _without_shared_duplicates(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keep one name per shared tensor (safetensors refuses shared storage), the alphabetically first, as
-    `safetensors.torch.save_model` does: files written either way have the same keys."""
-    kept: dict[str, torch.Tensor] = {}
-    seen: set[tuple] = set()
-    for name in sorted(state):
-        tensor = state[name]
-        if tensor.device.type != "meta":
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
-            if key in seen:
-                continue
-            seen.add(key)
-        kept[name] = tensor.detach().contiguous()
-    return kept
-
-
-def save_weights(model_or_state: torch.nn.Module | dict[str, torch.Tensor], path: str | Path) -> None:
-    """Write weights to a safetensors file under the plain model's names (a compiled model's included)."""
-    from safetensors.torch import save_file
-
-    state = model_or_state if isinstance(model_or_state, dict) else model_state_dict(model_or_state)
-    state = {strip_prefixes(name): tensor for name, tensor in state.items()}
-    save_file(_without_shared_duplicates(state), str(path), metadata={"format": "pt"})
-
-
-def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load a safetensors file (from `save_weights` or `safetensors.torch.save_model`) into a plain or
-    compiled model."""
-    from safetensors.torch import load_file
-
-    load_model_state_dict(model, load_file(str(path)))
 
 
 # ----- preparing --------------------------------------------------------------------------------------------
@@ -250,7 +157,7 @@ def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_
         # cpu_offload gathers into the main process's host memory only; without it every rank gets the
         # whole model on its GPU.
         options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
-        state = get_model_state_dict(_uncompiled(model), options=options)
+        state = get_model_state_dict(uncompiled(model), options=options)
         state = {strip_prefixes(name): tensor for name, tensor in state.items()}
         return state if on_every_rank or accelerator.is_main_process else None
     if on_every_rank or accelerator.is_main_process:
@@ -288,7 +195,7 @@ def _save_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: tor
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     folder.mkdir(parents=True, exist_ok=True)
-    model = _uncompiled(model)
+    model = uncompiled(model)
     dcp.save({"optimizer": get_optimizer_state_dict(model, _inner_optimizer(optimizer))}, checkpoint_id=str(folder))
 
 
@@ -296,7 +203,7 @@ def _load_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: tor
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    model, inner = _uncompiled(model), _inner_optimizer(optimizer)
+    model, inner = uncompiled(model), _inner_optimizer(optimizer)
     # The current (sharded) optimizer state is the template that tells DCP what to read into.
     state = {"optimizer": get_optimizer_state_dict(model, inner)}
     dcp.load(state, checkpoint_id=str(folder))
@@ -334,13 +241,13 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
 
         state = load_file(str(folder / WEIGHTS_FILE))
         with torch.device("meta"):  # the plain model's ties, whatever FSDP made of the parameters
-            ties = _tied_names(GPT(unwrap(model).config))
+            ties = tied_names(GPT(unwrap(model).config))
         for group in ties:  # the file holds one name of a tied pair
             present = next((name for name in group if name in state), None)
             for name in group:
                 if present is not None:
                     state.setdefault(name, state[present])
-        set_model_state_dict(_uncompiled(model), state, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(uncompiled(model), state, options=StateDictOptions(full_state_dict=True))
         _load_sharded_optimizer(folder / FSDP_OPTIMIZER_DIR, model, optimizer)
         return
     load_weights(model, folder / WEIGHTS_FILE)

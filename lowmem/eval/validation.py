@@ -13,9 +13,9 @@ from accelerate.utils import gather_object
 
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
-from lowmem.distributed import all_reduce_sum
+from lowmem.distributed.collectives import all_reduce_sum
 from lowmem.model import GPT
-from lowmem.tokenizer import Tokenizer
+from lowmem.data.tokenizer import Tokenizer
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 METRIC_MODES = {"bleu4": "max", "val_loss": "min"}

@@ -1,0 +1,146 @@
+"""What a training checkpoint holds, written and read back as a dict of stateful parts.
+
+A checkpoint folder (made atomic and complete by `lowmem.checkpoint.folders.CheckpointManager`):
+
+    model.safetensors      the whole model's weights (main process), under every strategy
+    model_config.json      the GPT's sizes
+    optimizer.pt           AdamW's state (main process; identical on every rank under DDP), or
+    deepspeed/state/       under DeepSpeed: the engine's checkpoint, one optimizer shard per rank, or
+    optimizer/             under FSDP: the optimizer state, one shard per rank (torch.distributed.checkpoint)
+    trainer_state.json     the shared parts (`train`: epoch, step, tokens seen; `checkpoints`: the manager's),
+                           the world size and workers, and the config the run had
+    rank<r>/<part>.json    each rank's own parts: `data` (the loader position), `memory` (the memory log)
+    rank<r>/rng.pt         each rank's random states
+
+Weights and optimizer state are the strategy's business (`lowmem.distributed.strategy`); every other part
+is an object with `state_dict()` / `load_state_dict()`. A part missing from an older checkpoint keeps its
+fresh state. The learning rate needs no state: it is a pure function of the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from accelerate import Accelerator
+
+from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, TrainConfig
+from lowmem.distributed.strategy import load_model_and_optimizer, save_model_and_optimizer
+from lowmem.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE_FILE = "trainer_state.json"
+RUN_FACTS = ("world_size", "workers_per_rank")  # besides the config, what a resume must match to be exact
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _part_file(rank_dir: Path, name: str, part: Stateful) -> Path:
+    return rank_dir / f"{name}{getattr(part, 'checkpoint_suffix', '.json')}"
+
+
+def _write_part(path: Path, state: dict[str, Any]) -> None:
+    if path.suffix == ".pt":
+        torch.save(state, path)
+    else:
+        path.write_text(json.dumps(state))
+
+
+def _read_part(path: Path) -> dict[str, Any]:
+    # weights_only=False: numpy's random state is no plain tensor; these files are the run's own.
+    return torch.load(path, weights_only=False) if path.suffix == ".pt" else json.loads(path.read_text())
+
+
+class TrainingCheckpoint:
+    """The model, the optimizer and the named stateful parts of a run, as one checkpoint.
+
+    Args:
+        model, optimizer: the prepared ones (the strategy decides how they are stored).
+        accelerator: the run's Accelerator.
+        shared: parts that are the same on every rank; the main process writes them once.
+        per_rank: parts of this rank only; every rank writes its own.
+        config: the run's configuration, recorded so that a resume can say what changed.
+        run_facts: the world size and workers per rank, which the data order depends on.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,
+                 shared: dict[str, Stateful], per_rank: dict[str, Stateful], config: TrainConfig,
+                 run_facts: dict[str, int]) -> None:
+        self.model, self.optimizer, self.accelerator = model, optimizer, accelerator
+        self.shared, self.per_rank, self.config, self.run_facts = shared, per_rank, config, run_facts
+
+    def write(self, folder: Path) -> None:
+        """Write this rank's part into `folder`; every rank calls it (saving weights is a collective under
+        FSDP and DeepSpeed)."""
+        rank_dir = folder / f"rank{self.accelerator.process_index}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        for name, part in self.per_rank.items():
+            _write_part(_part_file(rank_dir, name, part), part.state_dict())
+        save_model_and_optimizer(folder, self.model, self.optimizer, self.accelerator)
+        if self.accelerator.is_main_process:
+            state = {name: part.state_dict() for name, part in self.shared.items()}
+            state.update(config=dataclasses.asdict(self.config), **self.run_facts)
+            (folder / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2, ensure_ascii=False))
+
+    def load(self, folder: Path, skip: tuple[str, ...] = ()) -> None:
+        """Load every part saved in `folder` except those named in `skip`; every rank calls it."""
+        load_model_and_optimizer(folder, self.model, self.optimizer, self.accelerator)
+        saved = read_trainer_state(folder)
+        for name, part in self.shared.items():
+            if name in saved and name not in skip:
+                part.load_state_dict(saved[name])
+        for name in self.per_rank:
+            if name not in skip:
+                self.load_part(folder, name)
+
+    def load_part(self, folder: Path, name: str) -> None:
+        """Load this rank's part `name` from `folder`, if the checkpoint has it."""
+        part = self.per_rank[name]
+        path = _part_file(folder / f"rank{self.accelerator.process_index}", name, part)
+        if path.is_file():
+            part.load_state_dict(_read_part(path))
+
+
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / TRAINER_STATE_FILE).read_text())
+
+
+def resume_differences(saved: dict[str, Any], config: TrainConfig,
+                       run_facts: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(changes that break exactness, changes that make the checkpoint unusable) between a save and now."""
+    saved_config = saved["config"]
+    inexact = [f"{name}: {saved_config.get(name)!r} → {getattr(config, name)!r}" for name in RESUME_EXACT_FIELDS
+               if saved_config.get(name) != getattr(config, name)]
+    for name, value in run_facts.items():
+        if saved.get(name) != value:
+            inexact.append(f"{name}: {saved.get(name)!r} → {value!r}")
+    unusable = [f"{name}: {saved_config.get(name)!r} → {getattr(config, name)!r}" for name in MODEL_SHAPE_FIELDS
+                if saved_config.get(name) != getattr(config, name)]
+    return inexact, unusable
+
+
+def check_resume(folder: Path, config: TrainConfig, run_facts: dict[str, Any],
+                 allow_config_change: bool) -> list[str]:
+    """Refuse a resume that cannot continue exactly (unless allowed) or cannot load at all; return the changes."""
+    inexact, unusable = resume_differences(read_trainer_state(folder), config, run_facts)
+    if unusable:
+        raise ConfigError(
+            f"The checkpoint {folder} holds a model of another shape ({'; '.join(unusable)}). Resume with the "
+            "model settings it was saved with, or start a new run in another --output_dir."
+        )
+    if inexact and not allow_config_change:
+        raise ConfigError(
+            f"Resuming from {folder} with changed settings would not continue the run exactly: "
+            f"{'; '.join(inexact)}. Use the saved settings (they are in {folder / TRAINER_STATE_FILE}), or "
+            "pass --allow_config_change=True to continue anyway (data order, schedule or batches will differ)."
+        )
+    return inexact

@@ -1,0 +1,1 @@
+"""Evaluation: validation loss, perplexity and BLEU-4, and the evaluate and generate commands."""

@@ -1,0 +1,46 @@
+"""Validation during training: when it is due, and the loss and BLEU-4 of the model on the validation file."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from accelerate import Accelerator
+
+from lowmem.config import TrainConfig
+from lowmem.data.tokenizer import Tokenizer
+from lowmem.distributed.strategy import model_for_eval
+from lowmem.eval.validation import EvalResult, evaluate
+
+logger = logging.getLogger(__name__)
+
+
+class Validator:
+    """Validates the training model every `eval_steps` steps (0: only when the trainer asks, at epoch ends and
+    checkpoints) and remembers the last result. Every rank calls `run` together."""
+
+    def __init__(self, config: TrainConfig, tokenizer: Tokenizer, accelerator: Accelerator) -> None:
+        self.config, self.tokenizer, self.accelerator = config, tokenizer, accelerator
+        self.last: EvalResult | None = None
+
+    def due(self, step: int) -> bool:
+        return bool(self.config.eval_steps) and step % self.config.eval_steps == 0
+
+    def run(self, model: torch.nn.Module, step: int, with_bleu: bool = True) -> EvalResult:
+        """Loss over the validation file (or its first `eval_batches` batches), and BLEU-4 unless told not to."""
+        config = self.config
+        with model_for_eval(model, self.accelerator) as eval_model:
+            result = evaluate(eval_model, self.tokenizer, config.validation_file, self.accelerator,
+                              batch_size=config.batch_size_per_gpu, max_seq_len=config.max_seq_len,
+                              columns=(config.prompt_column, config.response_column),
+                              bleu_samples=config.eval_bleu_samples if with_bleu else 0,
+                              max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
+                              response_only=config.loss_on_response_only,
+                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size)
+        logger.info("Validation at step %d: %s", step, result.describe())
+        self.last = result
+        return result
+
+    def last_score(self, metric: str) -> float | None:
+        """The last validation's value of `metric` (None before any validation)."""
+        return None if self.last is None else self.last.score(metric)

@@ -1,0 +1,105 @@
+"""The model's weights as files: plain parameter names whatever wraps the model, safetensors in and out.
+
+torch.compile prefixes state-dict keys with `_orig_mod.`, DDP and DeepSpeed with `module.`: weights are
+always written under the plain model's names and load into a plain, compiled or wrapped model alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WEIGHTS_FILE = "model.safetensors"
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP / DataParallel / DeepSpeedEngine
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside torch.compile, DDP, DataParallel, DeepSpeed and FSDP1's outer wrappers.
+
+    Only attributes are followed: unlike `accelerator.unwrap_model(keep_fp32_wrapper=False)`, nothing is
+    changed on the model, so the training model keeps its mixed-precision forward.
+    """
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile
+            model = model._orig_mod
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine",
+                                      "FullyShardedDataParallel"):
+            model = model.module
+        else:
+            return model
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` without torch.compile's wrapper only: what torch.distributed.checkpoint's FSDP functions take."""
+    while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
+def strip_prefixes(name: str) -> str:
+    """A state-dict key without the prefixes that compile and DDP wrappers add (`_orig_mod.`, `module.`)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name
+
+
+def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights under the plain model's names, whether `model` is compiled, DDP-wrapped or plain."""
+    return {strip_prefixes(name): tensor for name, tensor in unwrap(model).state_dict().items()}
+
+
+def tied_names(module: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one Parameter (GPT ties the token embedding and the output layer)."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def load_model_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load weights into `model` (plain, compiled or DDP-wrapped) from a state dict with or without wrapper
+    prefixes. Of tied parameters one name is enough; anything else missing or unexpected is an error."""
+    target = unwrap(model)
+    clean = {strip_prefixes(name): tensor for name, tensor in state.items()}
+    missing, unexpected = target.load_state_dict(clean, strict=False)
+    covered = {name for group in tied_names(target) if any(n in clean for n in group) for name in group}
+    missing = [name for name in missing if name not in covered]
+    if missing or unexpected:
+        raise RuntimeError(f"The weights do not fit the model: missing {missing}, unexpected {unexpected}.")
+
+
+def _without_shared_duplicates(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep one name per shared tensor (safetensors refuses shared storage), the alphabetically first, as
+    `safetensors.torch.save_model` does: files written either way have the same keys."""
+    kept: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name in sorted(state):
+        tensor = state[name]
+        if tensor.device.type != "meta":
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+        kept[name] = tensor.detach().contiguous()
+    return kept
+
+
+def save_weights(model_or_state: torch.nn.Module | dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write weights to a safetensors file under the plain model's names (a compiled model's included)."""
+    from safetensors.torch import save_file
+
+    state = model_or_state if isinstance(model_or_state, dict) else model_state_dict(model_or_state)
+    state = {strip_prefixes(name): tensor for name, tensor in state.items()}
+    save_file(_without_shared_duplicates(state), str(path), metadata={"format": "pt"})
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load a safetensors file (from `save_weights` or `safetensors.torch.save_model`) into a plain or
+    compiled model."""
+    from safetensors.torch import load_file
+
+    load_model_state_dict(model, load_file(str(path)))

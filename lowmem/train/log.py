@@ -1,0 +1,113 @@
+"""The training log: readable lines on the console and in logs/chat_trainer_low_mem_YYYYMMDD.log, one per
+logging step."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from accelerate import Accelerator
+from tqdm import tqdm
+
+from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum
+from lowmem.train.callbacks import StepResult
+from lowmem.units import MB
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [rank {rank}] %(message)s"
+
+
+class _AllRanksFilter(logging.Filter):
+    """On ranks other than the main one, let through warnings and records logged with extra={"all_ranks": True}."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or getattr(record, "all_ranks", False)
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes log lines above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - a log line must never stop training
+            self.handleError(record)
+
+
+def training_log_path(log_dir: str | Path = "logs", today: dt.date | None = None) -> Path:
+    """The day's human-readable training log file."""
+    today = today or dt.date.today()
+    return Path(log_dir) / f"chat_trainer_low_mem_{today:%Y%m%d}.log"
+
+
+def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs") -> Path:
+    """Console on every rank (others only warnings), and the log file from the main rank; returns its path."""
+    path = training_log_path(log_dir)
+    formatter = logging.Formatter(LOG_FORMAT.format(rank=rank), datefmt="%Y-%m-%d %H:%M:%S")
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_lowmem", False) or isinstance(handler, logging.StreamHandler):
+            root.removeHandler(handler)
+    console = _TqdmHandler()
+    console.setLevel(logging.INFO)
+    if not is_main:
+        console.addFilter(_AllRanksFilter())
+    handlers: list[logging.Handler] = [console]
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(path, encoding="utf-8"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        handler._lowmem = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return path
+
+
+class StepLog:
+    """Sums over the optimizer steps since the last log line, on this rank, and the line itself when due.
+
+    Due every `every` steps and at the last step; the line's loss and tokens/s are over every rank.
+    """
+
+    def __init__(self, accelerator: Accelerator, total_steps: int, every: int) -> None:
+        self.accelerator, self.total_steps, self.every = accelerator, total_steps, every
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum = 0.0
+        self.target_tokens = 0
+        self.input_tokens = 0
+        self.grad_norm_sum = 0.0
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def add(self, result: StepResult) -> None:
+        self.loss_sum += result.loss_sum
+        self.target_tokens += result.target_tokens
+        self.input_tokens += result.input_tokens
+        self.grad_norm_sum += result.grad_norm
+        self.steps += 1
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.total_steps
+
+    def write(self, step: int, epoch: int, lr: float) -> None:
+        """One readable line: loss over the window and all ranks, learning rate, tokens/s, grad norm, RSS."""
+        loss_sum, target_tokens, input_tokens = all_reduce_sum(
+            self.accelerator, [self.loss_sum, self.target_tokens, self.input_tokens])
+        rss = psutil.Process().memory_info().rss
+        [rss_max] = all_reduce_max(self.accelerator, [rss])
+        elapsed = time.perf_counter() - self.started
+        logger.info(
+            "step %d/%d | epoch %d | loss %.4f | lr %.2e | grad_norm %.3f | tokens/s %s | rss %.0f MB "
+            "(max over ranks %.0f MB)", step, self.total_steps, epoch, loss_sum / max(target_tokens, 1), lr,
+            self.grad_norm_sum / max(self.steps, 1), f"{input_tokens / max(elapsed, 1e-9):,.0f}", rss / MB,
+            rss_max / MB,
+        )
+        self._reset()

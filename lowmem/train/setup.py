@@ -1,0 +1,122 @@
+"""Building the parts a Trainer is made of: tokenizer, memory settings, model and optimizer, loader, monitor."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from lowmem.config import TrainConfig
+from lowmem.data import ParquetStream, StreamLoader
+from lowmem.data.collate import TokenizingCollate
+from lowmem.data.sources import resolve_data_files
+from lowmem.data.tokenizer import Tokenizer, train_tokenizer
+from lowmem.distributed.collectives import broadcast_from_main, local_processes
+from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
+from lowmem.errors import ConfigError
+from lowmem.memory.data_settings import MemorySettings, decide_memory_settings
+from lowmem.memory.log import MemoryLogger, new_run_id
+from lowmem.memory.monitor import MemoryMonitor
+from lowmem.memory.watchdog import MemoryWatchdog
+from lowmem.model import GPT, GPTConfig
+from lowmem.train.performance import enable_tf32, maybe_compile
+
+logger = logging.getLogger(__name__)
+LOG_DIR = "logs"
+
+
+def model_config_for(config: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The GPT sizes a training config asks for."""
+    return GPTConfig(vocab_size=vocab_size, max_seq_len=config.max_seq_len, n_layer=config.n_layer,
+                     n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout)
+
+
+def train_tokenizer_for(config: TrainConfig) -> Tokenizer:
+    """Train the tokenizer a config asks for; with too little text for `vocab_size`, a smaller one, said so."""
+    train_tokenizer(resolve_data_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
+                    columns=(config.prompt_column, config.response_column),
+                    max_sentences=config.tokenizer_max_sentences, seed=config.seed, hard_vocab_limit=False)
+    tokenizer = Tokenizer.load(config.tokenizer_dir)
+    if tokenizer.vocab_size < config.vocab_size:
+        logger.warning("The training text supports %d tokenizer pieces, fewer than vocab_size=%d: using %d.",
+                       tokenizer.vocab_size, config.vocab_size, tokenizer.vocab_size)
+    return tokenizer
+
+
+def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> Tokenizer:
+    """Load the tokenizer, training it first (on the main process, while the others wait) if it is missing."""
+    model_path = Path(config.tokenizer_dir) / "tokenizer.model"
+    if not model_path.is_file() and accelerator.is_main_process:
+        logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path, config.train_file,
+                    config.vocab_size)
+        train_tokenizer_for(config)
+    accelerator.wait_for_everyone()
+    tokenizer = Tokenizer.load(config.tokenizer_dir)
+    if tokenizer.vocab_size != config.vocab_size:
+        logger.info("The tokenizer at %s has %d pieces (vocab_size is %d); retrain it with `python train_low_mem.py tokenizer "
+                    "--vocab_size=...` to change that.", model_path, tokenizer.vocab_size, config.vocab_size)
+    return tokenizer
+
+
+def shared_memory_settings(config: TrainConfig, accelerator: Accelerator) -> MemorySettings:
+    """Rank 0 decides from the memory budget and broadcasts, so no two ranks run with different settings."""
+    settings = broadcast_from_main(accelerator, lambda: decide_memory_settings(
+        config.ultra_low_mem, config.dataloader_num_workers, config.ultra_low_mem_threshold_gb,
+        local_processes=local_processes(accelerator),
+        on_gpu=accelerator.device.type == "cuda", budget_gb=config.memory_budget_gb,
+    ))
+    # Every rank says what it runs with: the settings rank 0 decided, the same everywhere.
+    logger.info("Memory settings (decided by rank 0): %s.", settings.reason, extra={"all_ranks": True})
+    return settings
+
+
+def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator,
+                              vocab_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked."""
+    model = GPT(model_config_for(config, vocab_size))
+    logger.info("Model: %.2f M parameters (%.2f M without embeddings).", model.num_params() / 1e6,
+                model.num_params(exclude_embeddings=True) / 1e6)
+    model, optimizer = prepare_model_and_optimizer(model, config, accelerator)
+    logger.info("Parallelism: %s.", describe(accelerator))
+    if enable_tf32(accelerator.device.type == "cuda"):
+        logger.info("TF32 matmuls on: float32 work runs on the tensor cores.")
+    return maybe_compile(model, config), optimizer
+
+
+def make_loader(files: str, config: TrainConfig, accelerator: Accelerator, collate: TokenizingCollate,
+                settings: MemorySettings, shuffle: bool) -> StreamLoader:
+    """A StreamLoader over this rank's share of `files`."""
+    stream = ParquetStream(
+        files, columns=(config.prompt_column, config.response_column), buffer_size=config.dataloader_buffer_size,
+        shuffle=shuffle, seed=config.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+        ultra_low_mem=settings.ultra_low_mem, ultra_low_mem_threshold_gb=config.ultra_low_mem_threshold_gb,
+    )
+    return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate,
+                        num_workers=settings.num_workers, pin_memory=settings.pin_memory)
+
+
+def steps_per_epoch(loader: StreamLoader, config: TrainConfig) -> int:
+    """Optimizer steps in one epoch of `loader`; an error that says what to change when there is not one."""
+    steps = len(loader) // config.gradient_accumulation_steps
+    if steps == 0:
+        raise ConfigError(
+            f"The training data gives each process {len(loader.stream)} rows: not enough for one optimizer "
+            f"step of {config.batch_size_per_gpu} x {config.gradient_accumulation_steps} rows. Lower "
+            "--batch_size_per_gpu or --gradient_accumulation_steps, or add data."
+        )
+    return steps
+
+
+def make_memory_monitor(config: TrainConfig, accelerator: Accelerator, settings: MemorySettings) -> MemoryMonitor:
+    """Cleanups, memory records and the watchdog for this rank, on the budget share rank 0 decided.
+
+    The run id (a timestamp) is chosen by rank 0, so that every rank's memory log carries the same one.
+    """
+    run_id = broadcast_from_main(accelerator, new_run_id)
+    share = settings.per_process_bytes
+    memory_logger = MemoryLogger(LOG_DIR, run_id, accelerator.process_index, accelerator.num_processes, share)
+    watchdog = MemoryWatchdog(share, fraction=config.memory_watchdog_fraction)
+    return MemoryMonitor(memory_logger, watchdog, on_gpu=accelerator.device.type == "cuda",
+                         cleanup_steps=config.cleanup_steps, memory_log_steps=config.memory_log_steps)

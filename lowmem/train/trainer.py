@@ -1,0 +1,380 @@
+"""The Trainer: ParquetStream → tokenizing collate → GPT on Accelerate (1..N processes, CPU or GPU).
+
+A Trainer is made of small parts, each keeping its own state and saying itself when it is due:
+
+    state        TrainState: epoch, step, tokens seen                       (checkpoint: shared)
+    checkpoints  CheckpointManager: atomic folders, retention, `due(step)`   (checkpoint: shared)
+    data         LoaderPosition: the training loader and its exact position (checkpoint: per rank)
+    rng          RngState: this process's random states                     (checkpoint: per rank)
+    memory       MemoryMonitor: cleanups, memory records, the watchdog      (checkpoint: per rank)
+    validator    Validator: validation loss and BLEU-4, `due(step)`
+    step_log     StepLog: one readable line per logging step
+    stopper      GracefulStop: SIGINT/SIGTERM, or `request_stop(reason)`
+
+A checkpoint is the model, the optimizer and the dict of the stateful parts (`TrainingCheckpoint`).
+`fit()` reads top to bottom: next batches, step, log, then validate and/or save when due.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+from lowmem.checkpoint.contents import TrainingCheckpoint, check_resume
+from lowmem.checkpoint.export import export_checkpoint, export_model
+from lowmem.checkpoint.folders import CheckpointManager
+from lowmem.config import TrainConfig, check_data_files, validate_config
+from lowmem.data import ParquetStream, StreamLoader
+from lowmem.data.collate import TokenizingCollate
+from lowmem.distributed.accelerator import create_accelerator
+from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder
+from lowmem.distributed.strategy import model_for_eval
+from lowmem.errors import DataError
+from lowmem.eval.commands import answer
+from lowmem.eval.validation import METRIC_MODES
+from lowmem.eval.validator import Validator
+from lowmem.train.callbacks import Callback, StepResult
+from lowmem.train.log import StepLog, setup_training_log
+from lowmem.train.schedule import get_lr
+from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader,
+                                make_memory_monitor, shared_memory_settings, steps_per_epoch)
+from lowmem.train.state import RngState, TrainState
+from lowmem.train.step import Batch, count_tokens, take, train_step
+from lowmem.train.stop import GracefulStop
+
+logger = logging.getLogger(__name__)
+
+
+class LoaderPosition:
+    """The training loader as a checkpoint part: its position, except at a stop, where the batches taken for
+    a step that was not trained are given back (the position before them is saved)."""
+
+    def __init__(self, loader: StreamLoader) -> None:
+        self.loader = loader
+        self._before_step: dict[str, Any] | None = None
+        self._untrained = False
+
+    def epoch_batches(self, epoch: int) -> Iterator[Batch]:
+        self.loader.set_epoch(epoch)
+        return iter(self.loader)
+
+    def take(self, batches: Iterator[Batch], count: int) -> list[Batch]:
+        """The next `count` batches, remembering the position before them."""
+        self._before_step = self.loader.state_dict()
+        return take(batches, count)
+
+    def give_back_last_batches(self) -> None:
+        self._untrained = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._before_step if self._untrained else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+
+@dataclass
+class StepAgreement:
+    """What every rank learned in the one small collective at the start of a step."""
+
+    target_tokens: int  # this rank's tokens the loss counts
+    input_tokens: int  # this rank's real input tokens
+    global_target_tokens: float  # over every rank
+    global_input_tokens: float
+    ranks_out: bool  # some rank ran out of rows: the epoch ends here for all
+    stop: bool  # some rank was asked to stop
+
+
+class Trainer:
+    """Trains a GPT as a TrainConfig says; see the module's docstring for its parts.
+
+    Args:
+        config: the training configuration (validated here).
+        accelerator: the run's Accelerator (default: one on the GPUs if there are any, else the CPU).
+        callbacks: hooks run on every rank at fixed points (see `lowmem.train.callbacks`).
+    """
+
+    def __init__(self, config: TrainConfig, accelerator: Accelerator | None = None,
+                 callbacks: Sequence[Callback] = ()) -> None:
+        validate_config(config)
+        self.config, self.callbacks = config, list(callbacks)
+        self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16)
+        self.is_main = self.accelerator.is_main_process
+        set_seed(config.seed)
+        self.started = time.perf_counter()
+        self.tokenizer = ensure_tokenizer(config, self.accelerator)
+        settings = shared_memory_settings(config, self.accelerator)
+        logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
+                    self.accelerator.device, self.accelerator.mixed_precision)
+        self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size)
+        collate = TokenizingCollate(self.tokenizer, config.max_seq_len, (config.prompt_column, config.response_column),
+                                    config.loss_on_response_only, pack=config.pack_rows)
+        loader = make_loader(config.train_file, config, self.accelerator, collate, settings, shuffle=True)
+        self.steps_per_epoch = steps_per_epoch(loader, config)
+        self.total_steps = self.steps_per_epoch * config.epochs
+        if config.max_steps:
+            self.total_steps = min(self.total_steps, config.max_steps)
+
+        self.state = TrainState()
+        self.checkpoints = CheckpointManager(
+            config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
+            mode=METRIC_MODES[config.best_metric], is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,
+            all_ok=self._all_ok, save_every=config.save_steps)
+        self.data, self.rng = LoaderPosition(loader), RngState()
+        self.memory = make_memory_monitor(config, self.accelerator, settings)
+        self.validator = Validator(config, self.tokenizer, self.accelerator)
+        self.step_log = StepLog(self.accelerator, self.total_steps, config.logging_steps)
+        self.stopper = GracefulStop()
+        self.checkpoint = TrainingCheckpoint(
+            self.model, self.optimizer, self.accelerator, shared={"train": self.state, "checkpoints": self.checkpoints},
+            per_rank={"rng": self.rng, "data": self.data, "memory": self.memory}, config=config,
+            run_facts={"world_size": self.accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers)})
+        self.resumed_from: Path | None = None
+        self.epoch_ended = False
+        self.lr = get_lr(0, config.learn_rate, config.warmup_steps, self.total_steps, config.min_lr_ratio)
+        self.progress: tqdm | None = None
+        logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all.",
+                    len(loader.stream), self.steps_per_epoch, self.total_steps)
+
+    # ----- the loop ---------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train to the end of the epochs or of `max_steps`, or until a stop; returns the run's summary."""
+        self._begin()
+        try:
+            while self.running:
+                for micro_batches, agreed in self.epoch_steps():
+                    result = self.optimizer_step(micro_batches, agreed)
+                    self.after_step(result)
+                    self.validate_and_save_when_due()
+                if self.epoch_ended:
+                    self.end_epoch()
+            if not self.stopper.requested:
+                self.validate_and_save_when_due(final=True)
+        finally:
+            self._end()
+        return self.finish()
+
+    @property
+    def running(self) -> bool:
+        return (not self.stopper.requested and self.state.step < self.total_steps
+                and self.state.epoch < self.config.epochs)
+
+    def epoch_steps(self) -> Iterator[tuple[list[Batch], StepAgreement]]:
+        """The micro-batches of each step of the current epoch, until the step budget ends, a rank runs out of
+        rows (`epoch_ended`) or a stop is agreed (then saved here)."""
+        batches = self.data.epoch_batches(self.state.epoch)
+        self.epoch_ended = False
+        while self.state.step < self.total_steps:
+            micro_batches = self.data.take(batches, self.config.gradient_accumulation_steps)
+            agreed = self.agree(micro_batches)
+            if agreed.stop:
+                self.stop_and_save()
+                return
+            if agreed.ranks_out:
+                self.epoch_ended = True
+                return
+            yield micro_batches, agreed
+
+    def agree(self, micro_batches: list[Batch]) -> StepAgreement:
+        """One small collective per step carries the step's token counts, whether any rank ran out of data
+        (rows with empty values make shares uneven) and whether any rank was asked to stop, so that every
+        rank ends the epoch, or stops, at the same step."""
+        targets, inputs = count_tokens(micro_batches, self.tokenizer.pad_id)
+        short = len(micro_batches) < self.config.gradient_accumulation_steps
+        total_targets, total_inputs, ranks_out, stop = all_reduce_sum(
+            self.accelerator, [targets, inputs, float(short), float(self.stopper.requested)])
+        return StepAgreement(targets, inputs, total_targets, total_inputs, bool(ranks_out), bool(stop))
+
+    def optimizer_step(self, micro_batches: list[Batch], agreed: StepAgreement) -> StepResult:
+        """One optimizer step at the scheduled learning rate."""
+        config = self.config
+        self.lr = get_lr(self.state.step, config.learn_rate, config.warmup_steps, self.total_steps,
+                         config.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        loss_sum, grad_norm = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
+                                         agreed.global_target_tokens, config.grad_clip)
+        return StepResult(micro_batches, loss_sum, grad_norm, self.lr, agreed.target_tokens, agreed.input_tokens,
+                          agreed.global_target_tokens, agreed.global_input_tokens)
+
+    def after_step(self, result: StepResult) -> None:
+        """Count the step, run the callbacks and the memory schedule, and write the log line when due."""
+        self.state.step += 1
+        self.state.tokens_seen += int(result.global_input_tokens)
+        for callback in self.callbacks:
+            callback.on_step_end(self, result)
+        self.step_log.add(result)
+        self.progress.update(1)
+        self.memory.after_step(self.state.epoch, self.state.step)
+        if self.step_log.due(self.state.step):
+            self.step_log.write(self.state.step, self.state.epoch, self.lr)
+
+    def validate_and_save_when_due(self, epoch_end: bool = False, final: bool = False) -> None:
+        """Validate when the validator or a save asks for it, then save when a checkpoint is due.
+
+        At an epoch's end both are due; at the end of training both are, unless this step is already saved.
+        """
+        step = self.state.step
+        save = self.checkpoints.due(step) or epoch_end or (final and self.checkpoints.last_saved_step != step)
+        if save or self.validator.due(step):
+            self.validator.run(self.model, step)
+        if save:
+            self.save(score=self.validator.last_score(self.config.best_metric))
+
+    # ----- epochs, stops and saves ------------------------------------------------------------------------
+    def end_epoch(self) -> None:
+        """Some rank ran out of rows: every rank counts the epoch as done, validates and saves."""
+        self.state.epoch += 1
+        logger.info("Epoch %d done at step %d.", self.state.epoch, self.state.step)
+        self.validate_and_save_when_due(epoch_end=True)
+
+    def request_stop(self, reason: str) -> None:
+        """Ask for a stop after this step, as SIGTERM would: every rank saves at the next step and returns."""
+        self.stopper.request(reason)
+
+    def stop_and_save(self) -> None:
+        """A stop was agreed: save where the last trained step left off (the batches just taken go back)."""
+        self.stopper.request("another process")  # when the request came from another rank
+        self.data.give_back_last_batches()
+        self.save(score=None)
+
+    def save(self, score: float | None) -> Path:
+        """Save a checkpoint of every part at the current step; every rank calls it."""
+        def write(folder: Path) -> None:
+            self.checkpoint.write(folder)
+            for callback in self.callbacks:
+                callback.on_checkpoint_write(self, folder)
+
+        return self.checkpoints.save(self.state.step, write, score=score,
+                                     info={"epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen})
+
+    def resume(self, allow_config_change: bool = False) -> Path | None:
+        """Continue from the latest complete checkpoint in the run folder, if there is one; returns it.
+
+        Settings that decide the data order, batches or schedule must match the checkpoint's unless
+        `allow_config_change`; then a data position that no longer fits restarts the epoch.
+        """
+        folder = broadcast_from_main(self.accelerator, self.checkpoints.latest_complete)
+        if folder is None:
+            logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
+            return None
+        changes = check_resume(folder, self.config, self.checkpoint.run_facts, allow_config_change)
+        self.checkpoint.load(folder, skip=("data",))
+        try:
+            self.checkpoint.load_part(folder, "data")
+        except DataError as error:
+            if not changes:
+                raise
+            logger.warning("The saved data position does not fit the changed settings (%s): epoch %d restarts.",
+                           error, self.state.epoch)
+        self.checkpoints.last_saved_step = self.state.step
+        self.resumed_from = folder
+        logger.info("Resumed from %s: epoch %d, step %d, %s tokens seen%s.", folder, self.state.epoch,
+                    self.state.step, f"{self.state.tokens_seen:,}", f" (changed: {'; '.join(changes)})" if changes else "")
+        return folder
+
+    # ----- start and end ----------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        if self.resumed_from is None:
+            self.state.val_loss_start = self.validator.run(self.model, self.state.step, with_bleu=False).loss
+        self.memory.start(self.state.epoch, self.state.step)
+        self.stopper.install()
+        self.progress = tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
+                             disable=not self.is_main, dynamic_ncols=True)
+        for callback in self.callbacks:
+            callback.on_train_start(self)
+
+    def _end(self) -> None:
+        self.stopper.uninstall()
+        if self.progress is not None:
+            self.progress.close()
+        self.memory.end(self.state.epoch, self.state.step)
+
+    def _all_ok(self, ok: bool) -> bool:
+        return all_reduce_max(self.accelerator, [0.0 if ok else 1.0])[0] == 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Validation losses, steps, tokens and seconds of the run so far, and what stopped it."""
+        last = self.validator.last
+        summary = {
+            "val_loss_start": self.state.val_loss_start,
+            "val_loss_end": last.loss if last is not None else self.state.val_loss_start,
+            "steps": self.state.step, "bleu4_end": self.validator.last_score("bleu4"),
+            "tokens_seen": self.state.tokens_seen, "seconds": time.perf_counter() - self.started,
+            "processes": self.accelerator.num_processes, "stopped_by": self.stopper.requested_by,
+        }
+        return summary
+
+    def finish(self) -> dict[str, Any]:
+        """After the loop; returns the summary. Stopped: say how to continue. Done: the callbacks see the whole
+        model, the main process exports final/ and best/ and logs a sampled answer. Every rank enters
+        together: under FSDP the model is gathered."""
+        summary = self.summary()
+        if self.stopper.requested:
+            logger.info("Stopped by %s at step %d; the checkpoint is saved. Continue with --is_keep_training=True.",
+                        self.stopper.requested_by, self.state.step)
+            self.accelerator.wait_for_everyone()
+            return summary
+        with model_for_eval(self.model, self.accelerator) as final_model:
+            for callback in self.callbacks:
+                callback.on_train_end(self, final_model)
+            logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.",
+                        summary["val_loss_start"], summary["val_loss_end"], self.state.step,
+                        summary["val_loss_start"] - summary["val_loss_end"], summary["seconds"])
+            if self.is_main:
+                self.export(final_model)
+                summary["sample"] = self.sample_answer(final_model)
+        self.accelerator.wait_for_everyone()
+        return summary
+
+    def export(self, final_model: Any) -> None:
+        """final/: the model as trained; best/: the best checkpoint's model by `best_metric` (main process)."""
+        config, output_dir = self.config, Path(self.config.output_dir)
+        out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir)
+        logger.info("Model saved to %s", out_dir)
+        best = self.checkpoints.manifest.get("best") or []
+        if best:
+            best_dir = export_checkpoint(output_dir / best[0], config, output_dir / "best",
+                                         tokenizer_dir=config.tokenizer_dir)
+            logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
+
+    def sample_answer(self, final_model: Any) -> dict[str, str]:
+        """The model's answer to the first validation prompt, logged beside the reference."""
+        config = self.config
+        first = next(iter(ParquetStream(config.validation_file, columns=(config.prompt_column, config.response_column),
+                                        shuffle=False)))
+        prompt = first[config.prompt_column]
+        # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
+        sampled = answer(final_model, self.tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
+                         seed=config.seed)
+        logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", prompt, sampled,
+                    first[config.response_column])
+        return {"prompt": prompt, "answer": sampled}
+
+
+def run_training(config: TrainConfig, is_keep_training: bool = False, allow_config_change: bool = False,
+                 callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+    """Train as `config` says, with the training log set up; what `lowmem train` runs.
+
+    Args:
+        config: a TrainConfig (or a preset of it), validated here.
+        is_keep_training: continue from the latest complete checkpoint in `config.output_dir`.
+        allow_config_change: resume even when settings that decide the data order, batches or schedule changed.
+        callbacks: hooks run on every rank (see `lowmem.train.callbacks`).
+    """
+    validate_config(config)
+    check_data_files(config)
+    accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16)
+    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
+    check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
+    trainer = Trainer(config, accelerator, callbacks)
+    if is_keep_training:
+        trainer.resume(allow_config_change)
+    return {**trainer.fit(), "log_file": str(log_path)}

@@ -1,0 +1,14 @@
+"""Runs lowmem's command line with the test callbacks that LOWMEM_* variables ask for (see fault_injection.py).
+
+Used like train_low_mem.py, alone or under `accelerate launch`: `python tests/harness/run_train.py train ...`.
+"""
+
+import sys
+
+from fault_injection import callbacks_from_environment, override_memory_budget
+
+from lowmem.cli import main
+
+if __name__ == "__main__":
+    override_memory_budget()
+    sys.exit(main(callbacks=callbacks_from_environment()))
