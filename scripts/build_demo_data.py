@@ -1,4 +1,4 @@
-"""Build the demo data set (data/train.parquet, valid.parquet, test.parquet) from the chinese-poetry corpus.
+"""Build the demo data set (lowmem/demo_data/train.parquet, valid.parquet, test.parquet) from the chinese-poetry corpus.
 
 Usage, from the repository root:
 
@@ -17,7 +17,7 @@ from demo_corpus import build_demo_corpus  # beside this script
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_SOURCE = REPO_ROOT.parent / "shared" / "corpora" / "chinese-poetry"
-DEFAULT_OUT = REPO_ROOT / "data"
+DEFAULT_OUT = REPO_ROOT / "lowmem" / "demo_data"  # shipped inside the package
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

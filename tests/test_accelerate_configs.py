@@ -95,7 +95,7 @@ def test_fsdp_is_full_shard_wrapping_the_models_blocks():
     assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is True  # FSDP2's full shard
     assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
-    from lowmem import model
+    from lowmem.model import gpt as model
 
     assert isinstance(getattr(model, fsdp["fsdp_transformer_layer_cls_to_wrap"]), type), "a class of lowmem.model"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,13 +20,14 @@ def _load_script_module(name: str):
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
 build_demo_corpus = _load_script_module("demo_corpus").build_demo_corpus
 SPLITS = ("train", "valid", "test")
-REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+REPO_DATA = Path(__file__).resolve().parents[1] / "lowmem" / "demo_data"
 
 # Characters for made-up lines; each generated line uses characters no other line uses, so poems
 # never share a line by accident and each poem can be recognised by its last line.

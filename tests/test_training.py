@@ -74,7 +74,7 @@ def test_unknown_option_lists_the_valid_ones(tmp_path):
 
 
 def test_large_config_builds_the_large_model_and_takes_two_steps(tmp_path, chat_data):
-    data = ROOT / "data"
+    data = ROOT / "lowmem" / "demo_data"
     done = run_command(
         ["train", "--use_large_config=True", "--max_steps=2", f"--train_file={data / 'train.parquet'}",
          f"--validation_file={data / 'valid.parquet'}", f"--test_file={data / 'test.parquet'}",

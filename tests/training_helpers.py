@@ -36,7 +36,7 @@ def tiny_overrides(tmp_path: Path, train_file: Path, valid_file: Path) -> list[s
     ]
 
 
-HARNESS = ROOT / "tests" / "harness" / "run_train.py"
+HARNESS = ROOT / "tests" / "train_with_faults.py"
 
 
 def command_line(args: list[str], env: dict[str, str] | None = None,

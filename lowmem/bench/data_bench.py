@@ -7,17 +7,15 @@ Cases:
     resume   ParquetStream loaded from a position at 90% of the epoch: seconds to the first row
     resume10 the same at 10% of the epoch: the cost of a resume must not grow with the position
 
-Run one case in this process with `python -m lowmem.bench.data_bench CASE FILE...` (it prints one JSON
-line); `run_case` does that in a subprocess so each case starts with a clean heap.
+`measure` runs one case in this process; `run_case` runs it in a freshly spawned interpreter, so that each
+case starts with a clean heap and its own peak RSS.
 """
 
 from __future__ import annotations
 
-import json
+import multiprocessing
 import os
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,6 +25,8 @@ import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from lowmem.units import DECIMAL_MB, GIB
 
 CASES = ("ceiling", "normal", "ultra", "resume", "resume10")
 _SAMPLE_WORDS = ["春风", "明月", "江南", "归去", "相思", "落花", "流水", "千里", "故人", "长亭", "夜雨", "西楼",
@@ -65,14 +65,15 @@ def _peak_rss() -> int:
 
 
 def _measure_ceiling(files: Sequence[str]) -> dict[str, Any]:
-    import lowmem.data  # noqa: F401  (the same imports as the other cases, torch included: equal baselines)
+    # Importing the data layer also gives this case the same imports as the others (torch included): equal baselines.
+    from lowmem.data.sources import DEFAULT_COLUMNS
 
     rows = 0
     started = time.perf_counter()
     for path in files:
         reader = pq.ParquetFile(path)
         for group in range(reader.num_row_groups):
-            rows += len(reader.read_row_group(group, columns=["prompt", "response"]).to_pylist())
+            rows += len(reader.read_row_group(group, columns=list(DEFAULT_COLUMNS)).to_pylist())
     return {"rows": rows, "seconds": time.perf_counter() - started}
 
 
@@ -118,15 +119,13 @@ def measure(case: str, files: Sequence[str], buffer_size: int = 5000) -> dict[st
 
 
 def run_case(case: str, files: Sequence[str | Path], buffer_size: int = 5000) -> dict[str, Any]:
-    """Run one case in a fresh Python process and return its figures."""
-    command = [sys.executable, "-m", "lowmem.bench.data_bench", case, "--buffer_size", str(buffer_size),
-               *map(str, files)]
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmark case {case} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run one case in a fresh Python process and return its figures.
+
+    "spawn" starts a new interpreter (no copy of this process's heap, as a fork would give) that imports
+    lowmem from the same place as this one.
+    """
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure, (case, [str(file) for file in files], buffer_size))
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
@@ -143,13 +142,13 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         result = results[case]
         rate = result["rows"] / result["seconds"]
         lines.append(
-            f"| {labels[case]} | {rate:,.0f} | {rate / ceiling_rate:.2f} | {result['peak_rss'] / 1e6:,.0f} | "
-            f"{(result['peak_rss'] - ceiling['peak_rss']) / 1e6:+,.0f} |"
+            f"| {labels[case]} | {rate:,.0f} | {rate / ceiling_rate:.2f} | {result['peak_rss'] / DECIMAL_MB:,.0f} | "
+            f"{(result['peak_rss'] - ceiling['peak_rss']) / DECIMAL_MB:+,.0f} |"
         )
     for case, label in (("resume", "(d) resume at 90% of the epoch"), ("resume10", "(e) resume at 10% of the epoch")):
         resume = results[case]
         lines.append(f"| {label}: seconds to first row | {resume['seconds']:.2f} s | | "
-                     f"{resume['peak_rss'] / 1e6:,.0f} | {resume['rows_decoded']:,} rows decoded |")
+                     f"{resume['peak_rss'] / DECIMAL_MB:,.0f} | {resume['rows_decoded']:,} rows decoded |")
     return "\n".join(lines)
 
 
@@ -157,7 +156,7 @@ def machine_line() -> str:
     """The machine a benchmark ran on, in one line."""
     import platform
 
-    memory_gb = psutil.virtual_memory().total / 1024**3
+    memory_gb = psutil.virtual_memory().total / GIB
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {memory_gb:.0f} GiB RAM, "
             f"Python {platform.python_version()}, pyarrow {pa.__version__}")
 
@@ -175,17 +174,3 @@ def bench_data(files: Sequence[str | Path] | None = None, rows: int = 2_000_000,
             "(each case in a fresh process with the same imports; peak RSS includes the interpreter and torch)\n"
             + format_table(results))
 
-
-def _main(argv: Sequence[str]) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Run one data-benchmark case in this process.")
-    parser.add_argument("case", choices=CASES)
-    parser.add_argument("files", nargs="+")
-    parser.add_argument("--buffer_size", type=int, default=5000)
-    args = parser.parse_args(argv)
-    print(json.dumps(measure(args.case, args.files, args.buffer_size)))
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])

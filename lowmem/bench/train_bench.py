@@ -24,9 +24,10 @@ from typing import Any, Iterator
 import psutil
 import torch
 
+from lowmem.config import TrainConfig
 from lowmem.data.collate import TokenizingCollate
+from lowmem.units import DECIMAL_MB
 
-MB = 1e6
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by GPU name, from the vendors' data sheets; `--peak_tflops` overrides.
 # The first name found in the device's name wins, so specific names come before general ones (an H100
@@ -100,7 +101,7 @@ def measure_data_phase(loader: Any, micro_batches: int, pad_id: int) -> tuple[Ph
 def run_steps(name: str, batches: Iterator[dict[str, torch.Tensor]], steps: int, skip_steps: int, step_fn: Any,
               accumulation: int, pad_id: int, on_gpu: bool) -> PhaseResult:
     """`skip_steps` untimed steps, then `steps` timed ones; the time spent in `next(batches)` is data wait."""
-    from lowmem.train.trainer import take
+    from lowmem.train.step import take
 
     sampler = RssSampler()
     result = PhaseResult(name, 0, 0.0, 0)
@@ -129,7 +130,7 @@ def run_steps(name: str, batches: Iterator[dict[str, torch.Tensor]], steps: int,
     return result
 
 
-def bench_train(config: Any, steps: int = 20, skip_steps: int = 3, data_file: str | None = None, rows: int = 0,
+def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_file: str | None = None, rows: int = 0,
                 peak_tflops: float = 0.0) -> str:
     """Run the three phases on every rank and return the table (rank 0's view, all ranks combined).
 
@@ -144,14 +145,14 @@ def bench_train(config: Any, steps: int = 20, skip_steps: int = 3, data_file: st
     from accelerate.utils import gather_object
 
     from lowmem.bench.data_bench import generate_file, machine_line
-    from lowmem.data.collate import IGNORE_INDEX
     from lowmem.distributed.accelerator import create_accelerator
     from lowmem.distributed.collectives import all_reduce_sum, broadcast_from_main
-    from lowmem.model import GPT
+    from lowmem.model import GPT, IGNORE_INDEX
     from lowmem.distributed.strategy import prepare_model_and_optimizer
     from lowmem.train.performance import enable_tf32, maybe_compile
     from lowmem.config import validate_config
-    from lowmem.train.trainer import ensure_tokenizer, make_loader, model_config_for, shared_memory_settings, train_step
+    from lowmem.train.setup import ensure_tokenizer, make_loader, model_config_for, shared_memory_settings
+    from lowmem.train.step import train_step
 
     validate_config(config)
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16)
@@ -228,12 +229,14 @@ def format_table(per_rank: list[dict[str, Any]], flops_per_token: int, peak_tflo
         mfu = f"{rate * flops_per_token / (peak_tflops * 1e12 * len(per_rank)):.1%}" if training and peak_tflops else "-"
         lines.append(
             f"| {labels[name]} | {rate:,.0f} | {rate / ceiling_rate:.2f} | {f'{wait:.2%}' if training else '-'} | "
-            f"{' / '.join(f'{value / MB:,.0f}' for value in rss)} | {f'{gpu / MB:,.0f}' if gpu else '-'} | {mfu} |"
+            f"{' / '.join(f'{value / DECIMAL_MB:,.0f}' for value in rss)} | "
+            f"{f'{gpu / DECIMAL_MB:,.0f}' if gpu else '-'} | {mfu} |"
         )
-    share = " / ".join(f"{rank['data_rss'] / MB:,.0f}" for rank in per_rank)
-    high_water = " / ".join(f"{rank['high_water'] / MB:,.0f}" for rank in per_rank)
+    share = " / ".join(f"{rank['data_rss'] / DECIMAL_MB:,.0f}" for rank in per_rank)
+    high_water = " / ".join(f"{rank['high_water'] / DECIMAL_MB:,.0f}" for rank in per_rank)
     pipeline_rate = combined("pipeline")[0]
     lines.append("")
+    total_high_water = sum(rank["high_water"] for rank in per_rank) / DECIMAL_MB
     lines.append(f"(b)/(a) = {pipeline_rate / ceiling_rate:.3f}; RSS the data pipeline adds per process: {share} MB; "
-                 f"process high-water RSS: {high_water} MB (sum {sum(r['high_water'] for r in per_rank) / MB:,.0f} MB)")
+                 f"process high-water RSS: {high_water} MB (sum {total_high_water:,.0f} MB)")
     return "\n".join(lines)

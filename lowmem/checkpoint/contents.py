@@ -31,11 +31,15 @@ from accelerate import Accelerator
 from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, TrainConfig
 from lowmem.distributed.strategy import load_model_and_optimizer, save_model_and_optimizer
 from lowmem.errors import ConfigError
+from lowmem.train.schedule import same_learning_rates, total_steps
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE_FILE = "trainer_state.json"
 RUN_FACTS = ("world_size", "workers_per_rank")  # besides the config, what a resume must match to be exact
+# The run's length only sets the schedule's total: changing it keeps a resume exact as long as every step
+# already taken had the same learning rate under the old and the new total.
+RUN_LENGTH_FIELDS = ("epochs", "max_steps")
 
 
 class Stateful(Protocol):
@@ -114,12 +118,28 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
     return json.loads((folder / TRAINER_STATE_FILE).read_text())
 
 
-def resume_differences(saved: dict[str, Any], config: TrainConfig,
-                       run_facts: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(changes that break exactness, changes that make the checkpoint unusable) between a save and now."""
+def _run_length_is_harmless(saved: dict[str, Any], config: TrainConfig, steps_per_epoch: int) -> bool:
+    """True when the steps already taken had the same learning rates under the saved and the new run length."""
     saved_config = saved["config"]
-    inexact = [f"{name}: {saved_config.get(name)!r} → {getattr(config, name)!r}" for name in RESUME_EXACT_FIELDS
-               if saved_config.get(name) != getattr(config, name)]
+    old_total = total_steps(steps_per_epoch, saved_config["epochs"], saved_config["max_steps"])
+    new_total = total_steps(steps_per_epoch, config.epochs, config.max_steps)
+    return same_learning_rates(int(saved["train"]["step"]), config.learn_rate, config.warmup_steps,
+                               config.min_lr_ratio, old_total, new_total)
+
+
+def resume_differences(saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any],
+                       steps_per_epoch: int) -> tuple[list[str], list[str]]:
+    """(changes that break exactness, changes that make the checkpoint unusable) between a save and now.
+
+    `steps_per_epoch` is this run's; a changed run length counts only when it changed a learning rate
+    already used.
+    """
+    saved_config = saved["config"]
+    changed = [name for name in RESUME_EXACT_FIELDS if saved_config.get(name) != getattr(config, name)]
+    changed.sort(key=lambda name: name in RUN_LENGTH_FIELDS)  # what changes the batches is named first
+    if changed and set(changed) <= set(RUN_LENGTH_FIELDS) and _run_length_is_harmless(saved, config, steps_per_epoch):
+        changed = []
+    inexact = [f"{name}: {saved_config.get(name)!r} → {getattr(config, name)!r}" for name in changed]
     for name, value in run_facts.items():
         if saved.get(name) != value:
             inexact.append(f"{name}: {saved.get(name)!r} → {value!r}")
@@ -128,10 +148,10 @@ def resume_differences(saved: dict[str, Any], config: TrainConfig,
     return inexact, unusable
 
 
-def check_resume(folder: Path, config: TrainConfig, run_facts: dict[str, Any],
-                 allow_config_change: bool) -> list[str]:
+def check_resume(folder: Path, config: TrainConfig, run_facts: dict[str, Any], allow_config_change: bool,
+                 steps_per_epoch: int) -> list[str]:
     """Refuse a resume that cannot continue exactly (unless allowed) or cannot load at all; return the changes."""
-    inexact, unusable = resume_differences(read_trainer_state(folder), config, run_facts)
+    inexact, unusable = resume_differences(read_trainer_state(folder), config, run_facts, steps_per_epoch)
     if unusable:
         raise ConfigError(
             f"The checkpoint {folder} holds a model of another shape ({'; '.join(unusable)}). Resume with the "

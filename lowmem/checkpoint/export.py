@@ -10,52 +10,52 @@ from typing import Any, Callable
 
 import torch
 
+from lowmem.atomic_files import folder_built_aside
+from lowmem.config import TrainConfig
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
-from lowmem.model.weights import load_weights, save_weights, unwrap
-from lowmem.data.tokenizer import Tokenizer
+from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights, save_model_config,
+                                  save_weights, unwrap)
+from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+TRAIN_CONFIG_FILE = "train_config.json"  # the training settings the exported model was trained with
 
 
-def _write_model_folder(out_dir: Path, model_config: dict[str, Any], config: Any, tokenizer_dir: str,
+def _write_model_folder(out_dir: Path, model_config: GPTConfig, config: TrainConfig, tokenizer_dir: str,
                         write_weights: Callable[[Path], Any]) -> Path:
     """Weights, configs and tokenizer in one folder, written aside and renamed into place."""
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    write_weights(partial / "model.safetensors")
-    (partial / "model_config.json").write_text(json.dumps(model_config, indent=2))
-    (partial / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
-    shutil.copy(Path(tokenizer_dir) / "tokenizer.model", partial / "tokenizer.model")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    partial.rename(out_dir)
+    with folder_built_aside(out_dir) as folder:
+        write_weights(folder / WEIGHTS_FILE)
+        save_model_config(model_config, folder)
+        (folder / TRAIN_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
+        shutil.copy(Path(tokenizer_dir) / TOKENIZER_FILE, folder / TOKENIZER_FILE)
     return out_dir
 
 
-def export_model(model: GPT, config: Any, out_dir: Path, tokenizer_dir: str) -> Path:
+def export_model(model: GPT, config: TrainConfig, out_dir: Path, tokenizer_dir: str) -> Path:
     """Export the model as it is: weights (safetensors), the configs that rebuild it, and its tokenizer.
 
     `model` is a whole GPT (see `lowmem.distributed.strategy.model_for_eval`), plain or wrapped by torch.compile.
     """
-    return _write_model_folder(out_dir, dataclasses.asdict(unwrap(model).config), config, tokenizer_dir,
+    return _write_model_folder(out_dir, unwrap(model).config, config, tokenizer_dir,
                                lambda path: save_weights(model, path))
 
 
-def export_checkpoint(checkpoint: Path, config: Any, out_dir: Path, tokenizer_dir: str) -> Path:
+def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, tokenizer_dir: str) -> Path:
     """Export a checkpoint's model (for `generate` and `evaluate`) without loading it."""
-    model_config = json.loads((checkpoint / "model_config.json").read_text())
-    return _write_model_folder(out_dir, model_config, config, tokenizer_dir,
-                               lambda path: shutil.copy(checkpoint / "model.safetensors", path))
+    return _write_model_folder(out_dir, load_model_config(checkpoint), config, tokenizer_dir,
+                               lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path))
 
 
 def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> Path:
     """The folder to load: `checkpoint` if given, else `<output_dir>/best`, else `<output_dir>/final`."""
     candidates = [Path(checkpoint)] if checkpoint else [Path(output_dir) / "best", Path(output_dir) / "final"]
     for folder in candidates:
-        if (folder / "model.safetensors").is_file() and (folder / "model_config.json").is_file():
+        if (folder / WEIGHTS_FILE).is_file() and (folder / MODEL_CONFIG_FILE).is_file():
             return folder
     if checkpoint:
         raise ConfigError(f"No model in '{checkpoint}': pass a checkpoint-<step> folder, or a run's best/ or final/ "
-                          "folder (they hold model.safetensors and model_config.json).")
+                          f"folder (they hold {WEIGHTS_FILE} and {MODEL_CONFIG_FILE}).")
     raise ConfigError(f"No trained model in '{output_dir}' (looked for best/ and final/). Train one first with "
                       "`python train_low_mem.py train`, or pass --checkpoint=PATH or --output_dir=RUN_FOLDER.")
 
@@ -65,8 +65,8 @@ def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.dev
 
     The tokenizer exported with the model is used when the folder has one, else the one in `tokenizer_dir`.
     """
-    model = GPT(GPTConfig(**json.loads((folder / "model_config.json").read_text())))
-    load_weights(model, folder / "model.safetensors")
+    model = GPT(load_model_config(folder))
+    load_weights(model, folder / WEIGHTS_FILE)
     model.to(device).eval()
-    tokenizer = Tokenizer.load(folder if (folder / "tokenizer.model").is_file() else tokenizer_dir)
+    tokenizer = Tokenizer.load(folder if (folder / TOKENIZER_FILE).is_file() else tokenizer_dir)
     return model, tokenizer

@@ -29,69 +29,31 @@ import math
 import os
 import re
 import shutil
-import threading
 import zlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from lowmem.atomic_files import replace_folder, write_json_atomic
 from lowmem.errors import CheckpointError, ConfigError
+from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
 
 MARKER_NAME = "COMPLETE.json"
 MANIFEST_NAME = "checkpoints.json"
 FORMAT_VERSION = 1
-MB = 1024**2
 
 _CHUNK = 1 << 20  # 1 MiB reads: large enough for full hashing speed, small enough to keep RSS flat
 _FINAL = re.compile(r"checkpoint-(\d+)")
 _TMP = re.compile(r"\.checkpoint-(\d+)\.tmp")
-_OLD = re.compile(r"\.checkpoint-(\d+)\.old")
+_OLD = re.compile(r"\.checkpoint-(\d+)\.old")  # where replace_folder moves the checkpoint it replaces
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 # ----- small file helpers ---------------------------------------------------------------------------------
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write `obj` as JSON to `path` so that readers see either the old file or the whole new one.
-
-    The data goes to a temporary file in the same folder (so the rename cannot cross file systems), is
-    flushed and fsynced, then `os.replace`d over `path`; the folder is fsynced so the rename survives a crash.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # the original error matters more than a leftover temp file
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make renames inside `folder` durable; a no-op where folders cannot be opened (Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on folders; the rename itself has happened
-    finally:
-        os.close(fd)
-
-
 def file_crc32(path: str | Path, sync: bool = False) -> tuple[int, str]:
     """Size in bytes and CRC-32 (8 hex digits) of a file, read in 1 MiB chunks into one reused buffer.
 
@@ -587,7 +549,9 @@ class CheckpointManager:
             "files": files,
         }
         write_json_atomic(tmp / MARKER_NAME, marker)
-        self._move_into_place(tmp, final)
+        # An existing folder of the same step is moved aside first and removed after, so an interruption
+        # leaves one of the two in place (see cleanup_incomplete).
+        replace_folder(tmp, final)
         self._damaged.discard(step)
         self._scores[step] = clean
         logger.info("Saved checkpoint %s (%.1f MB, %s=%s).", final, marker["total_bytes"] / MB, self.metric, clean)
@@ -596,19 +560,6 @@ class CheckpointManager:
         except OSError as exc:  # the checkpoint is complete; a full disk must not turn that into a failed save
             logger.warning("Checkpoint %s is saved, but applying retention or writing %s failed (%s); both are "
                            "retried at the next save.", final, MANIFEST_NAME, exc)
-
-    def _move_into_place(self, tmp: Path, final: Path) -> None:
-        """Rename the finished folder to its final name; an existing folder of the same step is moved aside
-        first and removed after, so an interruption leaves one of the two in place (see cleanup_incomplete)."""
-        old = None
-        if final.exists():
-            old = self.run_dir / f".{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(self.run_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _previous_size(self) -> int:
         """Bytes of the newest complete checkpoint: the best guess of what the next one needs."""

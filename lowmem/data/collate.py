@@ -13,7 +13,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100  # targets the loss skips: padding (and the prompt, when training on responses only)
+from lowmem.data.sources import DEFAULT_COLUMNS
+from lowmem.model.gpt import IGNORE_INDEX  # targets the loss skips: padding, and the prompt with response_only
+
 # Batch widths are rounded up to a multiple of this: a handful of distinct tensor shapes instead of one per
 # length. With a new shape every step the CPU allocator's heap fragments and RSS creeps up (measured: +35%
 # over 150 steps, flat when rounded to 32); GPU kernels and torch.compile also prefer few, aligned shapes.
@@ -64,7 +66,7 @@ class TokenizingCollate:
         pack: pack rows into shared sequences (with `segment_ids`) instead of padding each row.
     """
 
-    def __init__(self, tokenizer: Any, max_seq_len: int, columns: Sequence[str] = ("prompt", "response"),
+    def __init__(self, tokenizer: Any, max_seq_len: int, columns: Sequence[str] = DEFAULT_COLUMNS,
                  response_only: bool = False, pack: bool = False):
         self.tokenizer = tokenizer
         self.max_seq_len = int(max_seq_len)

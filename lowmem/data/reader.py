@@ -1,20 +1,63 @@
-"""Reading one row group at a time, in normal or ultra-low-mem mode."""
+"""Reading parquet files in bounded memory: one row group at a time (normal or ultra-low-mem mode), or a
+whole file one batch at a time."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from lowmem.data.sources import RowGroupIndex
-from lowmem.data.storage import fresh_filesystem, storage_error
+from lowmem.data.storage import DataFile, fresh_filesystem, storage_error
 from lowmem.errors import DataError
 from lowmem.memory import release_arrow_memory, select_arrow_memory_pool
 
 # Read column chunks through a buffered stream, page by page, instead of loading each chunk whole.
 _READ_BUFFER_BYTES = 1 << 20
+
+
+def open_parquet(path: str, metadata: pq.FileMetaData, filesystem: pafs.FileSystem | None = None) -> pq.ParquetFile:
+    """Open a parquet file whose footer is already parsed (`metadata`), for reading in bounded memory.
+
+    `pre_buffer=False`: with pre-buffering pyarrow keeps the compressed bytes of every row group it has read
+    until the file is closed, and RSS grows to the file's size. `memory_map=False`: mapped pages count
+    towards RSS and inflate it. Passing the footer means opening costs no second read (or fetch) of it.
+    """
+    return pq.ParquetFile(path, metadata=metadata, pre_buffer=False, memory_map=False,
+                          buffer_size=_READ_BUFFER_BYTES, filesystem=filesystem)
+
+
+def read_error(file: DataFile, exc: Exception, part: str = "") -> DataError:
+    """The error for a failed read of `file` (or of `part` of it, e.g. "row group 3"), saying what to do."""
+    action = f"read {part} of" if part else "read"
+    if file.is_remote and not isinstance(exc, pa.ArrowInvalid):
+        return storage_error(action, file.name, exc)  # credentials, network, bucket: say which
+    return DataError(
+        f"Could not {action} '{file.name}': {exc}. The file may be damaged or changed since training "
+        "started; write it again or leave it out of the data files."
+    )
+
+
+def iter_file_batches(index: RowGroupIndex, file_id: int, batch_size: int) -> Iterator[pa.RecordBatch]:
+    """The indexed columns of every row of one file, `batch_size` rows at a time, one batch in memory.
+
+    For a single pass over whole files (tokenizer training): the file is opened once, closed at the end,
+    and the Arrow pool's free memory is handed back to the OS after it.
+    """
+    file = index.files[file_id]
+    handle = None
+    try:
+        handle = open_parquet(file.path, index.metadata[file_id], file.filesystem)
+        yield from handle.iter_batches(batch_size=batch_size, columns=list(index.columns))
+    except (pa.ArrowException, OSError) as exc:
+        raise read_error(file, exc) from exc
+    finally:
+        if handle is not None:
+            handle.close()
+        release_arrow_memory()
 
 
 class RowGroupReader:
@@ -23,8 +66,7 @@ class RowGroupReader:
     Normal mode keeps one open handle per file (at most `max_open_files`, least recently used closed
     first). Ultra-low-mem mode opens the file afresh for every row group, reusing the footer already
     parsed at indexing time, and hands the Arrow pool's free memory back to the OS after each read.
-    Both modes read with `pre_buffer=False`: with pre-buffering pyarrow keeps the compressed bytes of
-    every row group it has read until the file is closed, and RSS grows to the file's size.
+    Both modes open files with `open_parquet` (no pre-buffering, no memory map: see there why).
 
     Files on object storage are opened through their pyarrow filesystem with the cached footer too, so
     opening one costs a size lookup, never a second fetch of its footer; row groups then arrive as one
@@ -42,15 +84,8 @@ class RowGroupReader:
 
     def _open(self, file_id: int) -> pq.ParquetFile:
         file = self.index.files[file_id]
-        options = dict(
-            metadata=self.index.metadata[file_id],  # the footer parsed at indexing time: never fetched again
-            pre_buffer=False,
-            memory_map=False,  # mapped pages count towards RSS and inflate it
-            buffer_size=_READ_BUFFER_BYTES,
-        )
-        if not file.is_remote:
-            return pq.ParquetFile(file.path, **options)
-        return pq.ParquetFile(file.path, filesystem=self._filesystem(file.filesystem), **options)
+        filesystem = self._filesystem(file.filesystem) if file.is_remote else None
+        return open_parquet(file.path, self.index.metadata[file_id], filesystem)
 
     def _filesystem(self, shared: pafs.FileSystem) -> pafs.FileSystem:
         """This reader's own client for a filesystem of the index (see `fresh_filesystem`)."""
@@ -88,12 +123,7 @@ class RowGroupReader:
                 if self.ultra_low_mem:
                     handle.close()
         except (pa.ArrowException, OSError) as exc:
-            if self.index.files[file_id].is_remote and not isinstance(exc, pa.ArrowInvalid):
-                raise storage_error(f"read row group {group_in_file} of", path, exc) from exc
-            raise DataError(
-                f"Could not read row group {group_in_file} of '{path}': {exc}. The file may be damaged or "
-                "changed since training started; write it again or leave it out of the data files."
-            ) from exc
+            raise read_error(self.index.files[file_id], exc, f"row group {group_in_file}") from exc
         table = pa.Table.from_batches(batches, schema=batches[0].schema) if batches else None
         if table is None or table.num_rows != int(self.index.rows[group]):
             raise DataError(

@@ -10,6 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from lowmem.atomic_files import file_built_aside
+from lowmem.data.reader import open_parquet
 from lowmem.data.sources import FileSpec, open_parquet_metadata, resolve_parquet_files
 from lowmem.errors import DataError
 from lowmem.memory import release_arrow_memory
@@ -62,24 +64,18 @@ def repack_file(source: str, target: str, row_group_rows: int = 10_000, compress
     """
     metadata = open_parquet_metadata(source)
     Path(target).parent.mkdir(parents=True, exist_ok=True)
-    partial = f"{target}.partial"
-    # buffer_size > 0 streams each column chunk page by page instead of loading it whole.
-    reader = pq.ParquetFile(source, metadata=metadata, pre_buffer=False, memory_map=False, buffer_size=1 << 20)
+    reader = open_parquet(source, metadata)
     try:
-        with pq.ParquetWriter(partial, reader.schema_arrow, compression=compression) as writer:
-            batches = reader.iter_batches(batch_size=row_group_rows, use_threads=False)
-            for batch in tqdm(batches, total=-(-metadata.num_rows // row_group_rows), desc=os.path.basename(source),
-                              unit="group", leave=False, disable=None):
-                writer.write_batch(batch, row_group_size=row_group_rows)
-                release_arrow_memory()
-        written = pq.read_metadata(partial)
-        if written.num_rows != metadata.num_rows:
-            raise DataError(f"Repacking '{source}' wrote {written.num_rows} rows instead of {metadata.num_rows}.")
-        os.replace(partial, target)
-    except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
-        raise
+        with file_built_aside(target) as partial:
+            with pq.ParquetWriter(partial, reader.schema_arrow, compression=compression) as writer:
+                batches = reader.iter_batches(batch_size=row_group_rows, use_threads=False)
+                for batch in tqdm(batches, total=-(-metadata.num_rows // row_group_rows),
+                                  desc=os.path.basename(source), unit="group", leave=False, disable=None):
+                    writer.write_batch(batch, row_group_size=row_group_rows)
+                    release_arrow_memory()
+            written = pq.read_metadata(partial)
+            if written.num_rows != metadata.num_rows:
+                raise DataError(f"Repacking '{source}' wrote {written.num_rows} rows instead of {metadata.num_rows}.")
     finally:
         reader.close()
     return RepackResult(source, target, metadata.num_rows, metadata.num_row_groups, written.num_row_groups)

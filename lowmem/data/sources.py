@@ -23,11 +23,15 @@ import pyarrow.parquet as pq
 
 from lowmem.data.storage import DataFile, is_uri, read_remote_metadata, resolve_uri
 from lowmem.errors import DataError
+from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
-FileSpec = Union[PathLike, Sequence[PathLike]]
+# Files already resolved (`resolve_data_files`) may be passed again: object storage is not listed twice.
+FileSpec = Union[PathLike, DataFile, Sequence[Union[PathLike, DataFile]]]
+
+DEFAULT_COLUMNS = ("prompt", "response")  # the text columns read unless told otherwise: prompt, then response
 
 _GLOB_CHARS = set("*?[")
 REPACK_ROW_GROUP_ROWS = 10_000
@@ -53,10 +57,16 @@ def resolve_parquet_files(files: FileSpec) -> list[str]:
 
 
 def resolve_data_files(files: FileSpec) -> list[DataFile]:
-    """Like `resolve_parquet_files`, with each file's filesystem (None for local files) kept for reading."""
-    entries: Iterable[PathLike] = [files] if isinstance(files, (str, os.PathLike)) else files
+    """Like `resolve_parquet_files`, with each file's filesystem (None for local files) kept for reading.
+
+    `DataFile`s among `files` are taken as they are.
+    """
+    entries: Iterable[PathLike | DataFile] = [files] if isinstance(files, (str, os.PathLike, DataFile)) else files
     resolved: list[DataFile] = []
     for entry in entries:
+        if isinstance(entry, DataFile):
+            resolved.append(entry)
+            continue
         text = os.fspath(entry)
         if is_uri(text):
             resolved.extend(resolve_uri(text))
@@ -122,12 +132,12 @@ def _check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str])
             raise DataError(
                 f"The data file '{path}' has no column '{column}'; its columns are: "
                 f"{', '.join(schema.names)}. Rename the column in the file, or pass columns=... "
-                "(train_low_mem.py: --columns) with the names your files use."
+                "(train_low_mem.py: --prompt_column and --response_column) with the names your files use."
             )
         field_type = schema.field(index).type
         if not _is_text_type(field_type):
             raise DataError(
-                f"Column '{column}' in '{path}' has type {field_type}, but text (string) is needed. "
+                f"Column '{column}' in '{path}' has type {field_type}, expected strings (text). "
                 "Convert it to strings when writing the file (for example df[col].astype(str) in pandas)."
             )
 
@@ -256,7 +266,7 @@ def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int) -> list[str]:
             "Row group %d of '%s' holds %d rows, %.0f MB uncompressed, over the %.0f MB limit for one "
             "read: every read of it holds that much in memory. Rewrite the file with small row groups%s:\n"
             "    python train_low_mem.py repack %s %s --row_group_rows=%d",
-            group, path, rows, size / 1e6, limit_bytes / 1e6,
+            group, path, rows, size / MB, limit_bytes / MB,
             " (copy it here first, and upload the result in its place)" if is_uri(path) else "",
             source, f"{stem}.repacked.parquet", REPACK_ROW_GROUP_ROWS,
         )

@@ -11,7 +11,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lowmem.data.plan import EpochPlan, Piece, consumer_range
 from lowmem.data.reader import RowGroupReader
-from lowmem.data.sources import FileSpec, build_row_group_index, warn_large_row_groups
+from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, build_row_group_index, warn_large_row_groups
 from lowmem.errors import DataError
 from lowmem.memory import MemoryBudget, release_arrow_memory
 
@@ -59,7 +59,7 @@ class ParquetStream(IterableDataset):
     def __init__(
         self,
         files: FileSpec,
-        columns: Sequence[str] = ("prompt", "response"),
+        columns: Sequence[str] = DEFAULT_COLUMNS,
         buffer_size: int = 5000,
         shuffle: bool = True,
         seed: int = 0,

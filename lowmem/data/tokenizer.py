@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import sentencepiece as spm
 
-from lowmem.data.storage import DataFile, is_uri, resolve_uri
+from lowmem.atomic_files import write_bytes_atomic
+from lowmem.data.reader import iter_file_batches
+from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, RowGroupIndex, build_row_group_index
 from lowmem.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ SEP_PIECE = "<sep>"
 # Special pieces plus the 256 byte pieces: the smallest vocabulary that can exist at all.
 NUM_RESERVED_PIECES = 5 + 256
 
-MODEL_FILENAME = "tokenizer.model"
-VOCAB_FILENAME = "tokenizer.vocab"
+TOKENIZER_FILE = "tokenizer.model"  # the model itself: what `Tokenizer.load` reads
+VOCAB_FILE = "tokenizer.vocab"  # its pieces and scores, for people to read
 DEFAULT_TOKENIZER_DIR = Path("model_save/tokenizer")
 TRAIN_COMMAND = "python train_low_mem.py tokenizer"
 
@@ -82,23 +82,10 @@ class _TextStats:
     sentences: int = 0
 
 
-def _data_files(files: Sequence[str | Path | DataFile]) -> list[DataFile]:
-    """Files already resolved as they are; local paths as given; URIs (s3://, gs://, hdfs://) resolved to
-    their files and filesystems."""
-    resolved: list[DataFile] = []
-    for file in files:
-        if isinstance(file, DataFile):
-            resolved.append(file)
-            continue
-        text = str(file)
-        resolved.extend(resolve_uri(text) if is_uri(text) else [DataFile(name=text, path=text)])
-    return resolved
-
-
-def _stream_sentences(files: Sequence[DataFile], columns: tuple[str, ...], stats: _TextStats) -> Iterator[str]:
-    """Every training sentence of ``files``, read one Arrow batch at a time."""
-    for path in files:
-        for value in _stream_values(path, columns):
+def _stream_sentences(index: RowGroupIndex, stats: _TextStats) -> Iterator[str]:
+    """Every training sentence of the indexed files, read one Arrow batch at a time."""
+    for file_id in range(len(index.files)):
+        for value in _stream_values(index, file_id):
             stats.values += 1
             if not value:
                 stats.skipped += 1
@@ -108,24 +95,12 @@ def _stream_sentences(files: Sequence[DataFile], columns: tuple[str, ...], stats
                 yield sentence
 
 
-def _stream_values(file: DataFile, columns: tuple[str, ...]) -> Iterator[str | None]:
-    """The values of ``columns`` in one file, one Arrow batch in memory at a time."""
-    parquet = None
-    path = file.name
-    try:
-        # pre_buffer=False: with the default, pyarrow keeps the compressed bytes of every row group
-        # it has read until the file is closed, so memory would grow to the size of the file.
-        parquet = pq.ParquetFile(file.path, pre_buffer=False, filesystem=file.filesystem)
-        for batch in parquet.iter_batches(batch_size=READ_BATCH_SIZE, columns=list(columns)):
-            for column in batch.columns:
-                yield from column.to_pylist()
-    except (OSError, pa.ArrowException) as exc:
-        raise DataError(f"cannot read parquet file {path}: {exc}") from exc
-    finally:
-        if parquet is not None:
-            parquet.close()
-        # The Arrow pool keeps freed memory otherwise; releasing it per file is cheap.
-        pa.default_memory_pool().release_unused()
+def _stream_values(index: RowGroupIndex, file_id: int) -> Iterator[str | None]:
+    """The values of the index's columns in one of its files: batch by batch, and column by column within
+    a batch, with one Arrow batch in memory at a time."""
+    for batch in iter_file_batches(index, file_id, READ_BATCH_SIZE):
+        for column in batch.columns:
+            yield from column.to_pylist()
 
 
 def _reservoir_sample(sentences: Iterable[str], k: int, seed: int) -> list[str]:
@@ -170,36 +145,6 @@ def _split_sentences(text: str) -> Iterator[str]:
             continue
         for start in range(0, len(line), max_chars):
             yield line[start : start + max_chars]
-
-
-def _check_files(files: Sequence[DataFile], columns: tuple[str, ...]) -> None:
-    """Fail before training (with the file named) on missing files, missing or non-string columns.
-
-    Only the footers are read, so a bad last file fails at once rather than after streaming all
-    the files before it.
-    """
-    if not files:
-        raise DataError(f"no training files given for the tokenizer; pass parquet files with columns {list(columns)}")
-    for file in files:
-        path = file.name
-        if not file.is_remote and not Path(file.path).is_file():
-            raise DataError(f"training file not found: {path}; check the path (put your parquet files under data/)")
-        try:
-            schema = pq.read_schema(file.path, filesystem=file.filesystem)
-        except (OSError, pa.ArrowException) as exc:
-            raise DataError(f"cannot read parquet file {path}: {exc}") from exc
-        for name in columns:
-            if name not in schema.names:
-                raise DataError(
-                    f"{path} has no column {name!r} (columns: {schema.names}); pass columns=... to choose others"
-                )
-            if not _is_string_type(schema.field(name).type):
-                raise DataError(f"column {name!r} of {path} is {schema.field(name).type}, expected strings")
-
-
-def _is_string_type(dtype: pa.DataType) -> bool:
-    string_view = getattr(pa.types, "is_string_view", lambda _: False)
-    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or string_view(dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,19 +209,6 @@ def _explain_trainer_error(exc: RuntimeError, vocab_size: int) -> ConfigError | 
     return None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write into a temporary name in the same folder, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _vocab_text(sp: spm.SentencePieceProcessor) -> str:
     """The human-readable ``piece<TAB>score`` listing that SentencePiece writes as ``.vocab``."""
     lines = (f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
@@ -284,10 +216,10 @@ def _vocab_text(sp: spm.SentencePieceProcessor) -> str:
 
 
 def train_tokenizer(
-    files: list[str | Path | DataFile],
+    files: FileSpec,
     out_dir: str | Path,
     vocab_size: int = 8000,
-    columns: tuple[str, ...] = ("prompt", "response"),
+    columns: tuple[str, ...] = DEFAULT_COLUMNS,
     max_sentences: int = 2_000_000,
     seed: int = 0,
     *,
@@ -297,8 +229,9 @@ def train_tokenizer(
     """Train a SentencePiece BPE tokenizer on parquet text, streamed, and save it atomically.
 
     Args:
-        files: parquet files holding the training text: local paths, URIs, or files already resolved
-            (`lowmem.data.sources.resolve_data_files`, which saves listing object storage again).
+        files: parquet files holding the training text: a path, a glob, a directory or a URI, or a list of
+            them, or files already resolved (`lowmem.data.sources.resolve_data_files`, which saves listing
+            object storage again).
         out_dir: folder for ``tokenizer.model`` and ``tokenizer.vocab`` (created if missing).
         vocab_size: number of pieces, the 261 special and byte pieces included; it must also
             leave room for every character kept by the 99.95 % character coverage.
@@ -317,32 +250,31 @@ def train_tokenizer(
         training succeeded.
 
     Raises:
-        DataError: a file is missing or unreadable, a column is missing or not strings, or the
+        DataError: a file is missing, empty or unreadable, a column is missing or not strings, or the
             columns hold no text at all.
         ConfigError: vocab_size does not fit the training text.
     """
-    if isinstance(files, (str, Path)):
-        files = [files]
-    paths = _data_files(files)
     if vocab_size <= NUM_RESERVED_PIECES:
         raise ConfigError(
             f"vocab_size={vocab_size} is too small: {NUM_RESERVED_PIECES} ids are taken by special and byte pieces"
         )
     if max_sentences < 1:
         raise ConfigError(f"max_sentences={max_sentences} must be at least 1")
-    _check_files(paths, tuple(columns))
+    # Every footer is read and every column checked before training, so a bad last file fails at once
+    # rather than after streaming all the files before it.
+    index = build_row_group_index(files, tuple(columns))
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_path = out_dir / MODEL_FILENAME
+    model_path = out_dir / TOKENIZER_FILE
     if model_path.exists():
         logger.warning("replacing %s: models trained with the old tokenizer will not match the new one", model_path)
 
     stats = _TextStats()
-    sample = _reservoir_sample(_stream_sentences(paths, tuple(columns), stats), max_sentences, seed)
+    sample = _reservoir_sample(_stream_sentences(index, stats), max_sentences, seed)
     if not sample:
         raise DataError(
-            f"no text to train the tokenizer on: columns {list(columns)} of {[p.name for p in paths]} "
+            f"no text to train the tokenizer on: columns {list(columns)} of {list(index.paths)} "
             "are all null or empty"
         )
     logger.info(
@@ -351,14 +283,14 @@ def train_tokenizer(
         stats.sentences,
         stats.values,
         stats.skipped,
-        len(paths),
+        len(index.files),
     )
     proto = _run_trainer(sample, _trainer_options(vocab_size, hard_vocab_limit, verbose))
 
     sp = spm.SentencePieceProcessor(model_proto=proto)
     # The vocab listing goes first: the model file, written last, marks a finished training.
-    _write_atomic(out_dir / VOCAB_FILENAME, _vocab_text(sp).encode("utf-8"))
-    _write_atomic(model_path, proto)
+    write_bytes_atomic(out_dir / VOCAB_FILE, _vocab_text(sp).encode("utf-8"))
+    write_bytes_atomic(model_path, proto)
     logger.info("saved tokenizer with %d pieces to %s", sp.get_piece_size(), model_path)
     return model_path
 
@@ -413,7 +345,7 @@ class Tokenizer:
         path = Path(path)
         # A folder, or a path without a suffix that does not exist yet: the default layout.
         if path.is_dir() or (not path.exists() and not path.suffix):
-            path = path / MODEL_FILENAME
+            path = path / TOKENIZER_FILE
         if not path.is_file():
             raise ConfigError(f"tokenizer not found at {path}; train one first with `{TRAIN_COMMAND}`")
         return cls(path.read_bytes(), num_threads=num_threads, source=str(path))

@@ -30,19 +30,19 @@ by DDP (`module.`): weights are always written with the plain model's names and 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from lowmem.config import OptimConfig
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
-from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict, save_weights,
-                                  strip_prefixes, tied_names, uncompiled, unwrap)
+from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict, save_model_config,
+                                  save_weights, strip_prefixes, tied_names, uncompiled, unwrap)
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _check_supported(accelerator: Accelerator) -> None:
         )
 
 
-def _create_optimizer(model: GPT, config: Any, accelerator: Accelerator) -> torch.optim.Optimizer:
+def _create_optimizer(model: GPT, config: OptimConfig, accelerator: Accelerator) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (GPT.configure_optimizer), in the form the strategy accepts.
 
     DeepSpeed with the optimizer offloaded to the CPU steps it with its own CPU Adam (it refuses a torch
@@ -111,7 +111,7 @@ def _create_optimizer(model: GPT, config: Any, accelerator: Accelerator) -> torc
     return adamw
 
 
-def _fill_deepspeed_config(config: Any, accelerator: Accelerator) -> None:
+def _fill_deepspeed_config(config: OptimConfig, accelerator: Accelerator) -> None:
     """Values DeepSpeed's config needs that accelerate takes from a DataLoader we do not hand it."""
     plugin = accelerator.state.deepspeed_plugin
     ds = plugin.deepspeed_config
@@ -122,7 +122,7 @@ def _fill_deepspeed_config(config: Any, accelerator: Accelerator) -> None:
         ds["gradient_clipping"] = config.grad_clip if config.grad_clip > 0 else 0.0
 
 
-def prepare_model_and_optimizer(model: GPT, config: Any,
+def prepare_model_and_optimizer(model: GPT, config: OptimConfig,
                                 accelerator: Accelerator) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Create the optimizer for `model` and prepare both for the launched strategy (DDP, DeepSpeed, FSDP).
 
@@ -172,13 +172,11 @@ def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     Every rank calls it (inside CheckpointManager.save's write step, all into the same temporary folder).
     The main process writes `model.safetensors` and `model_config.json` under every strategy.
     """
-    import json
-
     kind = strategy(accelerator)
     state = full_model_state(model, accelerator)
     if accelerator.is_main_process:
         save_weights(state, folder / WEIGHTS_FILE)
-        (folder / "model_config.json").write_text(json.dumps(dataclasses.asdict(unwrap(model).config), indent=2))
+        save_model_config(unwrap(model).config, folder)
     del state
     if kind == DEEPSPEED:
         # Every rank writes its own optimizer shard; rank 0 also the engine's module states.

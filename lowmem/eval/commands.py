@@ -14,13 +14,13 @@ from lowmem.distributed.accelerator import create_accelerator
 from lowmem.eval.validation import bleu4, evaluate
 from lowmem.model import GPT
 from lowmem.checkpoint.export import find_model_folder, load_model_folder
-from lowmem.config import check_data_files
+from lowmem.config import TrainConfig, check_data_files
 from lowmem.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def evaluate_command(config: Any, checkpoint: str | None = None, test_file: str | None = None,
+def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_file: str | None = None,
                      bleu_samples: int = -1) -> dict[str, Any]:
     """Loss, perplexity and BLEU-4 of a trained model on the test file; writes a JSON summary and the triples.
 
@@ -77,7 +77,7 @@ def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 
     return tokenizer.decode(out[0, idx.size(1):].tolist())
 
 
-def generate_command(config: Any, prompt: str | None = None, checkpoint: str | None = None, max_new_tokens: int = 128,
+def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint: str | None = None, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                      seed: int | None = None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
     """Print the answer to `prompt`; without one, answer each line typed until an empty line or end of input."""

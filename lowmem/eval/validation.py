@@ -12,9 +12,10 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from lowmem.data import ParquetStream, StreamLoader
-from lowmem.data.collate import IGNORE_INDEX, TokenizingCollate
+from lowmem.data.collate import TokenizingCollate
+from lowmem.data.sources import DEFAULT_COLUMNS
 from lowmem.distributed.collectives import all_reduce_sum
-from lowmem.model import GPT
+from lowmem.model import GPT, IGNORE_INDEX
 from lowmem.data.tokenizer import Tokenizer
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
@@ -122,7 +123,7 @@ def generate_answers(model: GPT, tokenizer: Tokenizer, prompts: Sequence[str], m
 
 
 def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelerator, *, batch_size: int,
-             max_seq_len: int, columns: Sequence[str] = ("prompt", "response"), bleu_samples: int = 0,
+             max_seq_len: int, columns: Sequence[str] = DEFAULT_COLUMNS, bleu_samples: int = 0,
              max_new_tokens: int = 128, max_batches: int = 0, response_only: bool = False,
              no_repeat_ngram_size: int = 0) -> EvalResult:
     """Loss and perplexity over `files`, and BLEU-4 of greedy answers to their first `bleu_samples` prompts.

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lowmem.memory.budget import GIB, MemoryBudget
+from lowmem.memory.budget import MemoryBudget
+from lowmem.units import GIB
 
 # DataLoader workers per process when memory allows: tokenizing in a worker overlaps with the model's step.
 DEFAULT_WORKERS_ON_GPU = 2

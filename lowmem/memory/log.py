@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from lowmem.memory.probe import MemorySnapshot
+from lowmem.units import MB
 
-MB = 1024**2
 EVENTS = ("start", "record", "watchdog", "end")
 # Every record has every field, null where a figure does not apply (CUDA on the CPU, USS where denied).
 RECORD_FIELDS = (
@@ -17,16 +18,29 @@ RECORD_FIELDS = (
     "rss", "uss", "workers", "workers_rss", "workers_uss", "sys_available", "budget",
     "cuda_allocated", "cuda_reserved", "cuda_peak", "arrow_bytes", "freed", "rss_high_water",
 )
+RUN_ID_FORMAT = "%Y%m%d-%H%M%S"  # local time: ids of later runs sort after earlier ones
+LOG_NAME = "memory_{run}_rank{rank}.jsonl"  # one file per rank per run
+LOG_GLOB = LOG_NAME.format(run="*", rank="*")  # every memory log in a folder
+# The same name as a pattern, to read the run id and rank back from a file name.
+_LOG_NAME_PATTERN = re.compile(
+    "^" + LOG_NAME.replace(".", r"\.").format(run="(?P<run>.+)", rank=r"(?P<rank>\d+)") + "$"
+)
 
 
 def new_run_id(now: float | None = None) -> str:
     """A run id from the local time, e.g. 20261122-181500; ids of later runs sort after earlier ones."""
-    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return time.strftime(RUN_ID_FORMAT, time.localtime(now))
 
 
 def memory_log_path(log_dir: str | Path, run_id: str, rank: int) -> Path:
     """Where rank `rank` of run `run_id` writes its memory records."""
-    return Path(log_dir) / f"memory_{run_id}_rank{rank}.jsonl"
+    return Path(log_dir) / LOG_NAME.format(run=run_id, rank=rank)
+
+
+def parse_log_name(path: str | Path) -> tuple[str, int] | None:
+    """(run id, rank) from a file name like memory_20261122-181500_rank0.jsonl, or None."""
+    match = _LOG_NAME_PATTERN.match(Path(path).name)
+    return (match["run"], int(match["rank"])) if match else None
 
 
 def make_record(snapshot: MemorySnapshot, *, run: str, rank: int, world_size: int, epoch: int, step: int,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,10 +17,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lowmem.errors import DataError, LowmemError
+from lowmem.memory.log import LOG_GLOB, LOG_NAME, RUN_ID_FORMAT, parse_log_name
+from lowmem.units import MB
 
-MB = 1024**2
-LOG_NAME = re.compile(r"^memory_(?P<run>.+)_rank(?P<rank>\d+)\.jsonl$")
-RUN_ID_FORMAT = "%Y%m%d-%H%M%S"
 # A trend is GROWING when its slope is above both of these (MB per 1,000 steps): the floor, below which
 # a leak is too slow to matter (2 MB per 1,000 steps is 0.3 GB over the ~150,000 steps of three epochs
 # of a large run, under a tenth of a rank's 4 GB share on the reference host), and three standard errors
@@ -35,16 +33,10 @@ MAX_LINES_NAMED = 5
 
 
 # ----- finding and reading logs ---------------------------------------------------------------------------
-def parse_log_name(path: Path) -> tuple[str, int] | None:
-    """(run id, rank) from a file name like memory_20261122-181500_rank0.jsonl, or None."""
-    match = LOG_NAME.match(Path(path).name)
-    return (match["run"], int(match["rank"])) if match else None
-
-
 def _runs_in(directory: Path) -> dict[str, list[Path]]:
     """The memory logs in `directory`, grouped by run id."""
     runs: dict[str, list[Path]] = {}
-    for file in directory.glob("memory_*_rank*.jsonl"):
+    for file in directory.glob(LOG_GLOB):
         parsed = parse_log_name(file)
         if parsed:
             runs.setdefault(parsed[0], []).append(file)
@@ -82,8 +74,8 @@ def find_run(path: str | Path | None = None, log_dir: str | Path = "logs") -> li
         raise DataError(f"No memory log {path}: it is neither a file, a directory nor a run id in {directory}/ "
                         f"(runs there: {known}).")
     if not runs:
-        raise DataError(f"No memory logs in {directory}/: training writes memory_<run>_rank<rank>.jsonl there "
-                        "every memory_log_steps steps.")
+        raise DataError(f"No memory logs in {directory}/: training writes {LOG_NAME.format(run='<run>', rank='<rank>')} "
+                        "there every memory_log_steps steps.")
     newest = max(runs, key=lambda run: (_run_started(run, runs[run]), run))
     return _by_rank(runs[newest])
 

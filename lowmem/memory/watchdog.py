@@ -8,9 +8,9 @@ from typing import Callable
 
 from lowmem.memory.cleanup import cleanup_memory
 from lowmem.memory.probe import MemorySnapshot, take_snapshot
+from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
-MB = 1024**2
 # The settings that set a rank's own memory: rows per micro-batch (collated tensors, activations on the
 # CPU), rows held by the shuffle buffer, and tokens per row.
 SETTINGS_TO_LOWER = ("batch_size_per_gpu", "dataloader_buffer_size", "max_seq_len")

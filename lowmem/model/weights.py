@@ -1,4 +1,5 @@
-"""The model's weights as files: plain parameter names whatever wraps the model, safetensors in and out.
+"""The model as files: its weights (safetensors, under plain parameter names whatever wraps the model)
+and its sizes (model_config.json).
 
 torch.compile prefixes state-dict keys with `_orig_mod.`, DDP and DeepSpeed with `module.`: weights are
 always written under the plain model's names and load into a plain, compiled or wrapped model alike.
@@ -6,11 +7,16 @@ always written under the plain model's names and load into a plain, compiled or 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import torch
 
+from lowmem.model.gpt import GPTConfig
+
 WEIGHTS_FILE = "model.safetensors"
+MODEL_CONFIG_FILE = "model_config.json"  # the GPT's sizes, beside its weights: together they rebuild the model
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP / DataParallel / DeepSpeedEngine
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -103,3 +109,13 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     from safetensors.torch import load_file
 
     load_model_state_dict(model, load_file(str(path)))
+
+
+def save_model_config(config: GPTConfig, folder: str | Path) -> None:
+    """Write the GPT's sizes to `<folder>/model_config.json`, which `load_model_config` reads back."""
+    (Path(folder) / MODEL_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2))
+
+
+def load_model_config(folder: str | Path) -> GPTConfig:
+    """The GPT's sizes saved in `<folder>/model_config.json` (a checkpoint or an exported model)."""
+    return GPTConfig(**json.loads((Path(folder) / MODEL_CONFIG_FILE).read_text()))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
+
+from lowmem.config import OptimConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ def enable_tf32(on_gpu: bool) -> bool:
     return True
 
 
-def maybe_compile(model: torch.nn.Module, config: Any) -> torch.nn.Module:
+def maybe_compile(model: torch.nn.Module, config: OptimConfig) -> torch.nn.Module:
     """`torch.compile(model)` when `config.compile` is set, else the model unchanged.
 
     The compiled wrapper prefixes its state-dict keys with `_orig_mod.`; checkpoints are written from the

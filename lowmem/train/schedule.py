@@ -19,3 +19,17 @@ def get_lr(step: int, peak_lr: float, warmup_steps: int, total_steps: int, min_l
         return min_lr
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)  # 0 → 1 over the decay
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - min_lr)
+
+
+def total_steps(steps_per_epoch: int, epochs: int, max_steps: int) -> int:
+    """Optimizer steps in the whole run: every epoch, or `max_steps` when that is set and fewer."""
+    steps = steps_per_epoch * epochs
+    return min(steps, max_steps) if max_steps else steps
+
+
+def same_learning_rates(steps_done: int, peak_lr: float, warmup_steps: int, min_lr_ratio: float, old_total: int,
+                        new_total: int) -> bool:
+    """True when the first `steps_done` steps had the same learning rate under both run lengths (for example,
+    all of them in the warmup): a run lengthened or shortened then still continues exactly."""
+    return all(get_lr(step, peak_lr, warmup_steps, old_total, min_lr_ratio)
+               == get_lr(step, peak_lr, warmup_steps, new_total, min_lr_ratio) for step in range(steps_done))

@@ -12,7 +12,7 @@ from lowmem.config import TrainConfig
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.data.sources import resolve_data_files
-from lowmem.data.tokenizer import Tokenizer, train_tokenizer
+from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 from lowmem.distributed.collectives import broadcast_from_main, local_processes
 from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
 from lowmem.errors import ConfigError
@@ -47,7 +47,7 @@ def train_tokenizer_for(config: TrainConfig) -> Tokenizer:
 
 def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> Tokenizer:
     """Load the tokenizer, training it first (on the main process, while the others wait) if it is missing."""
-    model_path = Path(config.tokenizer_dir) / "tokenizer.model"
+    model_path = Path(config.tokenizer_dir) / TOKENIZER_FILE
     if not model_path.is_file() and accelerator.is_main_process:
         logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path, config.train_file,
                     config.vocab_size)

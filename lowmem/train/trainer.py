@@ -42,7 +42,7 @@ from lowmem.eval.validation import METRIC_MODES
 from lowmem.eval.validator import Validator
 from lowmem.train.callbacks import Callback, StepResult
 from lowmem.train.log import StepLog, setup_training_log
-from lowmem.train.schedule import get_lr
+from lowmem.train.schedule import get_lr, total_steps
 from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader,
                                 make_memory_monitor, shared_memory_settings, steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
@@ -118,9 +118,7 @@ class Trainer:
                                     config.loss_on_response_only, pack=config.pack_rows)
         loader = make_loader(config.train_file, config, self.accelerator, collate, settings, shuffle=True)
         self.steps_per_epoch = steps_per_epoch(loader, config)
-        self.total_steps = self.steps_per_epoch * config.epochs
-        if config.max_steps:
-            self.total_steps = min(self.total_steps, config.max_steps)
+        self.total_steps = total_steps(self.steps_per_epoch, config.epochs, config.max_steps)
 
         self.state = TrainState()
         self.checkpoints = CheckpointManager(
@@ -146,7 +144,7 @@ class Trainer:
     # ----- the loop ---------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to the end of the epochs or of `max_steps`, or until a stop; returns the run's summary."""
-        self._begin()
+        self.begin()
         try:
             while self.running:
                 for micro_batches, agreed in self.epoch_steps():
@@ -158,7 +156,7 @@ class Trainer:
             if not self.stopper.requested:
                 self.validate_and_save_when_due(final=True)
         finally:
-            self._end()
+            self.end()
         return self.finish()
 
     @property
@@ -219,10 +217,11 @@ class Trainer:
     def validate_and_save_when_due(self, epoch_end: bool = False, final: bool = False) -> None:
         """Validate when the validator or a save asks for it, then save when a checkpoint is due.
 
-        At an epoch's end both are due; at the end of training both are, unless this step is already saved.
+        At an epoch's end and at the end of training both are due. A step already saved is not saved again.
         """
         step = self.state.step
-        save = self.checkpoints.due(step) or epoch_end or (final and self.checkpoints.last_saved_step != step)
+        due = self.checkpoints.due(step) or epoch_end or final
+        save = due and self.checkpoints.last_saved_step != step
         if save or self.validator.due(step):
             self.validator.run(self.model, step)
         if save:
@@ -265,7 +264,8 @@ class Trainer:
         if folder is None:
             logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
             return None
-        changes = check_resume(folder, self.config, self.checkpoint.run_facts, allow_config_change)
+        changes = check_resume(folder, self.config, self.checkpoint.run_facts, allow_config_change,
+                               self.steps_per_epoch)
         self.checkpoint.load(folder, skip=("data",))
         try:
             self.checkpoint.load_part(folder, "data")
@@ -281,7 +281,9 @@ class Trainer:
         return folder
 
     # ----- start and end ----------------------------------------------------------------------------------
-    def _begin(self) -> None:
+    def begin(self) -> None:
+        """Before the first step: the validation loss at the start (not after a resume), the first memory
+        record, the signal handlers and the progress bar."""
         if self.resumed_from is None:
             self.state.val_loss_start = self.validator.run(self.model, self.state.step, with_bleu=False).loss
         self.memory.start(self.state.epoch, self.state.step)
@@ -291,7 +293,8 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_train_start(self)
 
-    def _end(self) -> None:
+    def end(self) -> None:
+        """After the last step, or a failure: signal handlers back, progress bar closed, last memory record."""
         self.stopper.uninstall()
         if self.progress is not None:
             self.progress.close()

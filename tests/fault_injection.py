@@ -1,6 +1,6 @@
 """Callbacks that tests hand to the Trainer: a trace of what was trained, and injected faults.
 
-The test runner `tests/harness/run_train.py` builds them from these environment variables (read here,
+The test runner `tests/train_with_faults.py` builds them from these environment variables (read here,
 in the tests, never by lowmem itself):
 
     LOWMEM_TRACE_DIR               every rank writes trace-rank<r>.json there at the end of training

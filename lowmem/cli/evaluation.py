@@ -1,0 +1,54 @@
+"""The commands that use a trained model: `evaluate` (scores on the test file) and `generate` (answers)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lowmem.cli.common import build_config
+
+
+def evaluate(use_large_config: bool = False, checkpoint: str | None = None, test_file: str | None = None,
+             bleu_samples: int = -1, **overrides: Any) -> None:
+    """Score a trained model on the test file: loss, perplexity and BLEU-4 (sacrebleu), with a baseline.
+
+    Loads the run's best/ model (else final/), or --checkpoint. Writes <output_dir>/eval/test_summary.json
+    and test_generations.jsonl (prompt, reference, generation per line). Works under `accelerate launch`
+    too: each process scores its share, every sample once.
+
+    Args:
+        use_large_config: take output_dir and the other settings from TrainConfigPretrainLarge.
+        checkpoint: a checkpoint-<step>, best/ or final/ folder to evaluate instead.
+        test_file: the rows to score (default: the config's test_file).
+        bleu_samples: how many test prompts to answer for BLEU-4 (-1: all of them).
+        overrides: config fields, e.g. --output_dir=..., --batch_size_per_gpu=..., --eval_max_new_tokens=...
+    """
+    from lowmem.eval.commands import evaluate_command
+
+    summary = evaluate_command(build_config(use_large_config, overrides), checkpoint, test_file, bleu_samples)
+    if summary.get("summary_file"):
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
+
+
+def generate(prompt: str | None = None, use_large_config: bool = False, checkpoint: str | None = None,
+             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, **overrides: Any) -> None:
+    """Answer a prompt with a trained model; without --prompt, answer each line typed (empty line or Ctrl+D ends).
+
+    Loads the run's best/ model (else final/), or --checkpoint.
+
+    Args:
+        prompt: the prompt; leave it out for an interactive loop.
+        use_large_config: take output_dir from TrainConfigPretrainLarge.
+        checkpoint: a checkpoint-<step>, best/ or final/ folder to use instead.
+        max_new_tokens: the longest answer, in tokens.
+        temperature: 0 for greedy answers; above 0 samples (0.8 is a good start).
+        top_k: sample among the k most likely tokens only.
+        top_p: sample among the most likely tokens whose probabilities add up to top_p.
+        seed: seed for sampling, for repeatable answers.
+        overrides: config fields, e.g. --output_dir=model_save/demo.
+    """
+    from lowmem.eval.commands import generate_command
+
+    config = build_config(use_large_config, overrides, demo_data=False)  # generate reads no data files
+    generate_command(config, prompt, checkpoint, max_new_tokens, temperature, top_k, top_p, seed)

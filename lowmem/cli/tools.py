@@ -1,0 +1,84 @@
+"""Tools around training: `memlog` (memory-log reports), `repack` (parquet row groups) and the benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowmem.cli.common import build_config
+
+
+def memlog(path: str | None = None, plot: str | None = None, json: bool = False, log_dir: str = "logs") -> None:
+    """Summarise a run's memory logs: per rank start/peak/end RSS, growth per 1,000 steps, and a leak verdict.
+
+    For each rank: start, peak and end RSS, the growth in MB per 1,000 steps after warm-up (a least-squares
+    slope), peak GPU memory, the lowest system available memory and what the cleanups freed; then FLAT, or
+    GROWING with the step at which the budget would run out. Partly written logs are read up to the damage.
+
+    Args:
+        path: a run id, a memory log file, or a folder; by default the newest run in log_dir.
+        plot: also draw RSS (and GPU memory) per rank against the step, with the budget line, into this PNG
+            (needs matplotlib: pip install "lowmem[plot]").
+        json: print the same data as JSON instead of a table.
+        log_dir: where the memory logs are.
+    """
+    from lowmem.memory.report import memlog_command
+
+    print(memlog_command(path, plot=plot, json_output=json, log_dir=log_dir))
+
+
+def repack(inputs: str, output: str, row_group_rows: int = 10_000) -> None:
+    """Rewrite parquet files into row groups of `row_group_rows` rows, keeping every row, column and their order.
+
+    Memory stays near one output row group however large the input's row groups are, and each output
+    is written to a temporary file and renamed when complete.
+
+    Args:
+        inputs: a parquet file, a directory (every *.parquet below it) or a glob.
+        output: a .parquet path for one input, otherwise a directory that receives each file by name.
+        row_group_rows: rows per output row group; 10,000 keeps reads small and shuffling good.
+    """
+    from lowmem.data.repack import repack as repack_files
+
+    for result in repack_files(inputs, output, row_group_rows):
+        print(f"{result.source} → {result.target}: {result.rows:,} rows, "
+              f"{result.row_groups_before} → {result.row_groups_after} row groups")
+
+
+def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000) -> None:
+    """Benchmark reading: a plain pyarrow read against ParquetStream (normal, ultra-low-mem, resume).
+
+    Each case runs in a fresh process and the table shows rows/s, peak RSS, and the seconds from a
+    resume at 90% of the epoch to its first row.
+
+    Args:
+        files: parquet files to read; with none, a file of `rows` generated rows is written to a temporary folder.
+        rows: rows of the generated file.
+        buffer_size: ParquetStream's shuffle buffer, in rows.
+    """
+    from lowmem.bench.data_bench import bench_data as run_bench
+
+    print(run_bench(list(files) or None, rows=rows, buffer_size=buffer_size))
+
+
+def bench_train(use_large_config: bool = False, steps: int = 20, skip_steps: int = 3, data_file: str | None = None,
+                rows: int = 0, peak_tflops: float = 0.0, **overrides: Any) -> None:
+    """Benchmark training: the same model and optimizer on in-memory batches (the ceiling) and through the pipeline.
+
+    Prints one table: tokens/s of each, their ratio, the share of step time spent waiting for data, peak RSS
+    per process and, on a GPU, peak GPU memory and MFU. Run it under `accelerate launch` to measure
+    several processes.
+
+    Args:
+        use_large_config: benchmark TrainConfigPretrainLarge instead of TrainConfig.
+        steps: timed optimizer steps in each phase.
+        skip_steps: untimed steps before them (warm-up; torch.compile compiles here).
+        data_file: parquet rows to train on (default: the config's train_file).
+        rows: generate a parquet file of this many synthetic rows instead.
+        peak_tflops: the GPU's dense bf16 peak in TFLOP/s for MFU (default: from the GPU's name).
+    """
+    from lowmem.bench.train_bench import bench_train as run_bench
+
+    table = run_bench(build_config(use_large_config, overrides), steps=steps, skip_steps=skip_steps,
+                      data_file=data_file, rows=rows, peak_tflops=peak_tflops)
+    if table:
+        print(table)

@@ -1,0 +1,109 @@
+"""`option()`: a config field that carries its help text, its bounds and its role on resume.
+
+Everything the command line and the checks need to know about a field is declared once, next to its
+default, and read back from `dataclasses.field(metadata=...)`:
+
+    batch_size_per_gpu: int = option(32, "rows per micro-batch on each process", minimum=1, resume="exact")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+# Resume roles. Changing an "exact" field between a save and a resume changes what the rest of the run
+# computes (data order, batches, schedule); changing a "model_shape" field makes the saved weights unusable.
+EXACT = "exact"
+MODEL_SHAPE = "model_shape"
+RESUME_ROLES = (EXACT, MODEL_SHAPE)
+
+_METADATA_KEY = "lowmem"
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """What a field's metadata says about it: help text, bounds, allowed values, resume roles, aliases."""
+
+    help: str
+    minimum: float | None = None  # value >= minimum
+    above: float | None = None  # value > above
+    maximum: float | None = None  # value <= maximum
+    below: float | None = None  # value < below
+    choices: tuple[Any, ...] = ()
+    hint: str = ""  # appended to a failed check: what the special values mean, or a good range
+    resume: frozenset[str] = frozenset()
+    aliases: tuple[str, ...] = ()
+
+    def allowed(self) -> str:
+        """The allowed values in words ("at least 1", "in [0, 1)", "bleu4 or val_loss"); empty when any is."""
+        if self.choices:
+            names = [str(choice) for choice in self.choices]
+            return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        if self.minimum is not None and self.maximum is not None:
+            return f"between {self.minimum} and {self.maximum}"
+        low = f"[{self.minimum}" if self.minimum is not None else f"({self.above}" if self.above is not None else ""
+        high = f"{self.maximum}]" if self.maximum is not None else f"{self.below})" if self.below is not None else ""
+        if low and high:
+            return f"in {low}, {high}"  # interval notation: [ and ] include the bound, ( and ) do not
+        if self.minimum is not None:
+            return "0 or more" if self.minimum == 0 else f"at least {self.minimum}"
+        if self.above is not None:
+            return f"above {self.above}"
+        if self.maximum is not None:
+            return f"at most {self.maximum}"
+        if self.below is not None:
+            return f"below {self.below}"
+        return ""
+
+    def accepts(self, value: Any) -> bool:
+        """Whether `value` is within the bounds and choices (None, for an automatic setting, always is)."""
+        if value is None:
+            return True
+        if self.choices and value not in self.choices:
+            return False
+        try:
+            return ((self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above)
+                    and (self.maximum is None or value <= self.maximum) and (self.below is None or value < self.below))
+        except TypeError:  # a value of the wrong type set in code, not through apply_overrides
+            return False
+
+    def problem(self, name: str, value: Any) -> str | None:
+        """The error message for `value`, or None when it is allowed."""
+        if self.accepts(value):
+            return None
+        message = f"--{name} must be {self.allowed()} (it is {value!r})"
+        return f"{message}; {self.hint}." if self.hint else f"{message}."
+
+
+def option(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
+           maximum: float | None = None, below: float | None = None, choices: Iterable[Any] = (), hint: str = "",
+           resume: str | Iterable[str] = (), aliases: Iterable[str] = ()) -> Any:
+    """A dataclass field with `default` whose metadata holds its help, bounds and resume roles.
+
+    Args:
+        default: the default value (immutable: every field is a str, number, bool or None).
+        help: one line for `--help`.
+        minimum / above / maximum / below: bounds checked by `validate_config` (>=, >, <=, <).
+        choices: the only values allowed.
+        hint: what to add when the check fails (what special values mean, or a good range).
+        resume: "exact" and/or "model_shape": what changing it between a save and a resume breaks.
+        aliases: other command-line names for the field.
+    """
+    roles = frozenset([resume] if isinstance(resume, str) else resume)
+    unknown = roles - set(RESUME_ROLES)
+    if unknown:
+        raise ValueError(f"Unknown resume role(s) {sorted(unknown)}; use {RESUME_ROLES}.")
+    spec = OptionSpec(help=help, minimum=minimum, above=above, maximum=maximum, below=below, choices=tuple(choices),
+                      hint=hint, resume=roles, aliases=tuple(aliases))
+    return dataclasses.field(default=default, metadata={_METADATA_KEY: spec})
+
+
+def spec_of(field: dataclasses.Field) -> OptionSpec:
+    """The OptionSpec of a field declared with `option()` (a bare spec with no help for any other field)."""
+    return field.metadata.get(_METADATA_KEY, OptionSpec(help=""))
+
+
+def fields_with_role(config_class: type, role: str) -> tuple[str, ...]:
+    """Names of the fields of `config_class` with resume role `role`, in declaration order."""
+    return tuple(field.name for field in dataclasses.fields(config_class) if role in spec_of(field).resume)

@@ -1,0 +1,103 @@
+"""Command-line values → a typed config, and the listing of every option that `--help` shows.
+
+Everything here is read from the fields' metadata (see `lowmem.config.option`): their types, help, bounds
+and aliases are declared once, beside their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import numbers
+import typing
+from typing import Any, TypeVar
+
+from lowmem.config.option import spec_of
+from lowmem.errors import ConfigError
+
+_AUTO = ("auto", "none", "")
+ConfigT = TypeVar("ConfigT")
+
+
+def config_fields(config: object) -> dict[str, Any]:
+    """Field name → declared type of a config dataclass or instance (with string annotations resolved)."""
+    config_class = config if isinstance(config, type) else type(config)
+    hints = typing.get_type_hints(config_class)
+    return {field.name: hints[field.name] for field in dataclasses.fields(config_class)}
+
+
+def config_aliases(config: object) -> dict[str, str]:
+    """Alias → field name, for the fields that have other command-line names (`--keep_best_n`)."""
+    return {alias: field.name for field in dataclasses.fields(config) for alias in spec_of(field).aliases}
+
+
+def _coerce(name: str, value: Any, declared: Any) -> Any:
+    """Convert a command-line value to the field's type, or raise a ConfigError that says what is expected."""
+    optional = typing.get_origin(declared) is typing.Union and type(None) in typing.get_args(declared)
+    base = next((t for t in typing.get_args(declared) if t is not type(None)), declared) if optional else declared
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _AUTO)):
+        return None
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        expected = "True or False" + (" (or None for automatic)" if optional else "")
+    elif base is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # 1e4 on the command line arrives as a float
+        expected = "a whole number"
+    elif base is float:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+        expected = "a number"
+    elif base is str:
+        if isinstance(value, (str, numbers.Number)) and not isinstance(value, bool):
+            return str(value)  # fire turns `--train_file=2024` into an int
+        expected = "a text value"
+    else:
+        return value
+    raise ConfigError(f"--{name}={value!r} is not valid: {name} takes {expected}.")
+
+
+def _unknown_option(name: str, fields: dict[str, Any], aliases: dict[str, str]) -> ConfigError:
+    close = difflib.get_close_matches(name.replace("-", "_"), [*fields, *aliases], n=1)
+    hint = f" Did you mean --{close[0]}?" if close else ""
+    listed = [f"--{field}" for field in fields] + [f"--{alias} (= --{field})" for alias, field in aliases.items()]
+    return ConfigError(f"Unknown option --{name}.{hint} Valid options: " + ", ".join(listed)
+                       + ". (`lowmem train --help` or `python train_low_mem.py train --help` describes the command.)")
+
+
+def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
+    """Return a copy of `config` with `overrides` applied, each converted to its field's type.
+
+    Names may use - for _ and may be an alias (`keep_best_n` for `keep_latest_n_ckp`); an alias given
+    together with its field is an error. An unknown name is an error listing the valid ones (and the
+    closest match).
+    """
+    fields = config_fields(config)
+    aliases = config_aliases(config)
+    changes: dict[str, Any] = {}
+    given_as: dict[str, str] = {}  # field → the name it was given as
+    for name, value in overrides.items():
+        key = name.replace("-", "_")
+        key = aliases.get(key, key)
+        if key not in fields:
+            raise _unknown_option(name, fields, aliases)
+        if key in given_as:
+            raise ConfigError(f"--{given_as[key]} and --{name} set the same option ({key}): give only one of them.")
+        given_as[key] = name
+        changes[key] = _coerce(key, value, fields[key])
+    return dataclasses.replace(config, **changes)
+
+
+def describe_fields(config: object) -> str:
+    """Every option with its value in `config` (its default, for a fresh one) and its help, one per line."""
+    lines = []
+    for field in dataclasses.fields(config):
+        spec = spec_of(field)
+        also = "".join(f" (also --{alias})" for alias in spec.aliases)
+        lines.append(f"--{field.name}={getattr(config, field.name)!r}{also}: {spec.help}".rstrip(": "))
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""The sections of the training configuration, one dataclass each; `TrainConfig` inherits them all.
+
+A function that needs one part of the configuration takes that section (`def maybe_compile(model,
+config: OptimConfig)`); a TrainConfig is every section at once. Each field is declared with `option()`:
+its help text, its bounds and what changing it between a save and a resume breaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lowmem.config.option import EXACT, MODEL_SHAPE, option
+
+
+@dataclass
+class DataConfig:
+    """Where the rows come from and how they are streamed."""
+
+    train_file: str = option("data/train.parquet", "parquet file, directory or glob with the training rows; the "
+                             "data/ defaults fall back to the packaged demo data set when absent", resume=EXACT)
+    validation_file: str = option("data/valid.parquet", "held-out rows for the validation loss and samples")
+    test_file: str = option("data/test.parquet", "rows for the final evaluation (never trained on)")
+    prompt_column: str = option("prompt", "text column with the prompt")
+    response_column: str = option("response", "text column with the response")
+    dataloader_buffer_size: int = option(2000, "rows in each process's shuffle buffer", minimum=1, resume=EXACT)
+    dataloader_num_workers: int = option(-1, "DataLoader workers per process; -1 decides from the memory budget",
+                                         minimum=-1, hint="-1 decides from the memory budget")
+
+
+@dataclass
+class MemoryConfig:
+    """How much host memory the run may use, and how often it is cleaned up and logged."""
+
+    ultra_low_mem: Optional[bool] = option(None, "reopen files per row group; None decides from the memory budget")
+    ultra_low_mem_threshold_gb: float = option(15.0, "below this host memory, ultra-low-mem mode and no workers",
+                                               above=0)
+    memory_budget_gb: float = option(0.0, "host memory the run may use; 0 = min(physical RAM, cgroup limit)",
+                                     minimum=0, hint="0 detects it")
+    cleanup_steps: int = option(50, "optimizer steps between memory cleanups (gc, Arrow pool, malloc_trim, CUDA cache)",
+                                minimum=0)
+    memory_log_steps: int = option(200, "optimizer steps between memory records in logs/memory_<run>_rank<r>.jsonl",
+                                   minimum=0)
+    memory_watchdog_fraction: float = option(0.9, "warn when a process's RSS passes this share of its memory budget",
+                                             above=0, maximum=1)
+
+
+@dataclass
+class TokenizerConfig:
+    """The SentencePiece tokenizer: where it lives and how it is trained."""
+
+    tokenizer_dir: str = option("model_save/tokenizer", "where the SentencePiece model is saved and loaded")
+    vocab_size: int = option(8000, "tokenizer vocabulary (the model pads it to a multiple of 64)", minimum=64)
+    tokenizer_max_sentences: int = option(1_000_000, "cap on lines sampled to train the tokenizer "
+                                          "(~4 GB of RAM at 1M)", minimum=1)
+
+
+@dataclass
+class ModelConfig:
+    """The shape of the GPT."""
+
+    n_layer: int = option(4, "transformer blocks", minimum=1, resume=MODEL_SHAPE)
+    n_head: int = option(4, "attention heads per block (must divide n_embd)", minimum=1, resume=MODEL_SHAPE)
+    n_embd: int = option(128, "width of the residual stream", minimum=1, resume=MODEL_SHAPE)
+    dropout: float = option(0.0, "dropout in embeddings, attention and residual branches", minimum=0, below=1,
+                            resume=EXACT)
+    max_seq_len: int = option(192, "longest sequence in tokens; longer rows are cut at the end", minimum=1,
+                              resume=(EXACT, MODEL_SHAPE))
+
+
+@dataclass
+class OptimConfig:
+    """How the model is optimised: steps and batches, the learning-rate schedule, AdamW, precision, the loss."""
+
+    seed: int = option(42, "seed for the model initialisation, data order and sampling", resume=EXACT)
+    epochs: int = option(2, "passes over the training data", minimum=1, resume=EXACT)
+    max_steps: int = option(0, "stop after this many optimizer steps in total (0 = no limit)", minimum=0,
+                            resume=EXACT)
+    batch_size_per_gpu: int = option(32, "rows per micro-batch on each process", minimum=1, resume=EXACT)
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", minimum=1, resume=EXACT)
+    learn_rate: float = option(2e-3, "peak learning rate, reached after the warmup", above=0,
+                               hint="try 1e-4 to 3e-3", resume=EXACT)
+    min_lr_ratio: float = option(0.1, "the cosine decay ends at learn_rate * min_lr_ratio", minimum=0, maximum=1,
+                                 resume=EXACT)
+    warmup_steps: int = option(50, "optimizer steps of linear warmup from 0", minimum=0, resume=EXACT)
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices and embeddings (not on biases or norms)",
+                                 minimum=0, resume=EXACT)
+    adam_beta1: float = option(0.9, "AdamW first-moment coefficient", minimum=0, below=1,
+                               hint="the usual values are 0.9 and 0.95", resume=EXACT)
+    adam_beta2: float = option(0.95, "AdamW second-moment coefficient", minimum=0, below=1,
+                               hint="the usual values are 0.9 and 0.95", resume=EXACT)
+    grad_clip: float = option(1.0, "clip the gradient norm to this (0 = no clipping)", minimum=0,
+                              hint="0 turns clipping off", resume=EXACT)
+    bf16: bool = option(True, "bf16 autocast on GPUs that support it (the CPU always runs float32)")
+    compile: bool = option(False, "torch.compile the model (faster steps on GPU after a slow first few; "
+                           "checkpoints load either way)")
+    compile_backend: str = option("inductor", 'torch.compile backend ("eager" only traces the model: for debugging)')
+    loss_on_response_only: bool = option(False, "train on the response tokens only (default: prompt and response)",
+                                         resume=EXACT)
+    pack_rows: bool = option(True, "pack several rows into each sequence (attention stays within a row) "
+                             "instead of padding")
+
+
+@dataclass
+class OutputConfig:
+    """The run folder: log lines, checkpoints and which of them are kept."""
+
+    output_dir: str = option("model_save/demo", "run folder: checkpoints and the exported model")
+    logging_steps: int = option(10, "optimizer steps between log lines", minimum=1)
+    save_steps: int = option(500, "optimizer steps between checkpoints", minimum=1)
+    # The name is historical: it counts the best checkpoints (by best_metric), and the latest is kept on top.
+    keep_latest_n_ckp: int = option(3, "how many best checkpoints (by best_metric) are kept besides the latest, "
+                                    "which is always kept", minimum=0, aliases=("keep_best_n",))
+
+
+@dataclass
+class EvalConfig:
+    """Validation during training: the loss, BLEU-4 on greedy answers, what ranks checkpoints, the final sample."""
+
+    eval_batches: int = option(0, "validation batches for the loss (0 = the whole validation file)", minimum=0)
+    eval_steps: int = option(0, "optimizer steps between validations (0 = at epoch ends and checkpoints only)",
+                             minimum=0)
+    eval_bleu_samples: int = option(-1, "first validation prompts whose greedy answers BLEU-4 scores "
+                                    "(0 none, -1 all)", minimum=-1, hint="-1 scores all, 0 none")
+    eval_max_new_tokens: int = option(128, "longest answer generated for BLEU-4", minimum=1)
+    eval_no_repeat_ngram_size: int = option(0, ">0: BLEU answers never repeat an n-gram of their own "
+                                            "(0 = plain greedy)", minimum=0)
+    best_metric: str = option("bleu4", "what ranks checkpoints: bleu4 (higher is better) or val_loss "
+                              "(lower is better)", choices=("bleu4", "val_loss"))
+    sample_max_new_tokens: int = option(96, "tokens generated for the sample printed at the end", minimum=1)

@@ -1,0 +1,53 @@
+"""The checks a config passes before any work starts; each failure says what to change.
+
+Each field is checked against the bounds and choices declared with it (see `lowmem.config.option`); then
+the few rules that involve two fields, and the data paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from lowmem.config.option import spec_of
+from lowmem.config.sections import DataConfig
+from lowmem.config.train_config import TrainConfig
+from lowmem.errors import ConfigError
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate_config(config: TrainConfig) -> None:
+    """Check values before any work starts; each failure says what to change.
+
+    Each field is checked against the bounds and choices declared with it; then the few rules that
+    involve two fields.
+    """
+    for field in dataclasses.fields(config):
+        problem = spec_of(field).problem(field.name, getattr(config, field.name))
+        _require(problem is None, problem or "")
+    _require(config.n_embd % config.n_head == 0,
+             f"--n_embd ({config.n_embd}) must be divisible by --n_head ({config.n_head}).")
+    _require(config.prompt_column != config.response_column,
+             "--prompt_column and --response_column must name two different columns.")
+
+
+def check_data_files(config: DataConfig, names: tuple[str, ...] = ("train_file", "validation_file")) -> None:
+    """Fail early, with where to put the data, when a configured local data path does not exist.
+
+    URIs (s3://, gs://, hdfs://) pass: checking them costs requests, and the data stream resolves them
+    with messages of its own (missing bucket, credentials, endpoint).
+    """
+    for name in names:
+        path = getattr(config, name)
+        if "://" in path or any(ch in path for ch in "*?[") or os.path.exists(path):
+            continue
+        raise ConfigError(
+            f"The {name.replace('_', ' ')} '{path}' does not exist (looked in '{os.getcwd()}'). Put your parquet "
+            f"files (string columns '{config.prompt_column}' and '{config.response_column}') there, or pass "
+            f"--{name}=PATH (a file, a directory or a glob). Leave --{name} at its default to use the demo data "
+            "set that ships with lowmem."
+        )

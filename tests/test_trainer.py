@@ -1,0 +1,189 @@
+"""The Trainer in-process: stopping, epoch ends, a rank out of rows, validation and saves when due, the final
+export, and resume, each through the Trainer's own methods (one process; the multi-process paths are tested
+through the launcher in test_resume.py and test_training.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fault_injection import StopAfterStep, TrainingTrace
+from training_helpers import write_chat_rows
+
+from lowmem.config import TrainConfig, apply_overrides
+from lowmem.train.callbacks import Callback, StepResult
+from lowmem.train.trainer import Trainer
+
+ROWS, BATCH, ACCUMULATION = 200, 8, 2
+STEPS_PER_EPOCH = ROWS // (BATCH * ACCUMULATION)  # 12
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chat")
+    return (write_chat_rows(folder / "train.parquet", ROWS, seed=1),
+            write_chat_rows(folder / "valid.parquet", 20, seed=2))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, chat_data):
+    """One tokenizer for every test here: training it is the slow part of a tiny run."""
+    from lowmem.train.setup import train_tokenizer_for
+
+    folder = tmp_path_factory.mktemp("tok")
+    train_tokenizer_for(tiny_config(folder, chat_data, folder))
+    return folder
+
+
+def tiny_config(folder: Path, chat_data, tokenizer_dir: Path, **overrides) -> TrainConfig:
+    train, valid = chat_data
+    values = dict(train_file=str(train), validation_file=str(valid), test_file=str(valid),
+                  tokenizer_dir=str(tokenizer_dir), output_dir=str(folder / "run"), vocab_size=400, n_layer=2,
+                  n_head=2, n_embd=32, max_seq_len=64, batch_size_per_gpu=BATCH,
+                  gradient_accumulation_steps=ACCUMULATION, dataloader_buffer_size=50, logging_steps=5,
+                  warmup_steps=2, sample_max_new_tokens=8, eval_bleu_samples=0, eval_max_new_tokens=8, epochs=1,
+                  dropout=0.1, save_steps=100, keep_latest_n_ckp=1, best_metric="val_loss")
+    values.update(overrides)
+    return apply_overrides(TrainConfig(), values)
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the memory and training logs go to ./logs
+    return tmp_path
+
+
+class Recorder(Callback):
+    """Remembers the steps, validations and saves it saw."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.saves: list[int] = []
+        self.started_at: int | None = None
+        self.ended_with_model = False
+
+    def on_train_start(self, trainer) -> None:
+        self.started_at = trainer.state.step
+
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        self.steps.append(trainer.state.step)
+        assert result.global_target_tokens >= result.target_tokens > 0
+
+    def on_checkpoint_write(self, trainer, folder: Path) -> None:
+        self.saves.append(trainer.state.step)
+        assert folder.name.endswith(".tmp"), "written into the temporary folder, before it is complete"
+
+    def on_train_end(self, trainer, model) -> None:
+        self.ended_with_model = model is not None
+
+
+def validation_steps(caplog) -> list[int]:
+    return [int(record.getMessage().split()[3].rstrip(":")) for record in caplog.records
+            if record.getMessage().startswith("Validation at step")]
+
+
+def test_a_full_run_validates_and_saves_when_due_and_exports(in_tmp, chat_data, tokenizer_dir, caplog):
+    config = tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2, eval_steps=5, save_steps=8)
+    recorder = Recorder()
+    with caplog.at_level("INFO"):
+        summary = Trainer(config, callbacks=[recorder]).fit()
+    total = 2 * STEPS_PER_EPOCH
+    assert recorder.steps == list(range(1, total + 1)) and recorder.started_at == 0
+    # Saves: every 8 steps, at each epoch's end (12, 24); the last step is already saved then.
+    assert recorder.saves == [8, 12, 16, 24]
+    # Validations: before the first step (0), every 5 steps, and before each save.
+    assert validation_steps(caplog) == [0, 5, 8, 10, 12, 15, 16, 20, 24]
+    assert summary["steps"] == total and summary["stopped_by"] is None
+    assert summary["val_loss_end"] < summary["val_loss_start"]
+    assert recorder.ended_with_model
+    run = in_tmp / "run"
+    assert (run / "final" / "model.safetensors").is_file() and (run / "best" / "model.safetensors").is_file()
+    marker = json.loads((run / "checkpoint-24" / "COMPLETE.json").read_text())
+    assert marker["info"]["epoch"] == 1, "the step budget ended the run inside the second epoch"
+
+
+def test_request_stop_saves_where_training_stands_and_exports_nothing(in_tmp, chat_data, tokenizer_dir):
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir), callbacks=[StopAfterStep(5)])
+    summary = trainer.fit()
+    assert summary["stopped_by"] == "LOWMEM_STOP_AFTER_STEP=5" and summary["steps"] == 5
+    run = in_tmp / "run"
+    assert (run / "checkpoint-5" / "COMPLETE.json").is_file()
+    assert not (run / "final").exists(), "a stopped run exports nothing"
+    state = json.loads((run / "checkpoint-5" / "trainer_state.json").read_text())
+    assert state["train"]["step"] == 5 and state["checkpoints"]["last_saved_step"] == 5
+    assert {p.name for p in (run / "checkpoint-5" / "rank0").iterdir()} == {"rng.pt", "data.json", "memory.json"}
+
+
+def test_a_resumed_trainer_continues_exactly(in_tmp, chat_data, tokenizer_dir):
+    reference = TrainingTrace(in_tmp / "reference")
+    Trainer(tiny_config(in_tmp / "a", chat_data, tokenizer_dir, epochs=2), callbacks=[reference]).fit()
+
+    stopped = Trainer(tiny_config(in_tmp / "b", chat_data, tokenizer_dir, epochs=2), callbacks=[StopAfterStep(7)])
+    stopped.fit()
+    resumed_trace = TrainingTrace(in_tmp / "resumed")
+    resumed = Trainer(tiny_config(in_tmp / "b", chat_data, tokenizer_dir, epochs=2), callbacks=[resumed_trace])
+    assert resumed.resume() == in_tmp / "b" / "run" / "checkpoint-7"
+    assert (resumed.state.step, resumed.checkpoints.last_saved_step) == (7, 7)
+    resumed.fit()
+    assert sorted(resumed_trace.losses) == list(range(8, 2 * STEPS_PER_EPOCH + 1))
+    for step, loss in resumed_trace.losses.items():
+        assert loss == pytest.approx(reference.losses[step], rel=1e-6), step
+    rows_before = 7 * ACCUMULATION * BATCH
+    assert resumed_trace.rows == reference.rows[rows_before:]
+
+
+def run_epoch(trainer: Trainer) -> None:
+    for micro_batches, agreed in trainer.epoch_steps():
+        trainer.after_step(trainer.optimizer_step(micro_batches, agreed))
+
+
+def test_running_out_of_rows_ends_the_epoch_and_the_step_budget_does_not(in_tmp, chat_data, tokenizer_dir):
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2))
+    trainer.begin()
+    try:
+        run_epoch(trainer)
+        assert trainer.epoch_ended and trainer.state.step == STEPS_PER_EPOCH
+        trainer.end_epoch()
+        assert trainer.state.epoch == 1 and trainer.checkpoints.last_saved_step == STEPS_PER_EPOCH
+        assert (in_tmp / "run" / f"checkpoint-{STEPS_PER_EPOCH}" / "COMPLETE.json").is_file()
+        trainer.total_steps = STEPS_PER_EPOCH + 3  # the budget now ends inside the second epoch
+        run_epoch(trainer)
+        assert not trainer.epoch_ended and trainer.state.step == STEPS_PER_EPOCH + 3 and not trainer.running
+    finally:
+        trainer.end()
+
+
+def test_resume_without_a_checkpoint_starts_fresh(in_tmp, chat_data, tokenizer_dir, caplog):
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir))
+    with caplog.at_level("INFO"):
+        assert trainer.resume() is None
+    assert f"No complete checkpoint in {in_tmp / 'run'}: starting fresh." in caplog.text
+    assert trainer.state.step == 0
+
+
+def test_a_longer_run_continues_exactly_while_the_steps_taken_keep_their_learning_rates(in_tmp, chat_data,
+                                                                                       tokenizer_dir):
+    # All 6 steps taken are in the warmup (20 steps): their learning rates do not depend on the run's length.
+    reference = TrainingTrace(in_tmp / "reference")
+    Trainer(tiny_config(in_tmp / "a", chat_data, tokenizer_dir, max_steps=10, warmup_steps=20),
+            callbacks=[reference]).fit()
+    Trainer(tiny_config(in_tmp / "b", chat_data, tokenizer_dir, max_steps=6, warmup_steps=20)).fit()
+    longer_trace = TrainingTrace(in_tmp / "longer")
+    longer = Trainer(tiny_config(in_tmp / "b", chat_data, tokenizer_dir, max_steps=10, warmup_steps=20),
+                     callbacks=[longer_trace])
+    assert longer.resume() is not None and longer.state.step == 6
+    longer.fit()
+    assert sorted(longer_trace.losses) == [7, 8, 9, 10]
+    for step, loss in longer_trace.losses.items():
+        assert loss == pytest.approx(reference.losses[step], rel=1e-6), step
+
+
+def test_a_longer_run_whose_schedule_already_differs_is_refused(in_tmp, chat_data, tokenizer_dir):
+    from lowmem.errors import ConfigError
+
+    Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=6, warmup_steps=2)).fit()
+    longer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=10, warmup_steps=2))
+    with pytest.raises(ConfigError, match=r"max_steps: 6 → 10.*--allow_config_change=True"):
+        longer.resume()
+    assert longer.resume(allow_config_change=True) is not None
