@@ -20,8 +20,6 @@ def build_config(use_large_config: bool, overrides: dict[str, Any], demo_data: b
 
 
 def program_name() -> str:
-    """How the user started us, for usage lines: `lowmem`, `python -m lowmem` or `train_low_mem.py`."""
+    """How the user started us, for usage lines: `train_low_mem.py`, else `lowmem` (also for `python -m lowmem`)."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    if name == "__main__.py":
-        return "python -m lowmem"
-    return name if name and name not in ("-c", "-m") else "lowmem"
+    return name if name and name not in ("-c", "-m", "__main__.py") else "lowmem"
