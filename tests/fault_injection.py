@@ -8,6 +8,7 @@ in the tests, never by lowmem itself):
     LOWMEM_TEST_STEP_SECONDS       sleep this long after every optimizer step (time to send a signal mid-epoch)
     LOWMEM_TEST_SAVE_SECONDS       sleep this long inside every checkpoint write (time to kill during a save)
     LOWMEM_TEST_LEAK_MB_PER_STEP   keep this many megabytes per optimizer step (a planted leak)
+    LOWMEM_TEST_NAN_AT_STEP        make optimizer step N's loss NaN ("N" on every rank, "N:R" on rank R only)
     LOWMEM_MEMORY_BUDGET_GB        the host budget each rank detects: one value, or one per local rank
                                    ("8,32,32", to check that ranks seeing different memory run rank 0's settings)
 """
@@ -64,7 +65,7 @@ class TrainingTrace(Callback):
     def on_step_end(self, trainer: Any, result: StepResult) -> None:
         for batch in result.micro_batches:
             self.rows.extend(row_hashes(batch["input_ids"], trainer.tokenizer.pad_id, batch.get("segment_ids")))
-        step_loss, step_tokens = all_reduce_sum(trainer.accelerator, [result.loss_sum, result.target_tokens])
+        step_loss, step_tokens = all_reduce_sum(trainer.accelerator, [float(result.loss_sum), result.target_tokens])
         self.losses[trainer.state.step] = step_loss / max(step_tokens, 1.0)
 
     def on_train_end(self, trainer: Any, model: torch.nn.Module) -> None:
@@ -125,6 +126,27 @@ class PlantedLeak(Callback):
         self.kept.append(block)
 
 
+class NonFiniteAtStep(Callback):
+    """Makes the model's output NaN during optimizer step `step` (on `rank` only, or on every rank): the
+    gradients of that step are then NaN on every rank once they are all-reduced."""
+
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_start(self, trainer: Any) -> None:
+        from lowmem.model.weights import unwrap
+
+        if self.rank is not None and trainer.accelerator.process_index != self.rank:
+            return
+
+        def poison(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+            if module.training and trainer.state.step + 1 == self.step:
+                return output * float("nan")
+            return None
+
+        unwrap(trainer.model).ln_f.register_forward_hook(poison)
+
+
 def callbacks_from_environment(environ: dict[str, str] = os.environ) -> list[Callback]:
     """The callbacks the LOWMEM_* test variables ask for (see the module's docstring)."""
     callbacks: list[Callback] = []
@@ -136,6 +158,9 @@ def callbacks_from_environment(environ: dict[str, str] = os.environ) -> list[Cal
         callbacks.append(SlowSteps(float(environ["LOWMEM_TEST_STEP_SECONDS"])))
     if float(environ.get("LOWMEM_TEST_SAVE_SECONDS", "0") or 0) > 0:
         callbacks.append(SlowSaves(float(environ["LOWMEM_TEST_SAVE_SECONDS"])))
+    if environ.get("LOWMEM_TEST_NAN_AT_STEP"):
+        step, _, rank = environ["LOWMEM_TEST_NAN_AT_STEP"].partition(":")
+        callbacks.append(NonFiniteAtStep(int(step), int(rank) if rank else None))
     if int(environ.get(STOP_AFTER_STEP_ENV, "0") or 0) > 0:
         callbacks.append(StopAfterStep(int(environ[STOP_AFTER_STEP_ENV])))
     return callbacks

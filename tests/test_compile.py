@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 from training_helpers import run_command, tiny_overrides, write_chat_rows
+
+from lowmem.model import GPT, GPTConfig
+from lowmem.model import gpt as gpt_module
 
 STOP_AT, STEPS = 3, 6
 COMPILED = ("--compile=True", "--compile_backend=eager")
@@ -58,3 +62,23 @@ def test_checkpoint_loads_with_and_without_compile(tmp_path, chat_data, referenc
     assert sorted(after) == list(range(STOP_AT + 1, STEPS + 1))
     for step, loss in after.items():  # the weights and optimizer state came back: the run continues exactly
         assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("cuda_backends", [False, True], ids=["cpu-path", "cuda-backend-list"])
+def test_masked_attention_compiles_in_one_graph(monkeypatch, cuda_backends):
+    """Packed rows under torch.compile: the backend choice (a no-op on the CPU, `sdpa_kernel` on a GPU,
+    simulated here) traces into the graph without a break and computes what the eager model does."""
+    if cuda_backends:
+        monkeypatch.setattr(gpt_module, "sdpa_backends",
+                            lambda device, masked: gpt_module.MASKED_SDPA_BACKENDS if masked else None)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, max_seq_len=16, n_layer=2, n_head=2, n_embd=16))
+    idx = torch.randint(0, 50, (2, 16))
+    segments = torch.tensor([[1] * 6 + [2] * 7 + [0] * 3, [1] * 16])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # fullgraph: a graph break raises
+    _, loss = compiled(idx, idx, segment_ids=segments)
+    _, expected = model(idx, idx, segment_ids=segments)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+

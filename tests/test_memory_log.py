@@ -355,3 +355,104 @@ def test_peak_includes_the_high_water_mark_between_records():
     assert summary.end_rss == 500 * mb and summary.verdict == "FLAT"
     old_logs = [{key: value for key, value in record.items() if key != "rss_high_water"} for record in records]
     assert summarize(old_logs).peak_rss == 500 * mb
+
+
+# ----- the CUDA cache, the CUDA peak and torch.compile's helper processes ----------------------------------
+@pytest.fixture
+def empty_cache_calls(monkeypatch) -> list[int]:
+    """Count calls of torch.cuda.empty_cache (a no-op here: this machine has no GPU)."""
+    import torch
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    return calls
+
+
+def test_routine_cleanups_keep_the_cuda_cache_and_the_watchdog_empties_it(tmp_path, empty_cache_calls):
+    from lowmem.memory import forced_cleanup, release_cuda_cache
+
+    cleanup_memory(on_gpu=True)
+    assert empty_cache_calls == []  # it frees no host RAM, synchronizes, and the next step allocates again
+    forced_cleanup(on_gpu=True)
+    release_cuda_cache(on_gpu=False)
+    assert len(empty_cache_calls) == 1
+
+    empty_cache_calls.clear()
+    log = MemoryLogger(tmp_path, RUN, 0, 1, budget_bytes=64 * 1024 * MB)
+    quiet = MemoryMonitor(log, MemoryWatchdog(64 * 1024 * MB), on_gpu=True, cleanup_steps=50, memory_log_steps=100)
+    quiet.start(0, 0)
+    for step in range(1, 201):
+        quiet.after_step(0, step)
+    quiet.end(0, 200)
+    assert empty_cache_calls == []  # 2 cleanups, 2 records and the end, the watchdog never over its limit
+
+    log = MemoryLogger(tmp_path, "20260101-120001", 0, 1, budget_bytes=10 * MB)
+    firing = MemoryMonitor(log, MemoryWatchdog(10 * MB, repeat_every=10), on_gpu=True, cleanup_steps=50,
+                           memory_log_steps=0)
+    for step in range(1, 101):
+        firing.after_step(0, step)
+    assert len(empty_cache_calls) == 1  # fired at step 50; at step 100 it is quiet (rate limit)
+    watchdog = MemoryWatchdog(10 * MB)
+    assert watchdog.check(take_snapshot(include_uss=False), on_gpu=True) is not None  # its default cleanup
+    assert len(empty_cache_calls) == 2
+
+
+def test_each_record_has_the_cuda_peak_of_its_interval(tmp_path, monkeypatch):
+    gpu = {"allocated": 300 * MB, "peak": 900 * MB, "resets": 0}
+
+    def reset_peak_memory_stats():
+        gpu["peak"], gpu["resets"] = gpu["allocated"], gpu["resets"] + 1
+
+    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                 memory_allocated=lambda: gpu["allocated"], memory_reserved=lambda: 1024 * MB,
+                                 max_memory_allocated=lambda: gpu["peak"], reset_peak_memory_stats=reset_peak_memory_stats)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    with MemoryLogger(tmp_path, RUN, 0, 1, budget_bytes=4096 * MB) as log:
+        log.log(take_snapshot(include_children=False, include_uss=False), epoch=0, step=200)
+        gpu["peak"] = 500 * MB  # the steps after the first record went up to 500 MB
+        log.log(take_snapshot(include_children=False, include_uss=False), epoch=0, step=400)
+        log.log(snapshot(800 * MB), epoch=0, step=600)  # no CUDA figures: nothing to reset
+    assert gpu["resets"] == 2
+    records, _ = read_log(log.path)
+    assert [r["cuda_peak"] for r in records] == [900 * MB, 500 * MB, None]
+    assert summarize(records).peak_gpu == 900 * MB  # memlog's peak column: still the highest of all
+
+
+HELPER_WITH_A_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_snapshot_counts_dataloader_workers_not_compile_workers():
+    import os
+    import subprocess
+
+    # A process with the command line of inductor's compile-worker pool, which starts a child of its own.
+    script = os.path.join(os.sep, "venv", "site-packages", "torch", "_inductor", "compile_worker", "__main__.py")
+    helper = subprocess.Popen([sys.executable, "-c", HELPER_WITH_A_CHILD, script, "--workers=2"],
+                              stdout=subprocess.PIPE, text=True)
+    worker = multiprocessing.get_context("fork").Process(target=_sleep, args=(30,))
+    worker.start()
+    grandchild_pid = int(helper.stdout.readline())
+    processes = [psutil.Process(pid) for pid in (helper.pid, grandchild_pid, worker.pid)]
+    try:
+        class Parent(psutil.Process):
+            def children(self, recursive=False):
+                return processes
+
+        snap = take_snapshot(Parent(), include_uss=False)
+        assert snap.workers == 1
+        assert snap.workers_rss == pytest.approx(processes[2].memory_info().rss, rel=0.2)  # the worker's alone
+    finally:
+        for pid in (grandchild_pid, helper.pid):
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        helper.wait()
+        helper.stdout.close()
+        worker.terminate()
+        worker.join()

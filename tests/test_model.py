@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, IGNORE_INDEX, PRESETS, GPTConfig, KVCache
+from lowmem.model import gpt as gpt_module
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -187,7 +188,7 @@ def test_sequence_longer_than_max_seq_len_is_rejected():
 def test_loss_equals_manual_cross_entropy():
     model = tiny_model()
     idx, targets = random_batch(model.config)
-    logits, loss = model(idx, targets)
+    logits, loss = model(idx, targets, return_logits=True)
     log_probs = torch.log_softmax(logits.double(), dim=-1)
     manual = -log_probs.gather(-1, targets.unsqueeze(-1)).mean()
     assert loss.dtype == torch.float32 and loss.dim() == 0
@@ -623,3 +624,95 @@ def test_no_repeat_ngram_size_forbids_repeating_an_ngram_of_the_answer(monkeypat
     bigrams = list(zip(banned, banned[1:]))
     assert len(bigrams) == len(set(bigrams)), banned
     assert banned[:2] == [0, 0], "the prompt's n-grams do not count"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What forward returns, and the attention kernels masked attention may use
+
+
+def test_forward_with_targets_returns_no_logits_unless_asked():
+    model = tiny_model()
+    idx, targets = random_batch(model.config)
+    logits, loss = model(idx, targets)
+    assert logits is None  # nothing (B, T, V) for accelerate to copy to float32 and keep alive
+    asked, same_loss = model(idx, targets, return_logits=True)
+    plain, no_loss = model(idx)
+    assert no_loss is None and asked.shape == (3, 12, model.config.padded_vocab_size)
+    torch.testing.assert_close(asked, plain)
+    torch.testing.assert_close(loss, same_loss, rtol=0, atol=0)
+    expected = F.cross_entropy(plain.view(-1, plain.size(-1)), targets.view(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+def packed_batch(cfg: GPTConfig, lengths: tuple[int, ...] = (5, 7, 4)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row (1, T) of random tokens, its targets and its segment ids (the last positions padding)."""
+    g = torch.Generator().manual_seed(3)
+    T = cfg.max_seq_len
+    idx = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    segments = torch.zeros(1, T, dtype=torch.long)
+    start = 0
+    for segment, n in enumerate(lengths, start=1):
+        segments[0, start:start + n] = segment
+        start += n
+    return idx, targets, segments
+
+
+def recording_sdpa_kernel(monkeypatch) -> list[list]:
+    """Replace the model's `sdpa_kernel` with one that records each list of backends it is entered with."""
+    entered: list[list] = []
+    real = gpt_module.sdpa_kernel
+
+    def recording(backends, *args, **kwargs):
+        entered.append(list(backends))
+        return real(backends, *args, **kwargs)
+
+    monkeypatch.setattr(gpt_module, "sdpa_kernel", recording)
+    return entered
+
+
+def test_masked_attention_on_cuda_never_uses_cudnn():
+    from torch.nn.attention import SDPBackend
+
+    backends = gpt_module.sdpa_backends(torch.device("cuda", 0), masked=True)
+    assert SDPBackend.CUDNN_ATTENTION not in backends  # its masked backward has a NaN bug (pytorch#196678)
+    # Flash attention takes no mask: the memory-efficient kernel does, and the math kernel takes anything.
+    assert backends == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    assert gpt_module.sdpa_backends(torch.device("cuda"), masked=False) is None  # plain causal: SDPA's choice
+    assert gpt_module.sdpa_backends(torch.device("cpu"), masked=True) is None
+
+
+def test_cpu_attention_path_is_unchanged(monkeypatch):
+    entered = recording_sdpa_kernel(monkeypatch)
+    model = tiny_model()
+    idx, targets, segments = packed_batch(model.config)
+    model(idx, targets, segment_ids=segments)  # masked
+    model(idx, targets)  # causal
+    prompt, lengths = left_pad([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8])])
+    model.generate(prompt, max_new_tokens=3, greedy=True, prompt_lengths=lengths)  # masked, with a cache
+    assert entered == []
+
+
+def test_masked_attention_runs_with_the_cuda_backend_list(monkeypatch):
+    """The backend list the GPU path enters is one the masked call accepts, forward and backward, with the
+    same results; plain causal attention does not enter it."""
+    model = tiny_model(dropout=0.0).train()
+    idx, targets, segments = packed_batch(model.config)
+    _, reference = model(idx, targets, segment_ids=segments)
+    reference.backward()
+    reference_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    entered = recording_sdpa_kernel(monkeypatch)
+    monkeypatch.setattr(gpt_module, "sdpa_backends", lambda device, masked: gpt_module.MASKED_SDPA_BACKENDS if masked else None)
+    _, loss = model(idx, targets, segment_ids=segments)
+    loss.backward()
+    assert entered == [gpt_module.MASKED_SDPA_BACKENDS] * model.config.n_layer
+    torch.testing.assert_close(loss, reference)
+    for param, expected in zip(model.parameters(), reference_grads):
+        assert torch.isfinite(param.grad).all()
+        torch.testing.assert_close(param.grad, expected)
+    entered.clear()
+    model(idx, targets)
+    assert entered == []
+

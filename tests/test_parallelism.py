@@ -211,14 +211,61 @@ def test_deepspeed_config_gets_batch_size_and_clipping_from_the_run():
     accelerator = stub_accelerator(DistributedType.DEEPSPEED, zero_stage=2, offload_optimizer_device="none",
                                    deepspeed_config={"train_micro_batch_size_per_gpu": "auto",
                                                      "gradient_clipping": "auto"})
-    config = types.SimpleNamespace(batch_size_per_gpu=24, grad_clip=0.5, weight_decay=0.1, learn_rate=1e-3,
-                                   adam_beta1=0.9, adam_beta2=0.95)
+    config = adamw_config()
     strategy._fill_deepspeed_config(config, accelerator)
     assert accelerator.state.deepspeed_plugin.deepspeed_config == {"train_micro_batch_size_per_gpu": 24,
                                                                    "gradient_clipping": 0.5}
     # Without offload the torch AdamW is kept (DeepSpeed wraps it), with the model's two parameter groups.
     optimizer = strategy._create_optimizer(tiny_gpt(), config, accelerator)
     assert isinstance(optimizer, torch.optim.AdamW) and len(optimizer.param_groups) == 2
+
+
+def adamw_config() -> types.SimpleNamespace:
+    return types.SimpleNamespace(batch_size_per_gpu=24, grad_clip=0.5, weight_decay=0.1, learn_rate=1e-3,
+                                 adam_beta1=0.9, adam_beta2=0.95)
+
+
+def deepspeed_on_gpus(offload: str, deepspeed_config: dict | None = None) -> types.SimpleNamespace:
+    accelerator = stub_accelerator(DistributedType.DEEPSPEED, zero_stage=2, offload_optimizer_device=offload,
+                                   deepspeed_config=deepspeed_config or {})
+    accelerator.device = torch.device("cuda", 0)  # only its type is read: "cuda" would choose the fused AdamW
+    return accelerator
+
+
+def test_deepspeed_offload_is_handed_a_plain_torch_adamw():
+    """accelerate replaces it with DeepSpeed's CPU Adam, in AdamW mode only for a torch.optim.AdamW, from its
+    parameter groups (test_accelerate_configs.py checks the replacement itself where deepspeed is installed)."""
+    optimizer = strategy._create_optimizer(tiny_gpt(), adamw_config(), deepspeed_on_gpus("cpu"))
+    assert type(optimizer) is torch.optim.AdamW and not optimizer.defaults.get("fused")
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert all(group["betas"] == (0.9, 0.95) for group in optimizer.param_groups)
+    # Without offload DeepSpeed steps the torch optimizer on the GPU: the fused kernel is kept.
+    optimizer = strategy._create_optimizer(tiny_gpt(), adamw_config(), deepspeed_on_gpus("none"))
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults.get("fused")
+
+
+def test_deepspeed_config_with_its_own_optimizer_gets_our_groups():
+    from accelerate.utils import DummyOptim
+
+    accelerator = deepspeed_on_gpus("cpu", {"optimizer": {"type": "AdamW"}})
+    optimizer = strategy._create_optimizer(tiny_gpt(), adamw_config(), accelerator)
+    assert isinstance(optimizer, DummyOptim)
+    assert [group["weight_decay"] for group in optimizer.params] == [0.1, 0.0]
+
+
+def test_deepspeed_in_bf16_says_its_exports_are_bf16(caplog):
+    accelerator = deepspeed_on_gpus("cpu")
+    accelerator.mixed_precision = "bf16"
+    accelerator.prepare = lambda *objects: objects
+    with caplog.at_level("INFO", logger="lowmem.distributed.strategy"):
+        strategy.prepare_model_and_optimizer(tiny_gpt(), adamw_config(), accelerator)
+    assert "float32 master weights are only in each checkpoint's deepspeed/ folder" in caplog.text
+    assert "zero_to_fp32.py" in caplog.text
+
+
+def test_plain_tensors_pass_through_plain_tensor():
+    value = torch.tensor(1.5)
+    assert strategy.plain_tensor(value) is value
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

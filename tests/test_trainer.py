@@ -5,9 +5,11 @@ through the launcher in test_resume.py and test_training.py)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 from fault_injection import StopAfterStep, TrainingTrace
 from training_helpers import write_chat_rows
 
@@ -187,3 +189,38 @@ def test_a_longer_run_whose_schedule_already_differs_is_refused(in_tmp, chat_dat
     with pytest.raises(ConfigError, match=r"max_steps: 6 → 10.*--allow_config_change=True"):
         longer.resume()
     assert longer.resume(allow_config_change=True) is not None
+
+
+def test_a_step_with_non_finite_gradients_is_skipped_and_training_goes_on(in_tmp, chat_data, tokenizer_dir,
+                                                                           caplog):
+    from fault_injection import NonFiniteAtStep
+
+    from lowmem.model.weights import model_state_dict
+
+    class Weights(Callback):
+        """The weights after each step."""
+
+        def __init__(self) -> None:
+            self.after: dict[int, dict] = {}
+
+        def on_step_end(self, trainer, result) -> None:
+            self.after[trainer.state.step] = {k: v.clone() for k, v in model_state_dict(trainer.model).items()}
+            self.applied = getattr(self, "applied", {})
+            self.applied[trainer.state.step] = (result.applied, result.grad_norm)
+
+    weights = Weights()
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=6),
+                      callbacks=[NonFiniteAtStep(4), weights])
+    with caplog.at_level("WARNING"):
+        summary = trainer.fit()
+    applied, norm = weights.applied[4]
+    assert not applied and not math.isfinite(norm)
+    assert all(weights.applied[step][0] for step in (1, 2, 3, 5, 6))
+    assert all(torch.equal(weights.after[3][name], weights.after[4][name]) for name in weights.after[3]), \
+        "the skipped step changed the weights"
+    assert any(not torch.equal(weights.after[4][name], weights.after[5][name]) for name in weights.after[4])
+    assert summary["skipped_steps"] == 1 and trainer.state.skipped_steps == 1
+    assert "Step 4: the gradient norm is nan, so the update was skipped on every rank" in caplog.text
+    assert math.isfinite(summary["val_loss_end"])
+    state = json.loads((in_tmp / "run" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["train"]["skipped_steps"] == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 
@@ -100,3 +101,27 @@ def test_launching_three_processes_without_multi_gpu_on_cpu_is_an_error(tmp_path
     assert done.returncode != 0
     assert "asked for 3 processes, but Accelerate runs 1" in done.stderr and "--multi_gpu" in done.stderr
     assert not (tmp_path / "run").exists(), "nothing trained"
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path, chat_data):
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate launcher is not on PATH")
+    trace_dir = tmp_path / "trace"
+    done = run_command(
+        ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=8"], cwd=tmp_path,
+        # Rank 1's output is NaN during step 5: after the all-reduce every rank's gradients are.
+        env={"ACCELERATE_USE_CPU": "1", "LOWMEM_TRACE_DIR": str(trace_dir), "OMP_NUM_THREADS": "1",
+             "LOWMEM_TEST_NAN_AT_STEP": "5:1"},
+        launcher=["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0"],
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    skipped = re.findall(r"\[rank (\d)\] Step 5: the gradient norm is nan, so the update was skipped on every rank",
+                         done.stderr)
+    assert sorted(skipped) == ["0", "1", "2"], done.stderr[-3000:]
+    assert "Step 4:" not in done.stderr and "Step 6:" not in done.stderr
+    traces = [json.loads((trace_dir / f"trace-rank{rank}.json").read_text()) for rank in range(3)]
+    assert len({trace["weights"] for trace in traces}) == 1, "weights differ between ranks after the skipped step"
+    losses = traces[0]["losses"]
+    assert math.isnan(losses["5"]) and all(math.isfinite(losses[str(step)]) for step in (4, 6, 7, 8))
+    start, end = _validation_losses(done.stderr)
+    assert math.isfinite(end)

@@ -155,7 +155,8 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
     from lowmem.train.step import train_step
 
     validate_config(config)
-    accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16)
+    accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
+                                     config.process_group_timeout_minutes)
     on_gpu = accelerator.device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="lowmem-bench-train-") as folder:
         if rows > 0:
@@ -177,12 +178,13 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         n_params = model.num_params()
         model, optimizer = prepare_model_and_optimizer(model, config, accelerator)
         enable_tf32(on_gpu)
-        model = maybe_compile(model, config)
+        model = maybe_compile(model, config, settings)
 
         def step(batches: list[dict[str, torch.Tensor]]) -> None:
             tokens = sum(float((batch["targets"] != IGNORE_INDEX).sum()) for batch in batches)
             [global_tokens] = all_reduce_sum(accelerator, [tokens])  # as in training: one small collective per step
-            train_step(model, optimizer, accelerator, batches, global_tokens, config.grad_clip)
+            loss_sum, _, _ = train_step(model, optimizer, accelerator, batches, global_tokens, config.grad_clip)
+            float(loss_sum)  # wait for the device, so that each timed step is a finished step
 
         ceiling = run_steps("ceiling", iter(in_memory), steps, skip_steps, step, accumulation, tokenizer.pad_id, on_gpu)
         del in_memory

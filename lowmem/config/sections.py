@@ -95,6 +95,13 @@ class OptimConfig:
     compile: bool = option(False, "torch.compile the model (faster steps on GPU after a slow first few; "
                            "checkpoints load either way)")
     compile_backend: str = option("inductor", 'torch.compile backend ("eager" only traces the model: for debugging)')
+    # A first run's rank 0 trains the tokenizer (streaming every row to sample up to tokenizer_max_sentences, 1M,
+    # then SentencePiece, which can outlast NCCL's default 10 minutes on a slow CPU) while the other ranks wait in
+    # a barrier. A dead rank still stops the run at once (the launcher ends the others); only a rank that hangs
+    # alive is noticed this much later.
+    process_group_timeout_minutes: float = option(60.0, "minutes a collective waits for the slowest process "
+                                                  "before the run fails (NCCL's default is 10; a first run's "
+                                                  "tokenizer training on rank 0 can need more)", above=0)
     loss_on_response_only: bool = option(False, "train on the response tokens only (default: prompt and response)",
                                          resume=EXACT)
     pack_rows: bool = option(True, "pack several rows into each sequence (attention stays within a row) "

@@ -2,21 +2,41 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, parse_flag_from_env
 
+from lowmem.distributed.collectives import local_processes
 from lowmem.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-def bf16_supported(on_cpu: bool) -> bool:
-    """True when bf16 autocast pays: a CUDA GPU with bf16.
+logger = logging.getLogger(__name__)
 
-    On the CPU it stays off: even on a Xeon with AVX-512 BF16 and AMX, the demo model's steps under CPU
-    autocast took about twice as long as in float32, with a higher and growing RSS.
+# What `create_accelerator` gives the process group when its caller does not say (the config's default).
+DEFAULT_PROCESS_GROUP_TIMEOUT_MINUTES = 60.0
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """True when bf16 autocast pays on `device`: a CUDA GPU that computes in bf16 natively (compute
+    capability 8.0 and later: A100, RTX 30xx, H100, ...; ROCm GPUs).
+
+    torch's default answer counts emulation, true on a T4 or V100, where bf16 runs slower than float32: it
+    does not count here. The question is asked of `device`, this process's own GPU, so that no rank touches
+    GPU 0 (creating a context there) on the way. On the CPU it stays off: even on a Xeon with AVX-512 BF16
+    and AMX, the demo model's steps under CPU autocast took about twice as long as in float32, with a higher
+    and growing RSS.
     """
-    return not on_cpu and torch.cuda.is_bf16_supported()
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def requested_processes() -> int:
@@ -46,17 +66,80 @@ def requested_processes() -> int:
     return 1
 
 
-def create_accelerator(gradient_accumulation_steps: int, bf16: bool) -> Accelerator:
+def fsdp2_bf16_policy() -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision as DDP's bf16 autocast has it: bf16 compute, float32 gradients and outputs.
+
+    Accelerate's own FSDP2 policy for bf16 is bf16 throughout, and FSDP2 gets no autocast wrapper: the loss
+    would come back in bf16, and gradients would be reduced over the ranks (and accumulated over
+    micro-batches) in bf16, losing the small updates that float32 keeps. With `reduce_dtype` float32 the
+    gradients are upcast before the reduce-scatter and accumulate in float32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+
+
+def fsdp_plugin_for(mixed_precision: str) -> FullyShardedDataParallelPlugin | None:
+    """The FSDP plugin `accelerate launch` configured (from its environment), with `fsdp2_bf16_policy` when
+    the run is FSDP2 in bf16; None when the launch is not FSDP (Accelerate then builds nothing either)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    plugin = FullyShardedDataParallelPlugin()  # every other setting as the launcher's environment says
+    if plugin.fsdp_version == 2 and mixed_precision == "bf16":
+        # Accelerate keeps a policy object it is given (it replaces only a missing one, a string or a dict).
+        plugin.mixed_precision_policy = fsdp2_bf16_policy()
+    return plugin
+
+
+def offload_optimizer_threads(accelerator: Accelerator) -> None:
+    """Give DeepSpeed's CPU Adam this process's share of the machine's cores when the optimizer is offloaded.
+
+    `accelerate launch` sets OMP_NUM_THREADS=1 unless told otherwise, and the offloaded optimizer step (all
+    of AdamW's arithmetic, in host memory) then runs on one core per process while the others idle. The
+    CPU Adam extension uses the OpenMP runtime torch has loaded, whose thread count `torch.set_num_threads`
+    sets; OMP_NUM_THREADS is set as well for an extension that brings its own runtime and reads it when it
+    loads (in `accelerator.prepare`, after this). A value other than 1 was chosen by the user and is kept.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    if accelerator.state.deepspeed_plugin.offload_optimizer_device not in ("cpu", "nvme"):
+        return
+    if os.environ.get("OMP_NUM_THREADS", "1") != "1":
+        return
+    # The CPUs this process may run on (taskset, a container's cpuset), shared with the machine's other ranks.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // local_processes(accelerator))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    logger.info("DeepSpeed optimizer offload: CPU Adam steps with %d threads per process (%d cores, %d processes "
+                "on this machine).", threads, cores, local_processes(accelerator))
+
+
+def create_accelerator(gradient_accumulation_steps: int, bf16: bool,
+                       process_group_timeout_minutes: float = DEFAULT_PROCESS_GROUP_TIMEOUT_MINUTES) -> Accelerator:
     """An Accelerator on the GPUs if there are any, else on the CPU (gloo between processes).
 
-    Fails loudly when the launcher started more processes than Accelerate sees: on a machine without GPUs,
-    `accelerate launch --num_processes 3` starts one process unless given `--multi_gpu`, and every rank
-    would silently train on all the data.
+    The process group comes first (accelerate's PartialState, which also sets this process's GPU), so that
+    bf16 is decided on the GPU this process uses. Fails loudly when the launcher started more processes than
+    Accelerate sees: on a machine without GPUs, `accelerate launch --num_processes 3` starts one process
+    unless given `--multi_gpu`, and every rank would silently train on all the data.
+
+    Args:
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        bf16: bf16 mixed precision where the GPU computes bf16 natively (see `bf16_supported`).
+        process_group_timeout_minutes: how long a collective waits for the slowest rank before the run fails
+            (NCCL's default is 10 minutes; a first run's tokenizer training on rank 0 can take longer).
     """
     on_cpu = not torch.cuda.is_available()
-    mixed_precision = "bf16" if bf16 and bf16_supported(on_cpu) else "no"
-    accelerator = Accelerator(cpu=on_cpu, gradient_accumulation_steps=gradient_accumulation_steps,
-                              mixed_precision=mixed_precision)
+    cpu = on_cpu or parse_flag_from_env("ACCELERATE_USE_CPU")  # as AcceleratorState would decide it
+    timeout = timedelta(minutes=process_group_timeout_minutes)
+    # Passed to PartialState directly: InitProcessGroupKwargs.to_kwargs() drops a timeout equal to NCCL's
+    # default, which would leave gloo at its own 30 minutes. The handler tells Accelerate the same.
+    state = PartialState(cpu=cpu, timeout=timeout)
+    mixed_precision = "bf16" if bf16 and bf16_supported(state.device) else "no"
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=gradient_accumulation_steps,
+                              mixed_precision=mixed_precision, fsdp_plugin=fsdp_plugin_for(mixed_precision),
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
     launched = requested_processes()
     if launched != accelerator.num_processes:
         raise ConfigError(
@@ -66,4 +149,5 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool) -> Accelera
             "machines N is the total over all of them, and every machine needs --multi_gpu (or a config file "
             "from configs/accelerate/)."
         )
+    offload_optimizer_threads(accelerator)
     return accelerator

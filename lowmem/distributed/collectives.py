@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
@@ -65,18 +66,38 @@ def broadcast_from_main(accelerator: Accelerator, compute: Callable[[], T]) -> T
     return value[0]
 
 
-def all_reduce_sum(accelerator: Accelerator, values: list[float]) -> list[float]:
-    """Sum a few numbers over all ranks (one small collective)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+_HOST_GROUP: list[dist.ProcessGroup] = []  # created once, on first use
+
+
+def host_group(accelerator: Accelerator) -> dist.ProcessGroup | None:
+    """A gloo process group for the few numbers the ranks exchange on the host (None where the default group
+    is the one to use: one process, or processes on the CPU, which run gloo already).
+
+    Through NCCL those numbers would go to the GPU, and reading them back would wait for every kernel queued
+    before them: the CPU could no longer prepare the next step while the GPU computes this one. It is
+    created on first use, which every rank reaches in the same collective, as `new_group` requires.
+    """
+    if accelerator.num_processes == 1 or accelerator.device.type == "cpu":
+        return None
+    if not _HOST_GROUP:
+        # The same patience as the main process group (process_group_timeout_minutes), not gloo's default.
+        handler = getattr(accelerator, "init_handler", None)
+        _HOST_GROUP.append(dist.new_group(backend="gloo", timeout=getattr(handler, "timeout", None)))
+    return _HOST_GROUP[0]
+
+
+def _all_reduce(accelerator: Accelerator, values: list[float], op: dist.ReduceOp) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)  # on the host: no wait for the GPU to read it back
     if accelerator.num_processes > 1:
-        tensor = accelerator.reduce(tensor, reduction="sum")
+        dist.all_reduce(tensor, op=op, group=host_group(accelerator))
     return tensor.tolist()
+
+
+def all_reduce_sum(accelerator: Accelerator, values: list[float]) -> list[float]:
+    """Sum a few numbers over all ranks (one small collective, on the host)."""
+    return _all_reduce(accelerator, values, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(accelerator: Accelerator, values: list[float]) -> list[float]:
-    """The maximum of a few numbers over all ranks."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        gathered = accelerator.gather(tensor.unsqueeze(0))  # (world, n)
-        tensor = gathered.max(dim=0).values
-    return tensor.tolist()
+    """The maximum of a few numbers over all ranks (one small collective, on the host)."""
+    return _all_reduce(accelerator, values, dist.ReduceOp.MAX)

@@ -51,6 +51,14 @@ OPTIMIZER_FILE = "optimizer.pt"  # plain / DDP
 DEEPSPEED_DIR = "deepspeed"  # DeepSpeed engine checkpoint (one shard per rank)
 DEEPSPEED_TAG = "state"  # the engine's sub-folder name; fixed, so no `latest` file is needed
 FSDP_OPTIMIZER_DIR = "optimizer"  # torch.distributed.checkpoint folder (one shard per rank)
+# DeepSpeed in bf16 casts the model itself to bf16 and keeps the float32 master weights in the optimizer's
+# shards: the weights files written from the model hold bf16 tensors.
+DEEPSPEED_BF16_EXPORTS = (
+    "DeepSpeed in bf16: model.safetensors in checkpoints, best/ and final/ holds the bf16 weights the GPUs "
+    "compute with; the float32 master weights are only in each checkpoint's deepspeed/ folder. To rebuild them "
+    "(offline, on the CPU): python <checkpoint>/deepspeed/zero_to_fp32.py <checkpoint>/deepspeed <output folder> "
+    f"--tag {DEEPSPEED_TAG} --safe_serialization"
+)
 
 
 # ----- which strategy -------------------------------------------------------------------------------------
@@ -76,6 +84,21 @@ def describe(accelerator: Accelerator) -> str:
     return "DDP" if accelerator.num_processes > 1 else "single process"
 
 
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """`value` as an ordinary tensor: a DTensor (what FSDP2's `clip_grad_norm_` returns) in full, anything
+    else unchanged.
+
+    `float()` or `.item()` of a DTensor reads this rank's local part only: for a gradient norm that is the
+    norm of this rank's shard, not of the whole gradient. `full_tensor()` completes the reduction (a
+    collective: every rank must call it together).
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support has no DTensor either
+        return value
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 # ----- preparing --------------------------------------------------------------------------------------------
 def _check_supported(accelerator: Accelerator) -> None:
     if strategy(accelerator) == DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
@@ -86,28 +109,31 @@ def _check_supported(accelerator: Accelerator) -> None:
         )
 
 
+def offloads_optimizer(accelerator: Accelerator) -> bool:
+    """True when DeepSpeed keeps the optimizer state in host memory (or on NVMe) and steps it on the CPU."""
+    if strategy(accelerator) != DEEPSPEED:
+        return False
+    return accelerator.state.deepspeed_plugin.offload_optimizer_device in ("cpu", "nvme")
+
+
 def _create_optimizer(model: GPT, config: OptimConfig, accelerator: Accelerator) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (GPT.configure_optimizer), in the form the strategy accepts.
 
-    DeepSpeed with the optimizer offloaded to the CPU steps it with its own CPU Adam (it refuses a torch
-    optimizer there); a DeepSpeed config file that names an optimizer gets accelerate's DummyOptim carrying
-    our parameter groups.
+    With DeepSpeed's optimizer offload, accelerate replaces the optimizer it is handed by DeepSpeed's CPU Adam
+    (`map_pytorch_optim_to_deepspeed`), built from its parameter groups (so each group's betas and weight
+    decay carry over), and in AdamW mode (decoupled weight decay) only when the optimizer it replaces is a
+    `torch.optim.AdamW`: anything else, DeepSpeedCPUAdam included, becomes Adam with L2 regularisation. So it
+    gets a plain torch AdamW, never stepped, not fused (the parameters are still on the CPU here). A DeepSpeed
+    config file that names an optimizer gets accelerate's DummyOptim carrying our parameter groups.
     """
+    device_type = "cpu" if offloads_optimizer(accelerator) else accelerator.device.type
     adamw = model.configure_optimizer(config.weight_decay, config.learn_rate, (config.adam_beta1, config.adam_beta2),
-                                      device_type=accelerator.device.type)
-    if strategy(accelerator) != DEEPSPEED:
-        return adamw
-    plugin = accelerator.state.deepspeed_plugin
-    groups = [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in adamw.param_groups]
-    if "optimizer" in plugin.deepspeed_config:
+                                      device_type=device_type)
+    if strategy(accelerator) == DEEPSPEED and "optimizer" in accelerator.state.deepspeed_plugin.deepspeed_config:
         from accelerate.utils import DummyOptim
 
+        groups = [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in adamw.param_groups]
         return DummyOptim(groups, lr=config.learn_rate)
-    if plugin.offload_optimizer_device in ("cpu", "nvme"):
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # imported only here: deepspeed is optional
-
-        return DeepSpeedCPUAdam(groups, lr=config.learn_rate, betas=(config.adam_beta1, config.adam_beta2),
-                                adamw_mode=True)
     return adamw
 
 
@@ -120,6 +146,12 @@ def _fill_deepspeed_config(config: OptimConfig, accelerator: Accelerator) -> Non
     # DeepSpeed clips inside its own step (accelerator.clip_grad_norm_ does nothing there): give it ours.
     if ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = config.grad_clip if config.grad_clip > 0 else 0.0
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer")
+    if isinstance(offload, dict) and offload.get("device", "none") != "none":
+        # Pinned host buffers cost page-locked host RAM, rounded up to powers of two (see
+        # configs/accelerate/deepspeed_zero2_offload.yaml); recent DeepSpeed pins by default and accelerate's
+        # config file has no key for it. A DeepSpeed config file that sets it keeps its value.
+        offload.setdefault("pin_memory", False)
 
 
 def prepare_model_and_optimizer(model: GPT, config: OptimConfig,
@@ -138,6 +170,8 @@ def prepare_model_and_optimizer(model: GPT, config: OptimConfig,
     optimizer = _create_optimizer(model, config, accelerator)
     if strategy(accelerator) == DEEPSPEED:
         _fill_deepspeed_config(config, accelerator)
+        if accelerator.is_main_process and accelerator.mixed_precision == "bf16":
+            logger.info(DEEPSPEED_BF16_EXPORTS)
     return accelerator.prepare(model, optimizer)
 
 

@@ -16,6 +16,7 @@ from lowmem.model import GPT
 from lowmem.checkpoint.export import find_model_folder, load_model_folder
 from lowmem.config import TrainConfig, check_data_files
 from lowmem.data.tokenizer import Tokenizer
+from lowmem.train.performance import enable_tf32, inference_autocast
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +30,18 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
     repeated as the answer, and the next sample's reference as the answer (text of the right form and
     length, on another subject).
     """
-    accelerator = create_accelerator(1, config.bf16)
+    accelerator = create_accelerator(1, config.bf16, config.process_group_timeout_minutes)
     folder = find_model_folder(config.output_dir, checkpoint)
     config.test_file = test_file or config.test_file
     check_data_files(config, ("test_file",))
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, accelerator.device)
+    # The model is loaded plain (not prepared by accelerate): TF32 and bf16 autocast are asked for here.
+    enable_tf32(accelerator.device.type == "cuda")
     result = evaluate(model, tokenizer, config.test_file, accelerator, batch_size=config.batch_size_per_gpu,
                       max_seq_len=model.config.max_seq_len, columns=(config.prompt_column, config.response_column),
                       bleu_samples=bleu_samples, max_new_tokens=config.eval_max_new_tokens,
                       response_only=config.loss_on_response_only,
-                      no_repeat_ngram_size=config.eval_no_repeat_ngram_size)
+                      no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16)
     references = [t["reference"] for t in result.triples]
     baseline = bleu4([t["prompt"] for t in result.triples], references)
     other_reference = bleu4(references[1:] + references[:1], references)
@@ -65,15 +68,19 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
 
 
 def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> str:
-    """The model's answer to one prompt: greedy with temperature 0, sampled otherwise."""
+           top_k: int | None = None, top_p: float | None = None, seed: int | None = None, bf16: bool = False) -> str:
+    """The model's answer to one prompt: greedy with temperature 0, sampled otherwise.
+
+    With `bf16`, generation runs under bf16 autocast on a GPU with native bf16 (see `inference_autocast`).
+    """
     device = next(model.parameters()).device
     ids, _ = tokenizer.encode_pair(prompt, None)
     room = max(1, model.config.max_seq_len - max_new_tokens)
     idx = torch.tensor([ids[-room:]], dtype=torch.long, device=device)  # (1, T)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    out = model.generate(idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         eos_id=tokenizer.eos_id, greedy=temperature == 0, generator=generator)
+    with inference_autocast(device, bf16):
+        out = model.generate(idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             eos_id=tokenizer.eos_id, greedy=temperature == 0, generator=generator)
     return tokenizer.decode(out[0, idx.size(1):].tolist())
 
 
@@ -84,7 +91,9 @@ def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = find_model_folder(config.output_dir, checkpoint)
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, device)
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    enable_tf32(device.type == "cuda")
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   bf16=config.bf16)
     if prompt is not None:
         print(answer(model, tokenizer, str(prompt), **options), file=stdout)
         return

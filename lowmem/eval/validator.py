@@ -11,6 +11,7 @@ from lowmem.config import TrainConfig
 from lowmem.data.tokenizer import Tokenizer
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.validation import EvalResult, evaluate
+from lowmem.memory.cleanup import release_cuda_cache
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ class Validator:
     def run(self, model: torch.nn.Module, step: int, with_bleu: bool = True) -> EvalResult:
         """Loss over the validation file (or its first `eval_batches` batches), and BLEU-4 unless told not to."""
         config = self.config
+        # Training's cached blocks have training's sizes: handing them back lets evaluation's (other batch
+        # shapes, the key/value cache) be allocated without running the GPU out of memory.
+        release_cuda_cache(self.accelerator.device.type == "cuda")
         with model_for_eval(model, self.accelerator) as eval_model:
             result = evaluate(eval_model, self.tokenizer, config.validation_file, self.accelerator,
                               batch_size=config.batch_size_per_gpu, max_seq_len=config.max_seq_len,
@@ -36,7 +40,7 @@ class Validator:
                               bleu_samples=config.eval_bleu_samples if with_bleu else 0,
                               max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
                               response_only=config.loss_on_response_only,
-                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size)
+                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16)
         logger.info("Validation at step %d: %s", step, result.describe())
         self.last = result
         return result

@@ -1,7 +1,8 @@
 """Host-memory budget, cleanup, measurement, the per-rank memory log and the watchdog."""
 
 from lowmem.memory.budget import MemoryBudget, memory_budget_bytes, read_cgroup_limit_bytes
-from lowmem.memory.cleanup import cleanup_memory, release_arrow_memory, select_arrow_memory_pool
+from lowmem.memory.cleanup import (cleanup_memory, forced_cleanup, release_arrow_memory, release_cuda_cache,
+                                   select_arrow_memory_pool)
 from lowmem.memory.log import MemoryLogger, format_line, memory_log_path, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
 from lowmem.memory.probe import MemorySnapshot, take_snapshot
@@ -9,7 +10,7 @@ from lowmem.memory.watchdog import SETTINGS_TO_LOWER, MemoryWatchdog, WatchdogRe
 
 __all__ = [
     "MemoryBudget", "memory_budget_bytes", "read_cgroup_limit_bytes",
-    "cleanup_memory", "release_arrow_memory", "select_arrow_memory_pool",
+    "cleanup_memory", "forced_cleanup", "release_arrow_memory", "release_cuda_cache", "select_arrow_memory_pool",
     "MemoryLogger", "format_line", "memory_log_path", "new_run_id",
     "MemoryMonitor",
     "MemorySnapshot", "take_snapshot",

@@ -58,13 +58,18 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
-def cleanup_memory(on_gpu: bool) -> int:
+def cleanup_memory(on_gpu: bool, empty_cuda_cache: bool = False) -> int:
     """Give unused memory back to the OS; return the bytes of RSS it freed (before − after, at least 0).
 
     In order: `gc.collect()` frees reference cycles; the Arrow pool returns the blocks it keeps for reuse;
     glibc's `malloc_trim(0)` returns free heap pages that `free()` leaves mapped (why RSS stays high after
-    many small objects are dropped); on a GPU, `torch.cuda.empty_cache()` hands the caching allocator's
-    unused blocks back to the driver, which lowers reserved GPU memory.
+    many small objects are dropped); with `empty_cuda_cache` on a GPU, see `release_cuda_cache`.
+
+    Args:
+        on_gpu: this process computes on a GPU.
+        empty_cuda_cache: also hand the CUDA cache back to the driver. Off for the routine cleanups of
+            the training loop; on in the watchdog's (`forced_cleanup`). Validation empties the cache
+            alone (`release_cuda_cache`) before it starts.
     """
     process = psutil.Process()
     before = process.memory_info().rss
@@ -73,8 +78,24 @@ def cleanup_memory(on_gpu: bool) -> int:
     trim = _find_malloc_trim()
     if trim is not None:
         trim(0)
+    if empty_cuda_cache:
+        release_cuda_cache(on_gpu)
+    return max(0, before - process.memory_info().rss)
+
+
+def forced_cleanup(on_gpu: bool) -> int:
+    """`cleanup_memory` with the CUDA cache emptied too: the watchdog's cleanup, when a rank is near its limit."""
+    return cleanup_memory(on_gpu, empty_cuda_cache=True)
+
+
+def release_cuda_cache(on_gpu: bool) -> None:
+    """On a GPU, hand the caching allocator's unused blocks back to the driver (`torch.cuda.empty_cache()`).
+
+    It lowers reserved GPU memory, frees no host RAM, synchronizes the device, and the next step has to
+    allocate its blocks again: worth it before evaluation (whose shapes differ from training's) and when
+    the watchdog fires, not as a routine every few steps.
+    """
     if on_gpu:
         import torch  # only here: the data layer imports this module and must not pay for torch
 
         torch.cuda.empty_cache()
-    return max(0, before - process.memory_info().rss)

@@ -27,6 +27,9 @@ class MemorySettings:
     num_workers: int
     pin_memory: bool
     reason: str
+    # The budget is below the threshold, whatever was set explicitly: what else must stay small (the
+    # torch.compile worker pool, say) follows this.
+    low_budget: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,4 +67,4 @@ def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int, thresho
         f"{threshold_gb:g} GiB threshold; ultra_low_mem={ultra} ({'auto' if auto_ultra else 'set'}), "
         f"num_workers={workers} ({'auto' if num_workers < 0 else 'set'}), pin_memory={pin}"
     )
-    return MemorySettings(budget.total_bytes, budget.local_processes, ultra, workers, pin, reason)
+    return MemorySettings(budget.total_bytes, budget.local_processes, ultra, workers, pin, reason, low_budget=low)

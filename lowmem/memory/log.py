@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from lowmem.memory.probe import MemorySnapshot
+from lowmem.memory.probe import MemorySnapshot, reset_cuda_peak
 from lowmem.units import MB
 
 EVENTS = ("start", "record", "watchdog", "end")
 # Every record has every field, null where a figure does not apply (CUDA on the CPU, USS where denied).
+# cuda_peak is the peak since the previous record of the same log (see `MemoryLogger.log`).
 RECORD_FIELDS = (
     "time", "run", "rank", "world_size", "epoch", "step", "event",
     "rss", "uss", "workers", "workers_rss", "workers_uss", "sys_available", "budget",
@@ -98,13 +99,19 @@ class MemoryLogger:
 
     def log(self, snapshot: MemorySnapshot, epoch: int, step: int, event: str = "record",
             freed: int = 0) -> dict[str, Any]:
-        """Write one record from `snapshot` and return it (for `format_line`)."""
+        """Write one record from `snapshot` and return it (for `format_line`).
+
+        The CUDA peak is reset after a record that has one, so that each record's `cuda_peak` is the highest
+        allocation since the previous record rather than since the start (memlog takes the largest).
+        """
         record = make_record(snapshot, run=self.run_id, rank=self.rank, world_size=self.world_size, epoch=epoch,
                              step=step, event=event, budget=self.budget_bytes, freed=freed)
         if self._file is None:
             raise ValueError(f"The memory log {self.path} is closed.")
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._file.flush()
+        if snapshot.cuda_peak is not None:
+            reset_cuda_peak()
         return record
 
     def close(self) -> None:

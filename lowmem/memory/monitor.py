@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from lowmem.memory.cleanup import cleanup_memory
+from lowmem.memory.cleanup import cleanup_memory, release_cuda_cache
 from lowmem.memory.log import MemoryLogger, format_line
 from lowmem.memory.probe import MemorySnapshot, take_snapshot
 from lowmem.memory.watchdog import MemoryWatchdog
@@ -19,6 +19,7 @@ class MemoryMonitor:
     Every `cleanup_steps` steps: a cleanup and a watchdog check on a cheap snapshot (no USS). Every
     `memory_log_steps` steps: a cleanup, a full snapshot (USS, workers), a record in the memory log and its
     line in the training log, and a watchdog check. A step that is both does the second only. 0 turns either off.
+    These cleanups leave the CUDA cache alone (see `release_cuda_cache`); the watchdog empties it when it fires.
     """
 
     def __init__(self, memory_logger: MemoryLogger, watchdog: MemoryWatchdog | None, on_gpu: bool,
@@ -67,7 +68,15 @@ class MemoryMonitor:
         """Run the watchdog on a snapshot taken just after a cleanup, and log a record when it fires."""
         if self.watchdog is None:
             return
-        # The cleanup has just run: the watchdog re-measures instead of cleaning up a second time.
-        result = self.watchdog.check(snapshot, self.on_gpu, cleanup=lambda _on_gpu: freed, step=step)
+        # The cleanup has just run: when the watchdog fires it only adds what the routine cleanup leaves
+        # out (the CUDA cache), then re-measures.
+        result = self.watchdog.check(snapshot, self.on_gpu, cleanup=lambda on_gpu: self._forced(on_gpu, freed),
+                                     step=step)
         if result is not None:
             self.memory_logger.log(result.after, epoch, step, event="watchdog", freed=result.freed)
+
+    @staticmethod
+    def _forced(on_gpu: bool, freed: int) -> int:
+        """The watchdog's cleanup right after a routine one: the CUDA cache; returns the routine cleanup's bytes."""
+        release_cuda_cache(on_gpu)
+        return freed

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
-
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,6 +15,10 @@ import pyarrow as pa
 # A child can exit between being listed and being measured (a DataLoader worker at the end of an epoch),
 # and another user's process can refuse us: neither may stop a measurement.
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess)
+# Children that are not DataLoader workers: torch.compile's compile-worker pool and autotuning process run
+# scripts from torch/_inductor/ (compile_worker/__main__.py, __autotune_main__.py). Their own children are
+# left out with them, whatever their command line (spawned ones are fresh interpreters).
+_NOT_WORKER_SCRIPT = re.compile(r"[/\\]torch[/\\]_inductor[/\\]")
 
 
 @dataclass(frozen=True)
@@ -23,9 +27,11 @@ class MemorySnapshot:
 
     rss / uss: the process's resident and unique set sizes. USS (pages no other process shares) is what
     the process would give back by exiting; it needs /proc/PID/smaps and is None where that is denied.
-    workers, workers_rss / workers_uss: how many children (DataLoader workers) were measured and their
-    summed RSS / USS (None when not measured). Forked workers share the parent's pages, so their RSS counts
-    those pages again; their USS is their own cost.
+    workers, workers_rss / workers_uss: how many DataLoader workers (the process's descendants, less
+    torch.compile's helper processes) were measured and their summed RSS / USS (None when not measured).
+    Forked workers share the parent's pages, so their RSS counts those pages again; their USS is their own cost.
+    cuda_peak: the highest CUDA memory allocated since the previous memory record (the memory log resets
+    the peak after each record), or since the start for the first one.
     """
 
     rss: int
@@ -60,10 +66,42 @@ def _uss(process: psutil.Process) -> int | None:
         return None
 
 
-def _children_memory(process: psutil.Process, include_uss: bool) -> tuple[int, int, int | None]:
-    """(count, summed RSS, summed USS) of the process's live descendants; USS None if any is unreadable."""
+def _is_compile_helper(process: psutil.Process) -> bool:
+    """True for a torch.compile helper process (by its command line); False when that cannot be read."""
     try:
-        children = process.children(recursive=True)
+        return any(_NOT_WORKER_SCRIPT.search(arg) for arg in process.cmdline())
+    except (psutil.Error, AttributeError):
+        return False
+
+
+def _dataloader_workers(children: list[psutil.Process]) -> list[psutil.Process]:
+    """The descendants that are DataLoader workers: all but torch.compile's helpers and their descendants."""
+    helpers = {child.pid for child in children if _is_compile_helper(child)}
+    if not helpers:
+        return children
+    parents: dict[int, int] = {}
+    for child in children:
+        try:
+            parents[child.pid] = child.ppid()
+        except (psutil.Error, AttributeError):
+            continue  # exited meanwhile: measuring it fails too
+
+    def under_a_helper(pid: int) -> bool:
+        seen: set[int] = set()
+        while pid in parents and pid not in seen:  # up to the measured process, whose pid is not a key
+            if pid in helpers:
+                return True
+            seen.add(pid)
+            pid = parents[pid]
+        return False
+
+    return [child for child in children if not under_a_helper(child.pid)]
+
+
+def _children_memory(process: psutil.Process, include_uss: bool) -> tuple[int, int, int | None]:
+    """(count, summed RSS, summed USS) of the process's live DataLoader workers; USS None if any is unreadable."""
+    try:
+        children = _dataloader_workers(process.children(recursive=True))
     except _GONE:
         return 0, 0, 0 if include_uss else None
     count, rss = 0, 0
@@ -89,10 +127,29 @@ def _cuda_memory() -> tuple[int | None, int | None, int | None]:
     torch is not imported here and CUDA is not initialised: a process that has not done either has no CUDA
     memory, and initialising CUDA in a forked DataLoader worker would fail.
     """
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    torch = _torch_with_cuda_in_use()
+    if torch is None:
         return None, None, None
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()
+
+
+def _torch_with_cuda_in_use() -> Any:
+    """The torch module when it is imported and CUDA is initialised in this process, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch
+
+
+def reset_cuda_peak() -> None:
+    """Start a new CUDA peak on the current device: the next `cuda_peak` covers the time from now.
+
+    The memory log calls it after each record, so that each record's peak is its interval's, not the
+    lifetime's; the largest of them is still the lifetime peak. A no-op where CUDA is not in use.
+    """
+    torch = _torch_with_cuda_in_use()
+    if torch is not None:
+        torch.cuda.reset_peak_memory_stats()
 
 
 def take_snapshot(process: psutil.Process | None = None, include_children: bool = True,

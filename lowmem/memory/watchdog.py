@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from lowmem.memory.cleanup import cleanup_memory
+from lowmem.memory.cleanup import forced_cleanup
 from lowmem.memory.probe import MemorySnapshot, take_snapshot
 from lowmem.units import MB
 
@@ -67,7 +67,7 @@ class MemoryWatchdog:
     def limit_bytes(self) -> int:
         return int(self.fraction * self.budget_share_bytes)
 
-    def check(self, snapshot: MemorySnapshot, on_gpu: bool, cleanup: Callable[[bool], int] = cleanup_memory,
+    def check(self, snapshot: MemorySnapshot, on_gpu: bool, cleanup: Callable[[bool], int] = forced_cleanup,
               step: int | None = None) -> WatchdogResult | None:
         """Act if `snapshot` is over the limit; return what was done, or None when nothing was.
 

@@ -13,15 +13,17 @@ V = padded vocabulary size.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lowmem.errors import ConfigError
 
@@ -31,6 +33,31 @@ VOCAB_PAD_MULTIPLE = 64
 
 # The label value that cross-entropy skips; collate functions use it for padding and prompt tokens.
 IGNORE_INDEX = -100
+
+# SDPA kernels allowed for attention with an explicit mask (packed rows, padded prompts) on a GPU. Flash
+# attention takes no mask, so SDPA would pass it over anyway; cuDNN attention is left out on purpose: with
+# a mask and T % 128 == 64 its backward returns NaN query gradients on Hopper (pytorch/pytorch#196678),
+# and SDPA would otherwise prefer it there. The memory-efficient kernel takes a boolean mask and never
+# materialises the (T, T) matrix (SDPA tries it first); the math kernel takes anything.
+MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(device: torch.device, masked: bool) -> list[SDPBackend] | None:
+    """The SDPA kernels attention on `device` may use, or None to leave SDPA's own choice.
+
+    Only masked attention on CUDA is restricted (see MASKED_SDPA_BACKENDS). Plain causal attention keeps
+    every kernel (flash first), and the CPU keeps its own choice: its kernels have no such bug.
+    """
+    return MASKED_SDPA_BACKENDS if masked and device.type == "cuda" else None
+
+
+def _sdpa_context(device: torch.device, masked: bool) -> ContextManager[Any]:
+    """`sdpa_kernel` with the backends `sdpa_backends` chooses, or a no-op where it chooses none.
+
+    torch.compile traces `sdpa_kernel` inside a forward: the backends are constants, baked into the graph.
+    """
+    backends = sdpa_backends(device, masked)
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
 
 
 @dataclass
@@ -250,10 +277,12 @@ class CausalSelfAttention(nn.Module):
         causal mask when padding must be hidden too; pass `is_causal=False` with it.
         """
         # SDPA picks a fused (flash / memory-efficient) kernel when it can, so the (T, T) attention matrix
-        # is never materialised on GPU; dropout on the attention weights only while training.
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
-        )  # (B, nh, Tq, hs)
+        # is never materialised on GPU; dropout on the attention weights only while training. With a mask,
+        # the kernels it may pick on a GPU are restricted (see MASKED_SDPA_BACKENDS).
+        with _sdpa_context(q.device, masked=attn_mask is not None):
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+            )  # (B, nh, Tq, hs)
         B, _, Tq, _ = y.shape
         return y.transpose(1, 2).contiguous().view(B, Tq, self.n_head * self.head_dim)  # (B, Tq, C)
 
@@ -459,8 +488,10 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for every position, and the mean next-token loss when `targets` is given.
+        *,
+        return_logits: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits for every position without `targets`; the mean next-token loss with them.
 
         Args:
             idx: token ids, LongTensor (B, T) with T <= max_seq_len.
@@ -471,11 +502,15 @@ class GPT(nn.Module):
                 both allow it).
             segment_ids: optional (B, T) ids of rows packed side by side (see `TokenizingCollate(pack=True)`):
                 each row then gets the positions and attention it would have alone.
+            return_logits: with `targets`, return the logits too. Off by default: under mixed precision
+                accelerate copies every tensor the wrapped model returns to float32, and a (B, T, V) copy
+                the training step throws away would stay alive into the next micro-batch.
 
         Returns:
-            (logits, loss): logits (B, T, padded_vocab_size); loss is a float32 scalar, the weighted mean
-            over counted positions (0.0 when no position counts, so a fully masked batch cannot turn the
-            loss or the gradients into NaN), or None without targets.
+            (logits, loss): logits (B, T, padded_vocab_size), or None when `targets` is given without
+            `return_logits`; loss is a float32 scalar, the weighted mean over counted positions (0.0 when
+            no position counts, so a fully masked batch cannot turn the loss or the gradients into NaN),
+            or None without targets.
         """
         x = self._hidden(idx, segment_ids=segment_ids)  # (B, T, C)
         logits = self.lm_head(x)  # (B, T, V)
@@ -502,7 +537,7 @@ class GPT(nn.Module):
         # Clamping the denominator (not the result) keeps 0 / 0 at 0 with a finite gradient.
         denom = weights.sum().clamp_min(torch.finfo(weights.dtype).tiny)
         loss = (per_token * weights).sum() / denom
-        return logits, loss
+        return (logits if return_logits else None), loss
 
     # ----------------------------------------------------------------------------------------------------
     # Training

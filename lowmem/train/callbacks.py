@@ -23,8 +23,9 @@ class StepResult:
     """One optimizer step, as this rank saw it, with the totals over every rank."""
 
     micro_batches: list[dict[str, torch.Tensor]]
-    loss_sum: float  # this rank's summed token loss
-    grad_norm: float
+    loss_sum: torch.Tensor  # this rank's summed token loss, on the device (float() of it waits for the GPU)
+    grad_norm: float  # before clipping, over every rank
+    applied: bool  # False: the gradient norm was not finite and the update was skipped, on every rank
     lr: float
     target_tokens: int  # this rank's tokens the loss counted
     input_tokens: int  # this rank's real (non-padding) input tokens

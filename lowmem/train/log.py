@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 from accelerate import Accelerator
 from tqdm import tqdm
 
@@ -80,7 +81,7 @@ class StepLog:
         self._reset()
 
     def _reset(self) -> None:
-        self.loss_sum = 0.0
+        self.loss_sum: torch.Tensor | float = 0.0  # summed on the device: read only when a line is written
         self.target_tokens = 0
         self.input_tokens = 0
         self.grad_norm_sum = 0.0
@@ -100,7 +101,7 @@ class StepLog:
     def write(self, step: int, epoch: int, lr: float) -> None:
         """One readable line: loss over the window and all ranks, learning rate, tokens/s, grad norm, RSS."""
         loss_sum, target_tokens, input_tokens = all_reduce_sum(
-            self.accelerator, [self.loss_sum, self.target_tokens, self.input_tokens])
+            self.accelerator, [float(self.loss_sum), self.target_tokens, self.input_tokens])
         rss = psutil.Process().memory_info().rss
         [rss_max] = all_reduce_max(self.accelerator, [rss])
         elapsed = time.perf_counter() - self.started

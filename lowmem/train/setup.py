@@ -72,9 +72,10 @@ def shared_memory_settings(config: TrainConfig, accelerator: Accelerator) -> Mem
     return settings
 
 
-def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator,
-                              vocab_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The GPT and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked."""
+def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, vocab_size: int,
+                              settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked
+    (with the compiler's worker pool bounded on a low memory budget)."""
     model = GPT(model_config_for(config, vocab_size))
     logger.info("Model: %.2f M parameters (%.2f M without embeddings).", model.num_params() / 1e6,
                 model.num_params(exclude_embeddings=True) / 1e6)
@@ -82,7 +83,7 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator,
     logger.info("Parallelism: %s.", describe(accelerator))
     if enable_tf32(accelerator.device.type == "cuda"):
         logger.info("TF32 matmuls on: float32 work runs on the tensor cores.")
-    return maybe_compile(model, config), optimizer
+    return maybe_compile(model, config, settings), optimizer
 
 
 def make_loader(files: str, config: TrainConfig, accelerator: Accelerator, collate: TokenizingCollate,

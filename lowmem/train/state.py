@@ -4,12 +4,15 @@ and each process's random states."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -20,6 +23,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # real (non-padding) input tokens, all ranks
     val_loss_start: float = float("nan")  # validation loss before the first step
+    skipped_steps: int = 0  # steps whose gradients were not finite: counted, but not applied
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -31,7 +35,11 @@ class TrainState:
 
 
 class RngState:
-    """This process's Python, numpy and torch (CPU and CUDA) random states; each rank saves its own."""
+    """This process's Python, numpy and torch (CPU and CUDA) random states; each rank saves its own.
+
+    Of the CUDA states only the current device's is saved: that is the generator this rank's work draws
+    from, and a resume that sees fewer GPUs (one per process instead of all of them, say) can still load it.
+    """
 
     # Numpy's state is a tuple holding an array: torch.save keeps it as it is, JSON would not.
     checkpoint_suffix = ".pt"
@@ -39,7 +47,7 @@ class RngState:
     def state_dict(self) -> dict[str, Any]:
         states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
-            states["cuda"] = torch.cuda.get_rng_state_all()
+            states["cuda"] = torch.cuda.get_rng_state()  # the current device's
         return states
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
@@ -47,4 +55,23 @@ class RngState:
         np.random.set_state(states["numpy"])
         torch.set_rng_state(states["torch"])
         if "cuda" in states and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(states["cuda"])
+            cuda_state = _current_device_state(states["cuda"])
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state)
+
+
+def _current_device_state(saved: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | None:
+    """The saved CUDA random state of the current device.
+
+    Checkpoints written before only the current device's state was saved hold a list, one state per GPU
+    visible then: the entry of the current device's index is taken, or None when that list is too short.
+    """
+    if isinstance(saved, torch.Tensor):
+        return saved
+    index = torch.cuda.current_device()
+    if index < len(saved):
+        return saved[index]
+    logger.warning("The checkpoint holds CUDA random states for %d GPU(s), none for this rank's device %d: its "
+                   "CUDA random state is not restored (dropout draws differ from the uninterrupted run).",
+                   len(saved), index)
+    return None

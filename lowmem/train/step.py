@@ -1,4 +1,4 @@
-"""One optimizer step over a few micro-batches, with the loss scaled so that accumulation is exact."""
+"""One optimizer step over a few micro-batches: the loss scaled so that accumulation is exact, and a step\nwhose gradients are not finite skipped on every rank."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 from accelerate import Accelerator
 
+from lowmem.distributed.strategy import plain_tensor
 from lowmem.model import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
@@ -31,8 +32,16 @@ def count_tokens(micro_batches: list[Batch], pad_id: int) -> tuple[int, int]:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,
-               micro_batches: list[Batch], global_target_tokens: float, grad_clip: float) -> tuple[float, float]:
-    """One optimizer step over `micro_batches`; returns (this rank's summed token loss, gradient norm).
+               micro_batches: list[Batch], global_target_tokens: float,
+               grad_clip: float) -> tuple[torch.Tensor, float, bool]:
+    """One optimizer step over `micro_batches`.
+
+    Returns this rank's summed token loss (a tensor on the device: reading it would wait for the GPU, so the
+    training log reads it only when it writes a line), the gradient norm, and whether the update was
+    applied: a step whose gradient norm is not finite (a NaN or inf anywhere, e.g. from a bf16 overflow;
+    there is no GradScaler to catch it) is skipped, its gradients dropped and the weights and optimizer
+    state left as they were. Gradients are all-reduced before the norm is taken, so every rank sees the
+    same norm and skips the same step. Reading the norm is the step's one wait for the device.
 
     Each micro-batch's loss is its token sum divided by the number of target tokens in the whole step on
     all ranks, so the update is the mean over every token of the step however the tokens fall into
@@ -42,7 +51,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
     """
     scale = len(micro_batches) * accelerator.num_processes / max(global_target_tokens, 1.0)
     loss_sum = torch.zeros((), device=accelerator.device)
-    grad_norm = torch.zeros(())
+    grad_norm, applied = 0.0, True
     for batch in micro_batches:
         with accelerator.accumulate(model):
             input_ids = batch["input_ids"].to(accelerator.device, non_blocking=True)  # (B, T)
@@ -54,13 +63,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
             batch_loss_sum = mean_loss * (targets != IGNORE_INDEX).sum()
             accelerator.backward(batch_loss_sum * scale)
             loss_sum += batch_loss_sum.detach()
-            if accelerator.sync_gradients:
-                norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-                # DeepSpeed clips inside its engine and returns None here; its engine knows the norm.
-                grad_norm = norm if norm is not None else _engine_grad_norm(model)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return float(loss_sum), float(grad_norm)
+            if accelerator.sync_gradients:  # the last micro-batch: gradients are complete
+                grad_norm = clip_and_measure(model, accelerator, grad_clip)
+                applied = math.isfinite(grad_norm)
+                if applied:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, applied
+
+
+def clip_and_measure(model: torch.nn.Module, accelerator: Accelerator, grad_clip: float) -> float:
+    """Clip the gradients to `grad_clip` (0: no clipping) and return their global norm before clipping."""
+    norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    # DeepSpeed clips inside its engine and returns None here; its engine knows the norm.
+    if norm is None:
+        norm = _engine_grad_norm(model)
+    # FSDP2 returns a DTensor: float() of it would read this rank's shard only.
+    return float(plain_tensor(norm))
 
 
 def _engine_grad_norm(model: torch.nn.Module) -> torch.Tensor:

@@ -105,7 +105,8 @@ class Trainer:
                  callbacks: Sequence[Callback] = ()) -> None:
         validate_config(config)
         self.config, self.callbacks = config, list(callbacks)
-        self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16)
+        self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
+                                                             config.process_group_timeout_minutes)
         self.is_main = self.accelerator.is_main_process
         set_seed(config.seed)
         self.started = time.perf_counter()
@@ -113,7 +114,8 @@ class Trainer:
         settings = shared_memory_settings(config, self.accelerator)
         logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
                     self.accelerator.device, self.accelerator.mixed_precision)
-        self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size)
+        self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size,
+                                                               settings)
         collate = TokenizingCollate(self.tokenizer, config.max_seq_len, (config.prompt_column, config.response_column),
                                     config.loss_on_response_only, pack=config.pack_rows)
         loader = make_loader(config.train_file, config, self.accelerator, collate, settings, shuffle=True)
@@ -197,15 +199,20 @@ class Trainer:
                          config.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
-        loss_sum, grad_norm = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
-                                         agreed.global_target_tokens, config.grad_clip)
-        return StepResult(micro_batches, loss_sum, grad_norm, self.lr, agreed.target_tokens, agreed.input_tokens,
-                          agreed.global_target_tokens, agreed.global_input_tokens)
+        loss_sum, grad_norm, applied = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
+                                                  agreed.global_target_tokens, config.grad_clip)
+        return StepResult(micro_batches, loss_sum, grad_norm, applied, self.lr, agreed.target_tokens,
+                          agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens)
 
     def after_step(self, result: StepResult) -> None:
         """Count the step, run the callbacks and the memory schedule, and write the log line when due."""
         self.state.step += 1
         self.state.tokens_seen += int(result.global_input_tokens)
+        if not result.applied:
+            self.state.skipped_steps += 1
+            logger.warning("Step %d: the gradient norm is %s, so the update was skipped on every rank (weights and "
+                           "optimizer state unchanged; %d skipped so far).%s", self.state.step, result.grad_norm,
+                           self.state.skipped_steps, self._skip_advice(), extra={"all_ranks": True})
         for callback in self.callbacks:
             callback.on_step_end(self, result)
         self.step_log.add(result)
@@ -213,6 +220,12 @@ class Trainer:
         self.memory.after_step(self.state.epoch, self.state.step)
         if self.step_log.due(self.state.step):
             self.step_log.write(self.state.step, self.state.epoch, self.lr)
+
+    def _skip_advice(self) -> str:
+        if self.state.skipped_steps < 3:
+            return ""
+        return (" Repeated non-finite steps mean the run is diverging: lower --learn_rate, keep --grad_clip on, "
+                "or resume from an earlier checkpoint.")
 
     def validate_and_save_when_due(self, epoch_end: bool = False, final: bool = False) -> None:
         """Validate when the validator or a save asks for it, then save when a checkpoint is due.
@@ -312,6 +325,7 @@ class Trainer:
             "steps": self.state.step, "bleu4_end": self.validator.last_score("bleu4"),
             "tokens_seen": self.state.tokens_seen, "seconds": time.perf_counter() - self.started,
             "processes": self.accelerator.num_processes, "stopped_by": self.stopper.requested_by,
+            "skipped_steps": self.state.skipped_steps,
         }
         return summary
 
@@ -356,7 +370,7 @@ class Trainer:
         prompt = first[config.prompt_column]
         # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
         sampled = answer(final_model, self.tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
-                         seed=config.seed)
+                         seed=config.seed, bf16=config.bf16)
         logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", prompt, sampled,
                     first[config.response_column])
         return {"prompt": prompt, "answer": sampled}
@@ -374,7 +388,8 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     """
     validate_config(config)
     check_data_files(config)
-    accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16)
+    accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
+                                     config.process_group_timeout_minutes)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     trainer = Trainer(config, accelerator, callbacks)
