@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 import torch
 
+from lowmem.atomic_files import file_built_aside, write_json_atomic
 from lowmem.distributed.accelerator import create_accelerator
 from lowmem.eval.validation import bleu4, evaluate
 from lowmem.model import GPT
@@ -60,8 +61,9 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
         out_dir.mkdir(parents=True, exist_ok=True)
         summary["summary_file"] = str(out_dir / "test_summary.json")
         summary["generations_file"] = str(out_dir / "test_generations.jsonl")
-        Path(summary["summary_file"]).write_text(json.dumps(summary, indent=2, ensure_ascii=False))
-        with open(summary["generations_file"], "w", encoding="utf-8") as out:
+        # Written aside and renamed: a run stopped midway never leaves a half-written file over an older one.
+        write_json_atomic(summary["summary_file"], summary)
+        with file_built_aside(summary["generations_file"]) as partial, open(partial, "w", encoding="utf-8") as out:
             for triple in result.triples:
                 out.write(json.dumps(triple, ensure_ascii=False) + "\n")
     return summary
