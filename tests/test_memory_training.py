@@ -7,7 +7,7 @@ import re
 import shutil
 
 import pytest
-from training_helpers import run_command, tiny_overrides, write_chat_rows
+from training_helpers import rank_matches, run_command, three_cpu_processes, tiny_overrides, write_chat_rows
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +33,15 @@ def test_three_processes_write_one_memory_log_each_and_use_rank_0s_settings(tmp_
         ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=30", "--memory_log_steps=10"], cwd=tmp_path,
         # Rank 0 sees 8 GB (below the 15 GB threshold), the others 32 GB: all must follow rank 0.
         env={"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "LOWMEM_MEMORY_BUDGET_GB": "8,32,32"},
-        # --tee 3 also writes each rank's stderr to a file of its own: three processes writing to one pipe can
-        # interleave their lines, and each rank's line is read from its own file below.
-        launcher=["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0",
-                  "--tee", "3", "--log_dir", str(tmp_path / "ranks")],
+        launcher=three_cpu_processes(tmp_path / "ranks"),
     )
     assert done.returncode == 0, done.stderr[-4000:]
     logs = sorted((tmp_path / "logs").glob("memory_*_rank*.jsonl"))
     assert [re.search(r"rank(\d)", p.name).group(1) for p in logs] == ["0", "1", "2"]
     assert len({p.name.split("_rank")[0] for p in logs}) == 1, "one run id for all ranks"
-    settings_lines = []
-    for rank_stderr in sorted((tmp_path / "ranks").glob("*/attempt_*/*/stderr.log")):
-        settings_lines += re.findall(r"\[rank (\d)\] Memory settings \(decided by rank 0\): memory budget 8\.0 GiB.*"
-                                     r"ultra_low_mem=True \(auto\)", rank_stderr.read_text())
+    # Each rank's line is read from its own stderr file: three processes writing to one pipe can interleave.
+    settings_lines = rank_matches(tmp_path / "ranks", r"\[rank (\d)\] Memory settings \(decided by rank 0\): memory "
+                                                      r"budget 8\.0 GiB.*ultra_low_mem=True \(auto\)")
     assert sorted(settings_lines) == ["0", "1", "2"]
     report = memlog_json(tmp_path)
     assert sorted(_verdicts(report)) == [0, 1, 2]

@@ -8,7 +8,7 @@ import re
 import shutil
 
 import pytest
-from training_helpers import ROOT, run_command, tiny_overrides, write_chat_rows
+from training_helpers import ROOT, rank_matches, run_command, three_cpu_processes, tiny_overrides, write_chat_rows
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_three_processes_read_disjoint_rows_and_end_with_identical_weights(tmp_p
     done = run_command(
         ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=20"], cwd=tmp_path,
         env={"ACCELERATE_USE_CPU": "1", "LOWMEM_TRACE_DIR": str(trace_dir), "OMP_NUM_THREADS": "1"},
-        launcher=["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0"],
+        launcher=three_cpu_processes(tmp_path / "ranks"),
     )
     assert done.returncode == 0, done.stderr[-4000:]
     traces = [json.loads((trace_dir / f"trace-rank{rank}.json").read_text()) for rank in range(3)]
@@ -112,15 +112,11 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path, chat_data):
         # Rank 1's output is NaN during step 5: after the all-reduce every rank's gradients are.
         env={"ACCELERATE_USE_CPU": "1", "LOWMEM_TRACE_DIR": str(trace_dir), "OMP_NUM_THREADS": "1",
              "LOWMEM_TEST_NAN_AT_STEP": "5:1"},
-        # --tee 3: each rank's stderr also goes to a file of its own, where its lines cannot interleave.
-        launcher=["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0",
-                  "--tee", "3", "--log_dir", str(tmp_path / "ranks")],
+        launcher=three_cpu_processes(tmp_path / "ranks"),
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    skipped = []
-    for rank_stderr in sorted((tmp_path / "ranks").glob("*/attempt_*/*/stderr.log")):
-        skipped += re.findall(r"\[rank (\d)\] Step 5: the gradient norm is nan, so the update was skipped on every "
-                              r"rank", rank_stderr.read_text())
+    skipped = rank_matches(tmp_path / "ranks",
+                           r"\[rank (\d)\] Step 5: the gradient norm is nan, so the update was skipped on every rank")
     assert sorted(skipped) == ["0", "1", "2"], done.stderr[-3000:]
     assert "Step 4:" not in done.stderr and "Step 6:" not in done.stderr
     traces = [json.loads((trace_dir / f"trace-rank{rank}.json").read_text()) for rank in range(3)]

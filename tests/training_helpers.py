@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,18 @@ def run_command(args: list[str], cwd: Path, env: dict[str, str] | None = None, t
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(command_line(args, env, launcher), cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def three_cpu_processes(rank_logs: Path) -> list[str]:
+    """`accelerate launch` for 3 processes on the CPU (gloo). `--tee 3` also writes each rank's stderr to a file
+    of its own under `rank_logs`, where its lines cannot interleave with the other ranks' (see `rank_matches`)."""
+    return ["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0",
+            "--tee", "3", "--log_dir", str(rank_logs)]
+
+
+def rank_matches(rank_logs: Path, pattern: str) -> list[str]:
+    """Every match of `pattern` in each rank's own stderr file written by `three_cpu_processes`."""
+    matches: list[str] = []
+    for rank_stderr in sorted(rank_logs.glob("*/attempt_*/*/stderr.log")):
+        matches += re.findall(pattern, rank_stderr.read_text())
+    return matches
