@@ -39,17 +39,22 @@ def test_single_process_training_learns_and_saves(tmp_path, chat_data):
     assert "Sample" in log_text
 
 
-def test_three_processes_read_disjoint_rows_and_end_with_identical_weights(tmp_path, chat_data):
+def traced_three_process_run(tmp_path, chat_data, max_steps: int, **test_env: str):
+    """A tiny run on 3 CPU processes with each rank's trace; returns the finished process and the 3 traces."""
     if shutil.which("accelerate") is None:
         pytest.skip("the accelerate launcher is not on PATH")
     trace_dir = tmp_path / "trace"
     done = run_command(
-        ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=20"], cwd=tmp_path,
-        env={"ACCELERATE_USE_CPU": "1", "LOWMEM_TRACE_DIR": str(trace_dir), "OMP_NUM_THREADS": "1"},
+        ["train", *tiny_overrides(tmp_path, *chat_data), f"--max_steps={max_steps}"], cwd=tmp_path,
+        env={"ACCELERATE_USE_CPU": "1", "LOWMEM_TRACE_DIR": str(trace_dir), "OMP_NUM_THREADS": "1", **test_env},
         launcher=three_cpu_processes(tmp_path / "ranks"),
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    traces = [json.loads((trace_dir / f"trace-rank{rank}.json").read_text()) for rank in range(3)]
+    return done, [json.loads((trace_dir / f"trace-rank{rank}.json").read_text()) for rank in range(3)]
+
+
+def test_three_processes_read_disjoint_rows_and_end_with_identical_weights(tmp_path, chat_data):
+    done, traces = traced_three_process_run(tmp_path, chat_data, max_steps=20)
     for trace in traces:
         assert trace["steps"] == 20
         assert len(trace["rows"]) == 20 * 8
@@ -104,22 +109,12 @@ def test_launching_three_processes_without_multi_gpu_on_cpu_is_an_error(tmp_path
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path, chat_data):
-    if shutil.which("accelerate") is None:
-        pytest.skip("the accelerate launcher is not on PATH")
-    trace_dir = tmp_path / "trace"
-    done = run_command(
-        ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=8"], cwd=tmp_path,
-        # Rank 1's output is NaN during step 5: after the all-reduce every rank's gradients are.
-        env={"ACCELERATE_USE_CPU": "1", "LOWMEM_TRACE_DIR": str(trace_dir), "OMP_NUM_THREADS": "1",
-             "LOWMEM_TEST_NAN_AT_STEP": "5:1"},
-        launcher=three_cpu_processes(tmp_path / "ranks"),
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    # Rank 1's output is NaN during step 5: after the all-reduce every rank's gradients are.
+    done, traces = traced_three_process_run(tmp_path, chat_data, max_steps=8, LOWMEM_TEST_NAN_AT_STEP="5:1")
     skipped = rank_matches(tmp_path / "ranks",
                            r"\[rank (\d)\] Step 5: the gradient norm is nan, so the update was skipped on every rank")
     assert sorted(skipped) == ["0", "1", "2"], done.stderr[-3000:]
     assert "Step 4:" not in done.stderr and "Step 6:" not in done.stderr
-    traces = [json.loads((trace_dir / f"trace-rank{rank}.json").read_text()) for rank in range(3)]
     assert len({trace["weights"] for trace in traces}) == 1, "weights differ between ranks after the skipped step"
     losses = traces[0]["losses"]
     assert math.isnan(losses["5"]) and all(math.isfinite(losses[str(step)]) for step in (4, 6, 7, 8))
