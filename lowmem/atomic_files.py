@@ -44,11 +44,16 @@ def fsync_file(path: str | Path) -> None:
     refuse fsync on such a handle (EBADF, EINVAL) are let be.
     """
     with open(path, "rb") as f:
-        try:
-            os.fsync(f.fileno())
-        except OSError as exc:
-            if exc.errno not in (errno.EBADF, errno.EINVAL):
-                raise
+        fsync_read_only(f.fileno())
+
+
+def fsync_read_only(fd: int) -> None:
+    """fsync a file opened for reading; the few systems that refuse that (EBADF, EINVAL) are let be."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EBADF, errno.EINVAL):
+            raise
 
 
 @contextmanager

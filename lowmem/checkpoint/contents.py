@@ -36,7 +36,6 @@ from lowmem.train.schedule import same_learning_rates, total_steps
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE_FILE = "trainer_state.json"
-RUN_FACTS = ("world_size", "workers_per_rank")  # besides the config, what a resume must match to be exact
 # The run's length only sets the schedule's total: changing it keeps a resume exact as long as every step
 # already taken had the same learning rate under the old and the new total.
 RUN_LENGTH_FIELDS = ("epochs", "max_steps")
@@ -95,10 +94,10 @@ class TrainingCheckpoint:
             state.update(config=dataclasses.asdict(self.config), **self.run_facts)
             (folder / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2, ensure_ascii=False))
 
-    def load(self, folder: Path, skip: tuple[str, ...] = ()) -> None:
-        """Load every part saved in `folder` except those named in `skip`; every rank calls it."""
+    def load(self, folder: Path, saved: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+        """Load every part saved in `folder` (its trainer state already read: `saved`) except those named in
+        `skip`; every rank calls it."""
         load_model_and_optimizer(folder, self.model, self.optimizer, self.accelerator)
-        saved = read_trainer_state(folder)
         for name, part in self.shared.items():
             if name in saved and name not in skip:
                 part.load_state_dict(saved[name])
@@ -148,10 +147,11 @@ def resume_differences(saved: dict[str, Any], config: TrainConfig, run_facts: di
     return inexact, unusable
 
 
-def check_resume(folder: Path, config: TrainConfig, run_facts: dict[str, Any], allow_config_change: bool,
-                 steps_per_epoch: int) -> list[str]:
-    """Refuse a resume that cannot continue exactly (unless allowed) or cannot load at all; return the changes."""
-    inexact, unusable = resume_differences(read_trainer_state(folder), config, run_facts, steps_per_epoch)
+def check_resume(folder: Path, saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any],
+                 allow_config_change: bool, steps_per_epoch: int) -> list[str]:
+    """Refuse a resume from `folder` (whose trainer state is `saved`) that cannot continue exactly (unless
+    allowed) or cannot load at all; return the changes."""
+    inexact, unusable = resume_differences(saved, config, run_facts, steps_per_epoch)
     if unusable:
         raise ConfigError(
             f"The checkpoint {folder} holds a model of another shape ({'; '.join(unusable)}). Resume with the "

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from lowmem.atomic_files import replace_folder, write_json_atomic
+from lowmem.atomic_files import fsync_read_only, replace_folder, write_json_atomic
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.units import MB
 
@@ -65,11 +65,7 @@ def file_crc32(path: str | Path, sync: bool = False) -> tuple[int, str]:
     crc, size = 0, 0
     with open(path, "rb", buffering=0) as f:
         if sync:
-            try:
-                os.fsync(f.fileno())
-            except OSError as exc:
-                if exc.errno not in (errno.EBADF, errno.EINVAL):  # read-only handles on some systems
-                    raise
+            fsync_read_only(f.fileno())
         while n := f.readinto(buf):
             crc = zlib.crc32(view[:n], crc)
             size += n

@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# What `create_accelerator` gives the process group when its caller does not say (the config's default).
-DEFAULT_PROCESS_GROUP_TIMEOUT_MINUTES = 60.0
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -91,6 +89,13 @@ def fsdp_plugin_for(mixed_precision: str) -> FullyShardedDataParallelPlugin | No
     return plugin
 
 
+def offloads_optimizer(accelerator: Accelerator) -> bool:
+    """True when DeepSpeed keeps the optimizer state in host memory (or on NVMe) and steps it on the CPU."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return False
+    return accelerator.state.deepspeed_plugin.offload_optimizer_device in ("cpu", "nvme")
+
+
 def offload_optimizer_threads(accelerator: Accelerator) -> None:
     """Give DeepSpeed's CPU Adam this process's share of the machine's cores when the optimizer is offloaded.
 
@@ -100,9 +105,7 @@ def offload_optimizer_threads(accelerator: Accelerator) -> None:
     sets; OMP_NUM_THREADS is set as well for an extension that brings its own runtime and reads it when it
     loads (in `accelerator.prepare`, after this). A value other than 1 was chosen by the user and is kept.
     """
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return
-    if accelerator.state.deepspeed_plugin.offload_optimizer_device not in ("cpu", "nvme"):
+    if not offloads_optimizer(accelerator):
         return
     if os.environ.get("OMP_NUM_THREADS", "1") != "1":
         return
@@ -116,7 +119,7 @@ def offload_optimizer_threads(accelerator: Accelerator) -> None:
 
 
 def create_accelerator(gradient_accumulation_steps: int, bf16: bool,
-                       process_group_timeout_minutes: float = DEFAULT_PROCESS_GROUP_TIMEOUT_MINUTES) -> Accelerator:
+                       process_group_timeout_minutes: float) -> Accelerator:
     """An Accelerator on the GPUs if there are any, else on the CPU (gloo between processes).
 
     The process group comes first (accelerate's PartialState, which also sets this process's GPU), so that

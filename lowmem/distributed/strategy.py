@@ -39,10 +39,17 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from lowmem.config import OptimConfig
+from lowmem.distributed.accelerator import offloads_optimizer
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict, save_model_config,
                                   save_weights, strip_prefixes, tied_names, uncompiled, unwrap)
+
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch build without distributed support has no DTensor either
+    _DTensor = None
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +95,11 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
     """`value` as an ordinary tensor: a DTensor (what FSDP2's `clip_grad_norm_` returns) in full, anything
     else unchanged.
 
-    `float()` or `.item()` of a DTensor reads this rank's local part only: for a gradient norm that is the
-    norm of this rank's shard, not of the whole gradient. `full_tensor()` completes the reduction (a
-    collective: every rank must call it together).
+    torch 2.13 returns the norm already replicated, and `float()` of it is the whole gradient's norm; a DTensor
+    still pending its reduction would give this rank's part through `to_local()`. `full_tensor()` is right in
+    every case (a collective when a reduction is pending: every rank calls it together, as the step does).
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support has no DTensor either
-        return value
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return value.full_tensor() if _DTensor is not None and isinstance(value, _DTensor) else value
 
 
 # ----- preparing --------------------------------------------------------------------------------------------
@@ -107,13 +110,6 @@ def _check_supported(accelerator: Accelerator) -> None:
             "generation and export need whole weights on each GPU. Use configs/accelerate/deepspeed_zero2_offload"
             ".yaml (ZeRO-2 with the optimizer in host memory) or configs/accelerate/fsdp.yaml (everything sharded)."
         )
-
-
-def offloads_optimizer(accelerator: Accelerator) -> bool:
-    """True when DeepSpeed keeps the optimizer state in host memory (or on NVMe) and steps it on the CPU."""
-    if strategy(accelerator) != DEEPSPEED:
-        return False
-    return accelerator.state.deepspeed_plugin.offload_optimizer_device in ("cpu", "nvme")
 
 
 def _create_optimizer(model: GPT, config: OptimConfig, accelerator: Accelerator) -> torch.optim.Optimizer:

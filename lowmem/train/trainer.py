@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from lowmem.checkpoint.contents import TrainingCheckpoint, check_resume
+from lowmem.checkpoint.contents import TrainingCheckpoint, check_resume, read_trainer_state
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.config import TrainConfig, check_data_files, validate_config
@@ -138,7 +138,7 @@ class Trainer:
             run_facts={"world_size": self.accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers)})
         self.resumed_from: Path | None = None
         self.epoch_ended = False
-        self.lr = get_lr(0, config.learn_rate, config.warmup_steps, self.total_steps, config.min_lr_ratio)
+        self.lr = float("nan")  # the current step's learning rate (set by `begin`, then by every step)
         self.progress: tqdm | None = None
         logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all.",
                     len(loader.stream), self.steps_per_epoch, self.total_steps)
@@ -195,14 +195,18 @@ class Trainer:
     def optimizer_step(self, micro_batches: list[Batch], agreed: StepAgreement) -> StepResult:
         """One optimizer step at the scheduled learning rate."""
         config = self.config
-        self.lr = get_lr(self.state.step, config.learn_rate, config.warmup_steps, self.total_steps,
-                         config.min_lr_ratio)
+        self.lr = self.learning_rate(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         loss_sum, grad_norm, applied = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
                                                   agreed.global_target_tokens, config.grad_clip)
         return StepResult(micro_batches, loss_sum, grad_norm, applied, self.lr, agreed.target_tokens,
                           agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens)
+
+    def learning_rate(self, step: int) -> float:
+        """The schedule's learning rate for optimizer step `step` (0-based)."""
+        config = self.config
+        return get_lr(step, config.learn_rate, config.warmup_steps, self.total_steps, config.min_lr_ratio)
 
     def after_step(self, result: StepResult) -> None:
         """Count the step, run the callbacks and the memory schedule, and write the log line when due."""
@@ -277,9 +281,10 @@ class Trainer:
         if folder is None:
             logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
             return None
-        changes = check_resume(folder, self.config, self.checkpoint.run_facts, allow_config_change,
+        saved = read_trainer_state(folder)
+        changes = check_resume(folder, saved, self.config, self.checkpoint.run_facts, allow_config_change,
                                self.steps_per_epoch)
-        self.checkpoint.load(folder, skip=("data",))
+        self.checkpoint.load(folder, saved, skip=("data",))
         try:
             self.checkpoint.load_part(folder, "data")
         except DataError as error:
@@ -299,6 +304,7 @@ class Trainer:
         record, the signal handlers and the progress bar."""
         if self.resumed_from is None:
             self.state.val_loss_start = self.validator.run(self.model, self.state.step, with_bleu=False).loss
+        self.lr = self.learning_rate(self.state.step)
         self.memory.start(self.state.epoch, self.state.step)
         self.stopper.install()
         self.progress = tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
