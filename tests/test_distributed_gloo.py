@@ -4,6 +4,8 @@
   `lowmem.distributed.strategy.plain_tensor` of it is a plain tensor equal to the norm DDP measures on the
   same step.
 - The process group's timeout: `create_accelerator` gives the group the timeout it is asked for.
+- The memory savers under DDP + torch.compile and under FSDP2: the chunked loss and activation checkpointing
+  give the gradients of the plain DDP step.
 
 Each rank writes what it measured to a JSON file that the test reads once all of them have finished.
 """
@@ -137,3 +139,55 @@ def test_the_process_group_gets_the_configured_timeout(tmp_path):
         assert result["backend"] == "gloo" and result["processes"] == WORLD
         assert result["timeout_s"] == timedelta(minutes=10).total_seconds()
         assert result["mixed_precision"] == "no", "no bf16 on the CPU"
+
+
+# ----- the memory savers under DDP + torch.compile and under FSDP2 -----------------------------------------------
+def full_grads(model: torch.nn.Module) -> dict[str, list[float]]:
+    """Every parameter's whole gradient (an FSDP2 shard gathered), under the plain model's names."""
+    from lowmem.distributed.strategy import plain_tensor
+    from lowmem.model.weights import strip_prefixes
+
+    return {strip_prefixes(name): plain_tensor(param.grad).flatten().tolist()
+            for name, param in model.named_parameters()}
+
+
+def memory_savers_worker(rank: int, port: int, folder: Path) -> None:
+    """Two steps' gradients (no optimizer: the same weights) under plain DDP, under DDP compiled with
+    checkpointing and the chunked loss, and under FSDP2 with both."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    launcher_environment(rank, port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        generator = torch.Generator().manual_seed(100 + rank)
+        tokens = torch.randint(0, 96, (4, 16), generator=generator)  # (B, T)
+
+        def grads_of(model: torch.nn.Module) -> dict[str, list[float]]:
+            for _ in range(2):  # the second backward is where a hook that fires twice would fail
+                _, loss = model(tokens, tokens)
+                loss.backward()
+            return full_grads(model)
+
+        plain = grads_of(DistributedDataParallel(tiny_gpt()))
+        # aot_eager runs AOTAutograd, where the recomputation is traced, without inductor's C++ build.
+        compiled = torch.compile(DistributedDataParallel(tiny_gpt().use_memory_savers(24, True)), backend="aot_eager")
+        sharded = tiny_gpt().use_memory_savers(24, True)
+        for block in sharded.blocks:
+            fully_shard(block)
+        fully_shard(sharded)
+        result = {"plain": plain, "compiled_ddp": grads_of(compiled), "fsdp2": grads_of(sharded)}
+        (folder / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_memory_savers_give_ddps_gradients_under_compile_and_under_fsdp2(tmp_path):
+    """DDP + torch.compile + activation checkpointing is a known crash in older torch ("marked as ready
+    twice"); here it runs, and with the chunked loss it gives plain DDP's gradients, as FSDP2 does."""
+    for rank, result in enumerate(run_ranks(memory_savers_worker, tmp_path)):
+        for variant in ("compiled_ddp", "fsdp2"):
+            assert result[variant].keys() == result["plain"].keys(), (rank, variant)
+            for name, expected in result["plain"].items():
+                assert result[variant][name] == pytest.approx(expected, rel=1e-5, abs=1e-6), (rank, variant, name)

@@ -173,7 +173,8 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         data, data_rss = measure_data_phase(loader, micro_batches, tokenizer.pad_id)
         in_memory = list(_first(loader, micro_batches))  # the same batches the pipeline phase will see
 
-        model = GPT(model_config_for(config, tokenizer.vocab_size))
+        model = GPT(model_config_for(config, tokenizer.vocab_size)).use_memory_savers(
+            config.loss_chunk_tokens, config.activation_checkpointing)
         flops_per_token = model.estimate_flops_per_token()
         n_params = model.num_params()
         model, optimizer = prepare_model_and_optimizer(model, config, accelerator)

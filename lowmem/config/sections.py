@@ -30,7 +30,8 @@ class DataConfig:
 
 @dataclass
 class MemoryConfig:
-    """How much host memory the run may use, and how often it is cleaned up and logged."""
+    """How much host memory the run may use, how often it is cleaned up and logged, and what the model trades
+    for memory."""
 
     ultra_low_mem: Optional[bool] = option(None, "reopen files per row group; None decides from the memory budget")
     ultra_low_mem_threshold_gb: float = option(15.0, "below this host memory, ultra-low-mem mode and no workers",
@@ -43,6 +44,14 @@ class MemoryConfig:
                                    minimum=0)
     memory_watchdog_fraction: float = option(0.9, "warn when a process's RSS passes this share of its memory budget",
                                              above=0, maximum=1)
+    # The model side of memory (see lowmem/model/loss.py and Block.forward): neither changes what is computed.
+    loss_chunk_tokens: int = option(0, "tokens per chunk of the loss: the head and cross-entropy run a chunk at a "
+                                    "time, so the (batch, sequence, vocabulary) logits never exist whole "
+                                    "(0 = whole logits)", minimum=0, hint="0 turns chunking off; 1024 to 8192 suit "
+                                    "most models")
+    activation_checkpointing: bool = option(False, "keep only each transformer block's input and recompute the "
+                                            "block in the backward pass: activations no longer grow with depth, for "
+                                            "about a third more compute")
 
 
 @dataclass

@@ -36,6 +36,7 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
     config.test_file = test_file or config.test_file
     check_data_files(config, ("test_file",))
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, accelerator.device)
+    model.use_memory_savers(loss_chunk_tokens=config.loss_chunk_tokens)  # the test loss without whole logits
     # The model is loaded plain (not prepared by accelerate): TF32 and bf16 autocast are asked for here.
     enable_tf32(accelerator.device.type == "cuda")
     result = evaluate(model, tokenizer, config.test_file, accelerator, batch_size=config.batch_size_per_gpu,

@@ -24,15 +24,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from lowmem.errors import ConfigError
+from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
 
 # Matmuls whose inner dimension is a multiple of 64 map cleanly onto GPU tensor cores; padding the vocabulary
 # (the largest matmul in a small model) up to it is cheap in parameters and noticeably faster.
 VOCAB_PAD_MULTIPLE = 64
 
-# The label value that cross-entropy skips; collate functions use it for padding and prompt tokens.
-IGNORE_INDEX = -100
 
 # SDPA kernels allowed for attention with an explicit mask (packed rows, padded prompts) on a GPU. Flash
 # attention takes no mask, so SDPA would pass it over anyway; cuDNN attention is left out on purpose: with
@@ -342,6 +342,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        # Set by `GPT.use_memory_savers`: keep only the block's input for the backward pass and run the
+        # block again there, instead of keeping every intermediate activation.
+        self.checkpoint_activations = False
 
     def forward(
         self,
@@ -349,7 +352,19 @@ class Block(nn.Module):
         attn_mask: torch.Tensor | None = None,
         cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
-        """(B, T, C) -> (B, T, C). `attn_mask` and `cache` as in `CausalSelfAttention.forward`."""
+        """(B, T, C) -> (B, T, C). `attn_mask` and `cache` as in `CausalSelfAttention.forward`.
+
+        With `checkpoint_activations`, training forwards keep only `x` and recompute the block in the
+        backward pass. The checkpoint sits inside the block's own forward so that a wrapper around the block
+        (an FSDP unit) has gathered the weights before the recomputation needs them; dropout draws the same
+        masks again (the random state is saved with the input).
+        """
+        if self.checkpoint_activations and self.training and cache is None and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, attn_mask, None, use_reentrant=False)
+        return self._forward(x, attn_mask, cache)
+
+    def _forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None,
+                 cache: LayerKVCache | None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn_mask, cache)  # positions exchange information
         x = x + self.mlp(self.ln_2(x))  # each position computes on its own
         return x
@@ -386,6 +401,34 @@ class GPT(nn.Module):
             nn.init.normal_(block.mlp.out_proj.weight, mean=0.0, std=residual_std)
         # Set only while `generate` runs.
         self._decoding: _DecodingState | None = None
+        # Tokens per chunk of the loss (see `use_memory_savers`); 0 computes the whole logits at once.
+        self.loss_chunk_tokens = 0
+
+    def use_memory_savers(self, loss_chunk_tokens: int = 0, checkpoint_activations: bool = False) -> GPT:
+        """Choose how training trades compute for memory; what the model computes does not change.
+
+        Args:
+            loss_chunk_tokens: with targets and no logits asked for, run the head and the cross-entropy
+                over this many tokens at a time (see `lowmem.model.loss`): the (B, T, V) logits never exist.
+                0 computes them whole.
+            checkpoint_activations: recompute each block's activations in the backward pass instead of
+                keeping them (about one more forward pass of the blocks per step).
+
+        Returns:
+            The model itself.
+        """
+        if isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 0:
+            raise ConfigError(f"loss_chunk_tokens must be a whole number >= 0 (0 = no chunks), got {loss_chunk_tokens!r}.")
+        self.loss_chunk_tokens = loss_chunk_tokens
+        for block in self.blocks:
+            block.checkpoint_activations = bool(checkpoint_activations)
+        return self
+
+    @property
+    def memory_savers(self) -> dict[str, Any]:
+        """The `use_memory_savers` arguments in force, to give a replica of this model the same."""
+        return {"loss_chunk_tokens": self.loss_chunk_tokens,
+                "checkpoint_activations": bool(self.blocks) and self.blocks[0].checkpoint_activations}
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -508,36 +551,34 @@ class GPT(nn.Module):
 
         Returns:
             (logits, loss): logits (B, T, padded_vocab_size), or None when `targets` is given without
-            `return_logits`; loss is a float32 scalar, the weighted mean over counted positions (0.0 when
+            `return_logits` (then, with `loss_chunk_tokens` set, no (B, T, V) tensor exists at all); loss is a float32 scalar, the weighted mean over counted positions (0.0 when
             no position counts, so a fully masked batch cannot turn the loss or the gradients into NaN),
             or None without targets.
         """
         x = self._hidden(idx, segment_ids=segment_ids)  # (B, T, C)
-        logits = self.lm_head(x)  # (B, T, V)
         if targets is None:
-            return logits, None
+            return self.lm_head(x), None  # (B, T, V)
 
         if targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}.")
-        # Float32 for the softmax even when the model runs in bf16/fp16: the loss is a sum of many small
-        # terms and low-precision log-probabilities drift.
-        per_token = F.cross_entropy(
-            logits.float().view(-1, logits.size(-1)),  # (B*T, V)
-            targets.view(-1),  # (B*T,)
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        )  # (B*T,), zero where targets == IGNORE_INDEX
-        weights = (targets.view(-1) != IGNORE_INDEX).float()  # (B*T,)
+        weights = (targets.reshape(-1) != IGNORE_INDEX).float()  # (B*T,)
         if loss_mask is not None:
             if loss_mask.shape != targets.shape:
                 raise ValueError(
                     f"loss_mask shape {tuple(loss_mask.shape)} must equal targets shape {tuple(targets.shape)}."
                 )
             weights = weights * loss_mask.reshape(-1).float()
+        logits = None
+        if self.loss_chunk_tokens and not return_logits:
+            loss_sum = chunked_token_loss_sum(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                              weights, self.loss_chunk_tokens)
+        else:
+            logits = self.lm_head(x)  # (B, T, V)
+            per_token = plain_token_losses(logits.view(-1, logits.size(-1)), targets.reshape(-1))  # (B*T,)
+            loss_sum = (per_token * weights).sum()
         # Clamping the denominator (not the result) keeps 0 / 0 at 0 with a finite gradient.
         denom = weights.sum().clamp_min(torch.finfo(weights.dtype).tiny)
-        loss = (per_token * weights).sum() / denom
-        return (logits if return_logits else None), loss
+        return (logits if return_logits else None), loss_sum / denom
 
     # ----------------------------------------------------------------------------------------------------
     # Training

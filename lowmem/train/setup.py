@@ -76,9 +76,12 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
                               settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The GPT and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked
     (with the compiler's worker pool bounded on a low memory budget)."""
-    model = GPT(model_config_for(config, vocab_size))
-    logger.info("Model: %.2f M parameters (%.2f M without embeddings).", model.num_params() / 1e6,
-                model.num_params(exclude_embeddings=True) / 1e6)
+    model = GPT(model_config_for(config, vocab_size)).use_memory_savers(config.loss_chunk_tokens,
+                                                                        config.activation_checkpointing)
+    logger.info("Model: %.2f M parameters (%.2f M without embeddings); loss: %s; activation checkpointing: %s.",
+                model.num_params() / 1e6, model.num_params(exclude_embeddings=True) / 1e6,
+                f"chunks of {config.loss_chunk_tokens} tokens" if config.loss_chunk_tokens else "whole logits",
+                "on" if config.activation_checkpointing else "off")
     model, optimizer = prepare_model_and_optimizer(model, config, accelerator)
     logger.info("Parallelism: %s.", describe(accelerator))
     if enable_tf32(accelerator.device.type == "cuda"):
