@@ -13,29 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from training_helpers import command_line, run_command, tiny_overrides, write_chat_rows
-
-STEP_LINE = re.compile(r"step (\d+)/(\d+) \| epoch \d+ \| loss ([\d.]+)")
+from training_helpers import (assert_losses_match, kill_all, resume_overrides, resumed_from, run_command, start_run,
+                              tiny_overrides, traced_losses, traced_run, wait_for_step, write_chat_rows)
 
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat")
     return write_chat_rows(folder / "train.parquet", 900, seed=1), write_chat_rows(folder / "valid.parquet", 60, seed=2)
-
-
-def overrides(tmp_path, chat_data, *extra: str) -> list[str]:
-    # Dropout on, so the random states must be restored too; 2 epochs of 56 steps, accumulation over 2.
-    return [*tiny_overrides(tmp_path, *chat_data), "--dropout=0.1", "--epochs=2", "--gradient_accumulation_steps=2",
-            "--save_steps=25", "--logging_steps=1", "--keep_latest_n_ckp=1", *extra]
-
-
-def traced_run(folder, chat_data, env=None, extra=(), launcher=None):
-    trace = folder / "trace"
-    done = run_command(["train", *overrides(folder, chat_data, *extra)], cwd=folder,
-                       env={"LOWMEM_TRACE_DIR": str(trace), **(env or {})}, launcher=launcher)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done, trace
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +33,7 @@ def reference(tmp_path_factory, chat_data):
 @pytest.mark.parametrize("stop_at", [30, 56, 57])  # mid-epoch, the epoch's last step, the next epoch's first
 def test_resume_continues_exactly(tmp_path, chat_data, reference, stop_at):
     reference_losses, reference_trace = reference
-    first = run_command(["train", *overrides(tmp_path, chat_data)], cwd=tmp_path,
+    first = run_command(["train", *resume_overrides(tmp_path, chat_data)], cwd=tmp_path,
                         env={"LOWMEM_STOP_AFTER_STEP": str(stop_at)})
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"Stopped by LOWMEM_STOP_AFTER_STEP={stop_at} at step {stop_at}" in first.stderr
@@ -71,11 +56,12 @@ def test_no_checkpoint_says_so_and_starts_fresh(tmp_path, chat_data):
 
 
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, chat_data):
-    first = run_command(["train", *overrides(tmp_path, chat_data)], cwd=tmp_path, env={"LOWMEM_STOP_AFTER_STEP": "30"})
+    first = run_command(["train", *resume_overrides(tmp_path, chat_data)], cwd=tmp_path,
+                        env={"LOWMEM_STOP_AFTER_STEP": "30"})
     assert first.returncode == 0
     weights = tmp_path / "run" / "checkpoint-30" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
-    resumed = run_command(["train", *overrides(tmp_path, chat_data), "--is_keep_training=True"],
+    resumed = run_command(["train", *resume_overrides(tmp_path, chat_data), "--is_keep_training=True"],
                           cwd=tmp_path, env={"LOWMEM_STOP_AFTER_STEP": "26"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(r"WARNING.*checkpoint-30", resumed.stderr)
@@ -83,60 +69,25 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, chat_dat
 
 
 def test_changed_batch_size_needs_an_explicit_flag(tmp_path, chat_data):
-    first = run_command(["train", *overrides(tmp_path, chat_data)], cwd=tmp_path, env={"LOWMEM_STOP_AFTER_STEP": "10"})
+    first = run_command(["train", *resume_overrides(tmp_path, chat_data)], cwd=tmp_path,
+                        env={"LOWMEM_STOP_AFTER_STEP": "10"})
     assert first.returncode == 0
-    refused = run_command(["train", *overrides(tmp_path, chat_data, "--batch_size_per_gpu=4"), "--is_keep_training=True"],
-                          cwd=tmp_path)
+    refused = run_command(["train", *resume_overrides(tmp_path, chat_data, "--batch_size_per_gpu=4"),
+                           "--is_keep_training=True"], cwd=tmp_path)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "batch_size_per_gpu: 8 → 4" in refused.stderr and "--allow_config_change=True" in refused.stderr
-    allowed = run_command(["train", *overrides(tmp_path, chat_data, "--batch_size_per_gpu=4", "--max_steps=12"),
+    allowed = run_command(["train", *resume_overrides(tmp_path, chat_data, "--batch_size_per_gpu=4",
+                                                      "--max_steps=12"),
                            "--is_keep_training=True", "--allow_config_change=True"], cwd=tmp_path)
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert "changed: batch_size_per_gpu: 8 → 4" in allowed.stderr
-
-
-def traced_losses(trace_dir, rank: int = 0) -> dict[int, float]:
-    trace = json.loads((trace_dir / f"trace-rank{rank}.json").read_text())
-    return {int(step): loss for step, loss in trace["losses"].items()}
-
-
-def start_run(folder, chat_data, env: dict, launcher=None, extra=()) -> subprocess.Popen:
-    """Start the training command in its own process group (so a kill reaches every rank, as a scheduler's does)."""
-    command = command_line(["train", *overrides(folder, chat_data, *extra)], env, launcher)
-    return subprocess.Popen(command, cwd=folder, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            start_new_session=True, env={**os.environ, **env})
-
-
-def kill_all(process: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every process below it (torch's launcher starts ranks in their own sessions)."""
-    import psutil
-
-    parent = psutil.Process(process.pid)
-    for proc in [*parent.children(recursive=True), parent]:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    process.wait(timeout=60)
-
-
-def resumed_from(output: str) -> int:
-    match = re.search(r"Resumed from \S*checkpoint-(\d+):", output)
-    assert match, output[-3000:]
-    return int(match.group(1))
-
-
-def assert_losses_match(resumed: dict[int, float], reference: dict[int, float], after_step: int) -> None:
-    assert min(resumed) == after_step + 1 and max(resumed) == max(reference)
-    for step, loss in resumed.items():
-        assert loss == pytest.approx(reference[step], rel=1e-6), step
 
 
 @pytest.mark.parametrize("kill_after", [40, 90])  # in the first epoch (56 steps), in the second
 def test_sigkill_then_resume_is_exact(tmp_path, chat_data, reference, kill_after):
     reference_losses, _ = reference
     process = start_run(tmp_path, chat_data, env={"LOWMEM_TEST_STEP_SECONDS": "0.03"})
-    _wait_for_step(process, kill_after)
+    wait_for_step(process, kill_after)
     kill_all(process)
     resumed, trace = traced_run(tmp_path, chat_data, extra=["--is_keep_training=True"])
     start = resumed_from(resumed.stderr)
@@ -150,11 +101,11 @@ def test_kill_during_a_save_loses_nothing(tmp_path, chat_data):
         folder.mkdir()
         # Each save sleeps 2 s inside its write: the kill lands while checkpoint-50 is being written.
         process = start_run(folder, chat_data, env={"LOWMEM_TEST_SAVE_SECONDS": "2"})
-        _wait_for_step(process, 50)
+        wait_for_step(process, 50)
         time.sleep(delay)
         kill_all(process)
         assert not (folder / "run" / "checkpoint-50" / "COMPLETE.json").exists()
-        resumed = run_command(["train", *overrides(folder, chat_data), "--is_keep_training=True"], cwd=folder)
+        resumed = run_command(["train", *resume_overrides(folder, chat_data), "--is_keep_training=True"], cwd=folder)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert resumed_from(resumed.stderr) == 25
         assert not list((folder / "run").glob(".checkpoint-*")), "the interrupted save's leftovers are removed"
@@ -163,7 +114,7 @@ def test_kill_during_a_save_loses_nothing(tmp_path, chat_data):
 def test_sigterm_mid_epoch_saves_exits_cleanly_and_resumes_exactly(tmp_path, chat_data, reference):
     reference_losses, _ = reference
     process = start_run(tmp_path, chat_data, env={"LOWMEM_TEST_STEP_SECONDS": "0.03"})
-    _wait_for_step(process, 30)
+    wait_for_step(process, 30)
     process.send_signal(signal.SIGTERM)
     rest = process.stderr.read()
     assert process.wait(timeout=120) == 0, rest[-3000:]
@@ -173,16 +124,6 @@ def test_sigterm_mid_epoch_saves_exits_cleanly_and_resumes_exactly(tmp_path, cha
     resumed, trace = traced_run(tmp_path, chat_data, extra=["--is_keep_training=True"])
     assert resumed_from(resumed.stderr) == stopped_at
     assert_losses_match(traced_losses(trace), reference_losses, stopped_at)
-
-
-def _wait_for_step(process: subprocess.Popen, step: int) -> str:
-    seen = []
-    for line in process.stderr:
-        seen.append(line)
-        match = STEP_LINE.search(line)
-        if match and int(match.group(1)) >= step:
-            return "".join(seen)
-    raise AssertionError("training ended before the step was reached:\n" + "".join(seen)[-3000:])
 
 
 def test_second_signal_exits_at_once(monkeypatch):
@@ -221,7 +162,7 @@ def test_three_processes_resume_exactly_after_sigkill(tmp_path, chat_data):
 
     process = start_run(tmp_path, chat_data, env={**env, "LOWMEM_TEST_STEP_SECONDS": "0.05"}, launcher=launcher,
                         extra=extra)
-    _wait_for_step(process, 23)  # in the second epoch
+    wait_for_step(process, 23)  # in the second epoch
     kill_all(process)
     resumed, trace = traced_run(tmp_path, chat_data, env=env, extra=[*extra, "--is_keep_training=True"],
                                 launcher=launcher)
@@ -261,15 +202,16 @@ def test_save_into_a_read_only_folder_fails_with_a_message_and_keeps_older_check
         data_files = (folder / "train.parquet", folder / "valid.parquet")
         for path in data_files:
             path.chmod(0o644)
-        first = run_command(["train", *overrides(folder, data_files)], cwd=folder, env={"LOWMEM_STOP_AFTER_STEP": "10"})
+        first = run_command(["train", *resume_overrides(folder, data_files)], cwd=folder,
+                            env={"LOWMEM_STOP_AFTER_STEP": "10"})
         assert first.returncode == 0, first.stderr[-3000:]
         for path in folder.rglob("*"):
             path.chmod(path.stat().st_mode | stat.S_IROTH | stat.S_IWOTH | (stat.S_IXOTH if path.is_dir() else 0))
         run_dir = folder / "run"
         before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
         run_dir.chmod(0o555)
-        second = run_command(["train", *overrides(folder, data_files), "--is_keep_training=True"], cwd=folder,
-                             launcher=["unshare", "-U", sys.executable])
+        second = run_command(["train", *resume_overrides(folder, data_files), "--is_keep_training=True"],
+                             cwd=folder, launcher=["unshare", "-U", sys.executable])
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
         assert "No permission to write checkpoint-" in second.stderr, second.stderr[-2000:]

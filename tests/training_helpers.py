@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _SYLLABLES = list("春风明月江南归去相思落花流水千里故人长亭夜雨西楼山青云白酒醉梦")
@@ -69,3 +72,76 @@ def rank_matches(rank_logs: Path, pattern: str) -> list[str]:
     for rank_stderr in sorted(rank_logs.glob("*/attempt_*/*/stderr.log")):
         matches += re.findall(pattern, rank_stderr.read_text())
     return matches
+
+
+# ----- runs that are stopped and resumed ----------------------------------------------------------------------
+STEP_LINE = re.compile(r"step (\d+)/(\d+) \| epoch \d+ \| loss ([\d.]+)")
+
+
+def resume_overrides(folder: Path, chat_data: tuple[Path, Path], *extra: str) -> list[str]:
+    """`tiny_overrides` for resume tests: dropout on, so the random states must be restored too; 2 epochs of 56
+    steps (one process), accumulation over 2, a save every 25 steps, a log line every step."""
+    return [*tiny_overrides(folder, *chat_data), "--dropout=0.1", "--epochs=2", "--gradient_accumulation_steps=2",
+            "--save_steps=25", "--logging_steps=1", "--keep_latest_n_ckp=1", *extra]
+
+
+def traced_run(folder: Path, chat_data: tuple[Path, Path], env: dict[str, str] | None = None, extra: tuple = (),
+               launcher: list[str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+    """Train to the end with the training trace on; return the finished process and the trace folder."""
+    trace = folder / "trace"
+    done = run_command(["train", *resume_overrides(folder, chat_data, *extra)], cwd=folder,
+                       env={"LOWMEM_TRACE_DIR": str(trace), **(env or {})}, launcher=launcher)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done, trace
+
+
+def traced_losses(trace_dir: Path, rank: int = 0) -> dict[int, float]:
+    """The loss of every step the run trained, from a rank's trace."""
+    trace = json.loads((trace_dir / f"trace-rank{rank}.json").read_text())
+    return {int(step): loss for step, loss in trace["losses"].items()}
+
+
+def start_run(folder: Path, chat_data: tuple[Path, Path], env: dict[str, str], launcher: list[str] | None = None,
+              extra: tuple = ()) -> subprocess.Popen:
+    """Start the training command in its own process group (so a kill reaches every rank, as a scheduler's does)."""
+    command = command_line(["train", *resume_overrides(folder, chat_data, *extra)], env, launcher)
+    return subprocess.Popen(command, cwd=folder, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            start_new_session=True, env={**os.environ, **env})
+
+
+def kill_all(process: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process below it (torch's launcher starts ranks in their own sessions)."""
+    import psutil
+
+    parent = psutil.Process(process.pid)
+    for proc in [*parent.children(recursive=True), parent]:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    process.wait(timeout=60)
+
+
+def wait_for_step(process: subprocess.Popen, step: int) -> str:
+    """Read the run's stderr until it logs `step` (or a later one); return what it logged so far."""
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        match = STEP_LINE.search(line)
+        if match and int(match.group(1)) >= step:
+            return "".join(seen)
+    raise AssertionError("training ended before the step was reached:\n" + "".join(seen)[-3000:])
+
+
+def resumed_from(output: str) -> int:
+    """The step of the checkpoint a run says it resumed from."""
+    match = re.search(r"Resumed from \S*checkpoint-(\d+):", output)
+    assert match, output[-3000:]
+    return int(match.group(1))
+
+
+def assert_losses_match(resumed: dict[int, float], reference: dict[int, float], after_step: int) -> None:
+    """The resumed run trained every step after `after_step` to the end, each with the reference's loss."""
+    assert min(resumed) == after_step + 1 and max(resumed) == max(reference)
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=1e-6), step

@@ -131,7 +131,7 @@ def run_steps(name: str, batches: Iterator[dict[str, torch.Tensor]], steps: int,
 
 
 def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_file: str | None = None, rows: int = 0,
-                peak_tflops: float = 0.0) -> str:
+                peak_tflops: float = 0.0, pipeline: bool = True) -> str:
     """Run the three phases on every rank and return the table (rank 0's view, all ranks combined).
 
     Args:
@@ -141,6 +141,8 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         data_file: parquet rows to train on (default: the config's train_file).
         rows: when > 0, generate a file of this many synthetic rows instead.
         peak_tflops: the GPU's dense bf16 peak for MFU (default: looked up from the GPU's name).
+        pipeline: run the pipeline phase too; without it the ceiling's steps are the only training (what
+            `bench_memory` needs: the model's high-water RSS, sooner).
     """
     from accelerate.utils import gather_object
 
@@ -148,7 +150,7 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
     from lowmem.distributed.accelerator import create_accelerator
     from lowmem.distributed.collectives import all_reduce_sum, broadcast_from_main
     from lowmem.model import GPT, IGNORE_INDEX
-    from lowmem.distributed.strategy import prepare_model_and_optimizer
+    from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
     from lowmem.train.performance import enable_tf32, maybe_compile
     from lowmem.config import validate_config
     from lowmem.train.setup import ensure_tokenizer, make_loader, model_config_for, shared_memory_settings
@@ -189,17 +191,20 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
 
         ceiling = run_steps("ceiling", iter(in_memory), steps, skip_steps, step, accumulation, tokenizer.pad_id, on_gpu)
         del in_memory
-        pipeline = run_steps("pipeline", iter(loader), steps, skip_steps, step, accumulation, tokenizer.pad_id, on_gpu)
+        through_pipeline = (run_steps("pipeline", iter(loader), steps, skip_steps, step, accumulation,
+                                      tokenizer.pad_id, on_gpu) if pipeline else None)
 
-    per_rank = gather_object([{"data": data, "data_rss": data_rss, "ceiling": ceiling, "pipeline": pipeline,
+    per_rank = gather_object([{"data": data, "data_rss": data_rss, "ceiling": ceiling, "pipeline": through_pipeline,
                                "high_water": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}])
     if not accelerator.is_main_process:
         return ""
     device = torch.cuda.get_device_name() if on_gpu else machine_line()
     peak = peak_tflops or (peak_bf16_tflops(device) if on_gpu else 0.0)
-    header = (f"bench_train: {n_params / 1e6:.1f} M parameters, {accelerator.num_processes} process(es) on "
+    header = (f"bench_train: {n_params / 1e6:.1f} M parameters, {accelerator.num_processes} process(es) "
+              f"({describe(accelerator)}) on "
               f"{accelerator.device.type} ({device}), batch {config.batch_size_per_gpu} x {accumulation} per process, "
               f"max_seq_len {config.max_seq_len}, pack_rows={config.pack_rows}, compile={config.compile}, "
+              f"loss_chunk_tokens={config.loss_chunk_tokens}, activation_checkpointing={config.activation_checkpointing}, "
               f"workers per process {settings.num_workers}, ultra_low_mem={settings.ultra_low_mem}; "
               f"{steps} timed steps after {skip_steps}; data: {config.train_file}")
     return header + "\n" + format_table(per_rank, flops_per_token, peak)
@@ -226,7 +231,8 @@ def format_table(per_rank: list[dict[str, Any]], flops_per_token: int, peak_tflo
              "|---|---:|---:|---:|---:|---:|---:|"]
     labels = {"data": "data pipeline alone", "ceiling": "(a) batches in memory (ceiling)",
               "pipeline": "(b) real pipeline"}
-    for name in ("data", "ceiling", "pipeline"):
+    phases = ("data", "ceiling", "pipeline") if per_rank[0]["pipeline"] is not None else ("data", "ceiling")
+    for name in phases:
         rate, wait, rss, gpu = combined(name)
         training = name != "data"
         mfu = f"{rate * flops_per_token / (peak_tflops * 1e12 * len(per_rank)):.1%}" if training and peak_tflops else "-"
@@ -237,9 +243,9 @@ def format_table(per_rank: list[dict[str, Any]], flops_per_token: int, peak_tflo
         )
     share = " / ".join(f"{rank['data_rss'] / DECIMAL_MB:,.0f}" for rank in per_rank)
     high_water = " / ".join(f"{rank['high_water'] / DECIMAL_MB:,.0f}" for rank in per_rank)
-    pipeline_rate = combined("pipeline")[0]
     lines.append("")
     total_high_water = sum(rank["high_water"] for rank in per_rank) / DECIMAL_MB
-    lines.append(f"(b)/(a) = {pipeline_rate / ceiling_rate:.3f}; RSS the data pipeline adds per process: {share} MB; "
+    ratio = f"(b)/(a) = {combined('pipeline')[0] / ceiling_rate:.3f}; " if "pipeline" in phases else ""
+    lines.append(f"{ratio}RSS the data pipeline adds per process: {share} MB; "
                  f"process high-water RSS: {high_water} MB (sum {total_high_water:,.0f} MB)")
     return "\n".join(lines)

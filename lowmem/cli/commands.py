@@ -10,6 +10,7 @@ Commands:
     repack      rewrite parquet files into small row groups
     bench_data  benchmark the data pipeline against a plain pyarrow read
     bench_train benchmark training steps through the pipeline against in-memory batches
+    bench_memory the memory table: high-water RSS and tokens/s of DDP and FSDP with each memory saver
 
 `lowmem COMMAND --help` documents each one. The commands themselves live in `training` (train, tokenizer),
 `evaluation` (evaluate, generate) and `tools` (memlog, repack, bench_*).
@@ -25,7 +26,7 @@ import fire
 
 from lowmem.cli.common import program_name
 from lowmem.cli.evaluation import evaluate, generate
-from lowmem.cli.tools import bench_data, bench_train, memlog, repack
+from lowmem.cli.tools import bench_data, bench_memory, bench_train, memlog, repack
 from lowmem.cli.training import tokenizer, train, train_with
 from lowmem.errors import LowmemError
 
@@ -52,6 +53,7 @@ COMMANDS = {
     "repack": repack,
     "bench_data": bench_data,
     "bench_train": bench_train,
+    "bench_memory": bench_memory,
 }
 
 

@@ -61,7 +61,7 @@ def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000) -> N
 
 
 def bench_train(use_large_config: bool = False, steps: int = 20, skip_steps: int = 3, data_file: str | None = None,
-                rows: int = 0, peak_tflops: float = 0.0, **overrides: Any) -> None:
+                rows: int = 0, peak_tflops: float = 0.0, pipeline: bool = True, **overrides: Any) -> None:
     """Benchmark training: the same model and optimizer on in-memory batches (the ceiling) and through the pipeline.
 
     Prints one table: tokens/s of each, their ratio, the share of step time spent waiting for data, peak RSS
@@ -75,10 +75,36 @@ def bench_train(use_large_config: bool = False, steps: int = 20, skip_steps: int
         data_file: parquet rows to train on (default: the config's train_file).
         rows: generate a parquet file of this many synthetic rows instead.
         peak_tflops: the GPU's dense bf16 peak in TFLOP/s for MFU (default: from the GPU's name).
+        pipeline: also time the steps through the real pipeline (False: in-memory batches only).
     """
     from lowmem.bench.train_bench import bench_train as run_bench
 
     table = run_bench(build_config(use_large_config, overrides), steps=steps, skip_steps=skip_steps,
-                      data_file=data_file, rows=rows, peak_tflops=peak_tflops)
+                      data_file=data_file, rows=rows, peak_tflops=peak_tflops, pipeline=pipeline)
     if table:
         print(table)
+
+
+def bench_memory(use_large_config: bool = False, processes: int = 3, strategies: Any = "ddp,fsdp",
+                 chunk_tokens: int = 2048, steps: int = 1, skip_steps: int = 1, rows: int = 0,
+                 **overrides: Any) -> None:
+    """The memory table: high-water RSS per process and tokens/s for DDP and FSDP, each with the whole-logits
+    and the chunked loss, activation checkpointing off and on; every case in fresh processes on the CPU.
+
+    Args:
+        use_large_config: measure TrainConfigPretrainLarge instead of TrainConfig.
+        processes: processes per case (accelerate launch --num_processes).
+        strategies: "ddp", "fsdp" or "ddp,fsdp".
+        chunk_tokens: tokens per chunk for the chunked loss's rows.
+        steps: timed optimizer steps per case.
+        skip_steps: untimed steps before them.
+        rows: generate this many synthetic rows for every case (0: the config's train_file).
+        overrides: any other config field, passed to every case (e.g. --n_layer=24 --tokenizer_dir=...).
+    """
+    from lowmem.bench.memory_bench import bench_memory as run_bench
+
+    names = strategies.split(",") if isinstance(strategies, str) else list(strategies)
+    bench_args = [f"--use_large_config={use_large_config}", f"--steps={steps}", f"--skip_steps={skip_steps}",
+                  *(f"--{name}={value}" for name, value in overrides.items())]
+    print(run_bench(bench_args, processes=processes, strategies=[name.strip() for name in names],
+                    chunk_tokens=chunk_tokens, rows=rows))

@@ -89,6 +89,30 @@ def fsdp_plugin_for(mixed_precision: str) -> FullyShardedDataParallelPlugin | No
     return plugin
 
 
+def fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin | None) -> None:
+    """Run FSDP2 on the CPU (gloo) when the launcher asked for FSDP and there is no GPU.
+
+    Accelerate builds FSDP only on accelerators: on the CPU (`MULTI_CPU`) it keeps a full replica per process
+    and trains DDP, so `accelerate launch --config_file configs/accelerate/fsdp.yaml` on a machine without GPUs
+    would log FSDP's settings while running something else. FSDP2's `fully_shard` itself runs on CPU tensors
+    over gloo, so the state is given what Accelerate's `AcceleratorState` gives a GPU launch (the FSDP
+    distributed type and the plugin), and `accelerator.prepare`, the checkpoints and evaluation then take the
+    very path they take on GPUs. (FSDP1 never gets here on a machine without GPUs: Accelerate's FSDP1 plugin
+    asks for a GPU when it is built.)
+    """
+    if plugin is None or accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    if torch.accelerator.is_available() or plugin.fsdp_version != 2:
+        # The CPU asked for on a machine with GPUs (ACCELERATE_USE_CPU=1, use_cpu: true): fully_shard's
+        # default device mesh would be on the GPU, which gloo on the CPU cannot feed.
+        raise ConfigError("FSDP on the CPU of a machine with a GPU visible is not supported: run FSDP on the GPUs "
+                          "(without ACCELERATE_USE_CPU=1 or use_cpu: true), or hide them (CUDA_VISIBLE_DEVICES=) "
+                          "to run FSDP2 on the CPU.")
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState sets it
+
+
 def offloads_optimizer(accelerator: Accelerator) -> bool:
     """True when DeepSpeed keeps the optimizer state in host memory (or on NVMe) and steps it on the CPU."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
@@ -140,8 +164,9 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool,
     # default, which would leave gloo at its own 30 minutes. The handler tells Accelerate the same.
     state = PartialState(cpu=cpu, timeout=timeout)
     mixed_precision = "bf16" if bf16 and bf16_supported(state.device) else "no"
+    fsdp_plugin = fsdp_plugin_for(mixed_precision)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=gradient_accumulation_steps,
-                              mixed_precision=mixed_precision, fsdp_plugin=fsdp_plugin_for(mixed_precision),
+                              mixed_precision=mixed_precision, fsdp_plugin=fsdp_plugin,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
     launched = requested_processes()
     if launched != accelerator.num_processes:
@@ -152,5 +177,6 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool,
             "machines N is the total over all of them, and every machine needs --multi_gpu (or a config file "
             "from configs/accelerate/)."
         )
+    fsdp_on_cpu(accelerator, fsdp_plugin)
     offload_optimizer_threads(accelerator)
     return accelerator

@@ -16,12 +16,14 @@ The strategy comes from how `accelerate launch` was configured (see configs/acce
                   Checkpoint: every rank writes its optimizer shard through the engine's own
                   `save_checkpoint` into `deepspeed/`; the main process also writes the (replicated) weights to
                   `model.safetensors` for evaluation and export. Resume reads `deepspeed/` only.
-    FSDP          parameters, gradients and optimizer state sharded (FSDP1 or FSDP2). Checkpoint: the
-                  weights are gathered in full to `model.safetensors` (the file evaluation, export and resume
-                  read); the optimizer state stays sharded: every rank writes its own shard into `optimizer/`
-                  with torch.distributed.checkpoint. Gathering it instead would put twice the model's size
-                  (AdamW's two moments) into one host's memory, the very thing this project avoids, and the
-                  sharded form is re-sharded on load if the number of processes changes.
+    FSDP          parameters, gradients and optimizer state sharded (FSDP1 or FSDP2; FSDP2 also on the CPU,
+                  see `lowmem.distributed.accelerator.fsdp_on_cpu`). Checkpoint: the weights are gathered in
+                  full to `model.safetensors` (the file evaluation, export and resume read; on resume the main
+                  process alone reads it and broadcasts it a parameter at a time); the optimizer state stays
+                  sharded: every rank writes its own shard into `optimizer/` with torch.distributed.checkpoint.
+                  Gathering it instead would put twice the model's size (AdamW's two moments) into one host's
+                  memory, the very thing this project avoids, and the sharded form is re-sharded on load if the
+                  number of processes changes.
 
 Every function accepts a model wrapped by `torch.compile` (its state-dict keys start with `_orig_mod.`) or
 by DDP (`module.`): weights are always written with the plain model's names and load into either.
@@ -40,6 +42,7 @@ from accelerate.utils import DistributedType
 
 from lowmem.config import OptimConfig
 from lowmem.distributed.accelerator import offloads_optimizer
+from lowmem.distributed.collectives import broadcast_from_main
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict, save_model_config,
@@ -177,6 +180,12 @@ def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
+def _plain_ties(model: torch.nn.Module) -> list[list[str]]:
+    """The plain GPT's groups of tied parameter names, whatever FSDP made of the parameters."""
+    with torch.device("meta"):
+        return tied_names(GPT(unwrap(model).config))
+
+
 def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_rank: bool = False,
                      ) -> dict[str, torch.Tensor] | None:
     """The whole model's weights under plain names: on the main process (None elsewhere), or with
@@ -189,6 +198,11 @@ def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_
         options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
         state = get_model_state_dict(uncompiled(model), options=options)
         state = {strip_prefixes(name): tensor for name, tensor in state.items()}
+        # Each name of a tied parameter comes back as a tensor of its own: keep the one the other strategies'
+        # files keep (the alphabetically first), rather than write the tied matrix twice.
+        for group in _plain_ties(model):
+            for name in sorted(group)[1:]:
+                state.pop(name, None)
         return state if on_every_rank or accelerator.is_main_process else None
     if on_every_rank or accelerator.is_main_process:
         return model_state_dict(model)
@@ -238,6 +252,44 @@ def _load_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: tor
     set_optimizer_state_dict(model, inner, optim_state_dict=state["optimizer"])
 
 
+def _read_full_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights file as a state dict with every name of a tied parameter (the file holds one of them)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    for group in _plain_ties(model):
+        present = next((name for name in group if name in state), None)
+        for name in group:
+            if present is not None:
+                state.setdefault(name, state[present])
+    return state
+
+
+def _load_full_weights_from_main(path: Path, model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """Load the whole-model weights file into an FSDP model: the main process reads it, and each parameter is
+    broadcast in turn and sharded on arrival, so no other rank holds the whole model (only one parameter at a
+    time); every rank calls it.
+
+    The main process says first whether it could read the file: the other ranks would otherwise wait in the
+    broadcast until the process group's timeout.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state: dict[str, torch.Tensor] = {}  # the other ranks' template: what arrives is sharded into the model
+    read_problem = None
+    if accelerator.is_main_process:
+        try:
+            state = _read_full_weights(path, model)
+        except Exception as error:  # noqa: BLE001 - every rank raises it below
+            read_problem = f"{type(error).__name__}: {error}"
+    problem = broadcast_from_main(accelerator, lambda: read_problem)
+    if problem is not None:
+        raise CheckpointError(f"The main process could not read {path}: {problem}")
+    # One process (and no process group to broadcast over) loads its own full dict, as a plain model would.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=accelerator.num_processes > 1)
+    set_model_state_dict(uncompiled(model), state, options=options)
+
+
 def _saved_strategy(folder: Path) -> str:
     if (folder / DEEPSPEED_DIR).is_dir():
         return DEEPSPEED
@@ -264,18 +316,7 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
             raise CheckpointError(f"DeepSpeed found no checkpoint in {folder / DEEPSPEED_DIR}.")
         return
     if kind == FSDP:
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        state = load_file(str(folder / WEIGHTS_FILE))
-        with torch.device("meta"):  # the plain model's ties, whatever FSDP made of the parameters
-            ties = tied_names(GPT(unwrap(model).config))
-        for group in ties:  # the file holds one name of a tied pair
-            present = next((name for name in group if name in state), None)
-            for name in group:
-                if present is not None:
-                    state.setdefault(name, state[present])
-        set_model_state_dict(uncompiled(model), state, options=StateDictOptions(full_state_dict=True))
+        _load_full_weights_from_main(folder / WEIGHTS_FILE, model, accelerator)
         _load_sharded_optimizer(folder / FSDP_OPTIMIZER_DIR, model, optimizer)
         return
     load_weights(model, folder / WEIGHTS_FILE)
