@@ -15,13 +15,43 @@ from statistics import mean
 
 import pytest
 
-from lowmem.bench.memory_bench import DDP, FSDP, MemoryCase, parse_bench_output, run_case
+from lowmem.bench.memory_bench import DDP, FSDP, MemoryCase, cases, launcher, parse_bench_output, run_case
 
 # A mid-size model whose weights, gradients and AdamW state (17 M parameters: 270 MB in float32) and
-# logits (16 x 192 tokens x 8,064 = 99 MB per float32 copy) both weigh against the ~330 MB of the
-# interpreter and torch.
+# logits (64 packed rows, a few thousand tokens × 8,064, 100 MB and more per float32 copy) both weigh
+# against the ~400 MB of the interpreter, torch and the data pipeline. Every case checkpoints its
+# activations (MemoryCase's last field), so that they do not hide the other two levers, and returns freed
+# tensors to the system (a fixed mmap threshold), so that a high-water mark is what a step needed, not
+# what glibc's heap kept. Measured: whole logits ~1,200 MB per process, chunked ~920 MB, FSDP lower still.
 MID_SIZE = ["--n_layer=4", "--n_embd=512", "--n_head=8", "--vocab_size=8000", "--max_seq_len=192",
-            "--batch_size_per_gpu=16", "--steps=1", "--skip_steps=1", "--pipeline=False"]
+            "--batch_size_per_gpu=64", "--steps=1", "--skip_steps=1", "--pipeline=False",
+            "--malloc_mmap_threshold_mb=1"]
+
+
+def test_the_bench_fsdp_launch_is_the_fsdp_config_files(monkeypatch):
+    """bench_memory launches FSDP with flags, not the file (which an installed package has not got): the
+    environment the launcher gives each process must be the one configs/accelerate/fsdp.yaml gives."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from test_accelerate_configs import launcher_args
+
+    def launch_env(args) -> dict[str, str]:
+        env = prepare_multi_gpu_env(args)
+        return {name: value for name, value in env.items() if name.startswith("FSDP_") or "FSDP" in name}
+
+    flags = launcher(FSDP, 3)[3:]  # after `python -m accelerate.commands.launch`
+    from_flags, _, _ = _validate_launch_command(launch_command_parser().parse_args([*flags, "train_low_mem.py"]))
+    from_file = launcher_args("fsdp.yaml")
+    assert launch_env(from_flags) == launch_env(from_file)
+    assert launch_env(from_flags)["ACCELERATE_USE_FSDP"] == "true"
+
+
+def test_the_cases_add_one_lever_at_a_time():
+    labels = [(case.strategy, case.loss_chunk_tokens, case.activation_checkpointing) for case in cases([DDP, FSDP], 512)]
+    assert labels == [(DDP, 0, False), (DDP, 512, False), (DDP, 0, True), (DDP, 512, True),
+                      (FSDP, 0, False), (FSDP, 512, False), (FSDP, 0, True), (FSDP, 512, True)]
+    assert [(case.strategy, case.loss_chunk_tokens, case.activation_checkpointing)
+            for case in cases([FSDP], 512, every_combination=False)] == [(FSDP, 512, True)]
 
 
 def test_the_bench_table_is_parsed():
@@ -44,15 +74,43 @@ def test_fsdp_and_the_chunked_loss_each_lower_the_peak(tmp_path):
     args = [*MID_SIZE, f"--tokenizer_dir={tokenizer_dir}"]
     os.chdir(tmp_path)  # the demo data set is found from here, as in the tokenizer run
     measured = {}
-    for name, case in {"ddp plain": MemoryCase(DDP, 0, False), "ddp chunked": MemoryCase(DDP, 1024, False),
-                       "fsdp chunked": MemoryCase(FSDP, 1024, False)}.items():
+    for name, case in {"ddp plain": MemoryCase(DDP, 0, True), "ddp chunked": MemoryCase(DDP, 1024, True),
+                       "fsdp chunked": MemoryCase(FSDP, 1024, True)}.items():
         result = run_case(case, processes=3, bench_args=args, env=env)
         assert result.high_water_mb is not None, f"{name} failed:\n{result.failure}"
         measured[name] = result.high_water_mb
     ddp_plain, ddp_chunked, fsdp_chunked = (mean(measured[name]) for name in measured)
-    # The plain loss holds about three (tokens, vocabulary) float32 tensors in a step (~300 MB here); the
-    # chunked one a 1,024-token chunk's (~33 MB each).
+    # The plain loss holds about three (tokens, vocabulary) float32 tensors at once; the chunked one a
+    # 1,024-token chunk's (33 MB).
     assert ddp_chunked < ddp_plain - 100, measured
     # DDP keeps the whole 270 MB of weights, gradients and optimizer state in every process; FSDP a third.
+    # Two steps, not one: AdamW's moments, the largest share, exist from the first step's update on.
     assert fsdp_chunked < ddp_chunked - 60, measured
     assert max(measured["fsdp chunked"]) < min(measured["ddp chunked"]), measured
+
+
+KEEP_HEAP_PINNED = """
+import sys, psutil, torch
+from lowmem.memory.cleanup import set_malloc_mmap_threshold
+print(set_malloc_mmap_threshold(float(sys.argv[1])))
+rss = lambda: psutil.Process().memory_info().rss
+first = torch.ones(1 << 20)  # 4 MiB, mapped; freeing it raises glibc's threshold to its size
+del first
+before = rss()
+blocks = [torch.ones(1 << 20) for _ in range(50)]  # 200 MiB of activation-sized tensors
+del blocks[:-1]  # all freed but the newest, which sits on top of the heap
+print((rss() - before) / 2**20)
+"""
+
+
+@pytest.mark.parametrize("threshold_mb, held_at_most, held_at_least", [(0, None, 150), (1, 30, None)])
+def test_a_fixed_mmap_threshold_returns_freed_tensors_to_the_system(threshold_mb, held_at_most, held_at_least):
+    done = subprocess.run([sys.executable, "-c", KEEP_HEAP_PINNED, str(threshold_mb)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    was_set, held_mb = done.stdout.split()
+    if threshold_mb and was_set != "True":
+        pytest.skip("no glibc mallopt in this C library")
+    if held_at_least is not None:  # glibc's default: the freed tensors stay in the process, behind the last one
+        assert float(held_mb) >= held_at_least, held_mb
+    if held_at_most is not None:  # each tensor had its own mapping: gone with it
+        assert float(held_mb) <= held_at_most, held_mb

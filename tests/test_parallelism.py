@@ -270,10 +270,11 @@ def test_plain_tensors_pass_through_plain_tensor():
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_fsdp_eval_model_is_a_whole_replica():
-    model = tiny_gpt()
+    model = tiny_gpt().use_memory_savers(loss_chunk_tokens=64, checkpoint_activations=True)
     with strategy.model_for_eval(model, stub_accelerator(DistributedType.FSDP)) as replica:
         assert isinstance(replica, GPT) and replica is not model and not replica.training
         assert same_weights(model, replica)
         assert replica.lm_head.weight is replica.tok_emb.weight
+        assert replica.memory_savers == model.memory_savers, "the validation loss is chunked in the replica too"
     with strategy.model_for_eval(torch.compile(model), stub_accelerator()) as plain:
         assert plain is model, "plain and DDP: the training model without its wrappers"

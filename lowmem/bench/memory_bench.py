@@ -53,12 +53,16 @@ def launcher(strategy: str, processes: int) -> list[str]:
         return command + ["--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "true",
                           "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
                           "--fsdp_transformer_layer_cls_to_wrap", "Block", "--fsdp_state_dict_type",
-                          "SHARDED_STATE_DICT"]
+                          "SHARDED_STATE_DICT", "--fsdp_offload_params", "false",
+                          "--fsdp_cpu_ram_efficient_loading", "false", "--fsdp_activation_checkpointing", "false"]
     return command + (["--multi_gpu"] if processes > 1 else [])
 
 
-def cases(strategies: Sequence[str], chunk_tokens: int) -> list[MemoryCase]:
-    """Every combination, in the order of the table: plain first, each lever added, then both."""
+def cases(strategies: Sequence[str], chunk_tokens: int, every_combination: bool = True) -> list[MemoryCase]:
+    """Every combination, in the order of the table: plain first, each lever added, then both; or, without
+    `every_combination`, only the one with both levers for each strategy."""
+    if not every_combination:
+        return [MemoryCase(strategy, chunk_tokens, True) for strategy in strategies]
     return [MemoryCase(strategy, chunk, checkpointing) for strategy in strategies
             for checkpointing in (False, True) for chunk in (0, chunk_tokens)]
 
@@ -82,7 +86,7 @@ def run_case(case: MemoryCase, processes: int, bench_args: list[str], env: dict[
     if done.returncode != 0 or parsed is None:
         case.failure = (done.stdout + done.stderr)[-2000:]
         return case
-    if (case.strategy == FSDP) != ("(FSDP" in done.stdout):  # the header names the strategy that ran
+    if (case.strategy == FSDP) != (", FSDP" in done.stdout):  # the header names the strategy that ran
         case.failure = "accelerate did not run the strategy asked for:\n" + done.stdout[:1000]
         return case
     case.high_water_mb, case.tokens_per_second = parsed
@@ -103,7 +107,7 @@ def format_memory_table(measured: list[MemoryCase]) -> str:
 
 
 def bench_memory(bench_args: list[str], processes: int = 3, strategies: Sequence[str] = STRATEGIES,
-                 chunk_tokens: int = 2048, rows: int = 0, on_cpu: bool = True) -> str:
+                 chunk_tokens: int = 2048, rows: int = 0, on_cpu: bool = True, every_combination: bool = True) -> str:
     """Measure every case and return the table (with the failures' output under it).
 
     Args:
@@ -114,6 +118,8 @@ def bench_memory(bench_args: list[str], processes: int = 3, strategies: Sequence
         chunk_tokens: the chunked loss's tokens per chunk.
         rows: generate a file of this many synthetic rows for every case (0: the config's train_file).
         on_cpu: run on the CPU (gloo) even where a GPU is present.
+        every_combination: measure all four cases per strategy; False measures only both levers together
+            (for models too large or slow to measure four times).
     """
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown:
@@ -130,7 +136,7 @@ def bench_memory(bench_args: list[str], processes: int = 3, strategies: Sequence
 
             args.append(f"--data_file={generate_file(Path(folder) / 'rows.parquet', rows)}")
         measured = []
-        for case in cases(strategies, chunk_tokens):
+        for case in cases(strategies, chunk_tokens, every_combination):
             measured.append(run_case(case, processes, args, env))
             print(format_memory_table(measured).splitlines()[-1], file=sys.stderr, flush=True)  # progress
     table = format_memory_table(measured)

@@ -150,7 +150,8 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
     from lowmem.distributed.accelerator import create_accelerator
     from lowmem.distributed.collectives import all_reduce_sum, broadcast_from_main
     from lowmem.model import GPT, IGNORE_INDEX
-    from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
+    from lowmem.distributed.strategy import prepare_model_and_optimizer
+    from lowmem.memory.cleanup import set_malloc_mmap_threshold
     from lowmem.train.performance import enable_tf32, maybe_compile
     from lowmem.config import validate_config
     from lowmem.train.setup import ensure_tokenizer, make_loader, model_config_for, shared_memory_settings
@@ -175,6 +176,7 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         data, data_rss = measure_data_phase(loader, micro_batches, tokenizer.pad_id)
         in_memory = list(_first(loader, micro_batches))  # the same batches the pipeline phase will see
 
+        set_malloc_mmap_threshold(config.malloc_mmap_threshold_mb)
         model = GPT(model_config_for(config, tokenizer.vocab_size)).use_memory_savers(
             config.loss_chunk_tokens, config.activation_checkpointing)
         flops_per_token = model.estimate_flops_per_token()
@@ -200,14 +202,23 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         return ""
     device = torch.cuda.get_device_name() if on_gpu else machine_line()
     peak = peak_tflops or (peak_bf16_tflops(device) if on_gpu else 0.0)
-    header = (f"bench_train: {n_params / 1e6:.1f} M parameters, {accelerator.num_processes} process(es) "
-              f"({describe(accelerator)}) on "
-              f"{accelerator.device.type} ({device}), batch {config.batch_size_per_gpu} x {accumulation} per process, "
-              f"max_seq_len {config.max_seq_len}, pack_rows={config.pack_rows}, compile={config.compile}, "
-              f"loss_chunk_tokens={config.loss_chunk_tokens}, activation_checkpointing={config.activation_checkpointing}, "
-              f"workers per process {settings.num_workers}, ultra_low_mem={settings.ultra_low_mem}; "
-              f"{steps} timed steps after {skip_steps}; data: {config.train_file}")
+    header = describe_run(config, accelerator, settings, n_params, device, steps, skip_steps)
     return header + "\n" + format_table(per_rank, flops_per_token, peak)
+
+
+def describe_run(config: TrainConfig, accelerator: Any, settings: Any, n_params: int, device: str, steps: int,
+                 skip_steps: int) -> str:
+    """The table's first line: the model, the processes and strategy, the device, and every setting that
+    changes what a step costs."""
+    from lowmem.distributed.strategy import describe
+
+    return (f"bench_train: {n_params / 1e6:.1f} M parameters, {accelerator.num_processes} process(es) on "
+            f"{accelerator.device.type} ({device}), {describe(accelerator)}, batch {config.batch_size_per_gpu} x "
+            f"{config.gradient_accumulation_steps} per process, max_seq_len {config.max_seq_len}, "
+            f"pack_rows={config.pack_rows}, compile={config.compile}, loss_chunk_tokens={config.loss_chunk_tokens}, "
+            f"activation_checkpointing={config.activation_checkpointing}, "
+            f"malloc_mmap_threshold_mb={config.malloc_mmap_threshold_mb}, workers per process {settings.num_workers}, "
+            f"ultra_low_mem={settings.ultra_low_mem}; {steps} timed steps after {skip_steps}; data: {config.train_file}")
 
 
 def _first(loader: Any, count: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -87,7 +87,7 @@ def bench_train(use_large_config: bool = False, steps: int = 20, skip_steps: int
 
 def bench_memory(use_large_config: bool = False, processes: int = 3, strategies: Any = "ddp,fsdp",
                  chunk_tokens: int = 2048, steps: int = 1, skip_steps: int = 1, rows: int = 0,
-                 **overrides: Any) -> None:
+                 every_combination: bool = True, **overrides: Any) -> None:
     """The memory table: high-water RSS per process and tokens/s for DDP and FSDP, each with the whole-logits
     and the chunked loss, activation checkpointing off and on; every case in fresh processes on the CPU.
 
@@ -99,6 +99,7 @@ def bench_memory(use_large_config: bool = False, processes: int = 3, strategies:
         steps: timed optimizer steps per case.
         skip_steps: untimed steps before them.
         rows: generate this many synthetic rows for every case (0: the config's train_file).
+        every_combination: all four cases per strategy; False: only the chunked loss with checkpointing.
         overrides: any other config field, passed to every case (e.g. --n_layer=24 --tokenizer_dir=...).
     """
     from lowmem.bench.memory_bench import bench_memory as run_bench
@@ -107,4 +108,4 @@ def bench_memory(use_large_config: bool = False, processes: int = 3, strategies:
     bench_args = [f"--use_large_config={use_large_config}", f"--steps={steps}", f"--skip_steps={skip_steps}",
                   *(f"--{name}={value}" for name, value in overrides.items())]
     print(run_bench(bench_args, processes=processes, strategies=[name.strip() for name in names],
-                    chunk_tokens=chunk_tokens, rows=rows))
+                    chunk_tokens=chunk_tokens, rows=rows, every_combination=every_combination))

@@ -45,10 +45,15 @@ class MemoryConfig:
     memory_watchdog_fraction: float = option(0.9, "warn when a process's RSS passes this share of its memory budget",
                                              above=0, maximum=1)
     # The model side of memory (see lowmem/model/loss.py and Block.forward): neither changes what is computed.
-    loss_chunk_tokens: int = option(0, "tokens per chunk of the loss: the head and cross-entropy run a chunk at a "
+    loss_chunk_tokens: int = option(2048, "tokens per chunk of the loss: the head and cross-entropy run a chunk at a "
                                     "time, so the (batch, sequence, vocabulary) logits never exist whole "
                                     "(0 = whole logits)", minimum=0, hint="0 turns chunking off; 1024 to 8192 suit "
                                     "most models")
+    malloc_mmap_threshold_mb: float = option(0.0, "C allocations of this many MB or more get a mapping of their "
+                                             "own, returned to the system when freed: RSS follows what is in use "
+                                             "instead of settling near the peak, for page faults every step "
+                                             "(0 = glibc's default)", minimum=0, maximum=32,
+                                             hint="0 keeps glibc's default; 1 suits training on a CPU")
     activation_checkpointing: bool = option(False, "keep only each transformer block's input and recompute the "
                                             "block in the backward pass: activations no longer grow with depth, for "
                                             "about a third more compute")

@@ -343,7 +343,8 @@ def model_for_eval(model: torch.nn.Module, accelerator: Accelerator) -> Iterator
         return
     state = full_model_state(model, accelerator, on_every_rank=True)
     with torch.device(accelerator.device):
-        replica = GPT(unwrap(model).config)
+        # The same memory savers: the validation loss without whole logits here too.
+        replica = GPT(unwrap(model).config).use_memory_savers(**unwrap(model).memory_savers)
     load_model_state_dict(replica, state)
     del state
     replica.eval()

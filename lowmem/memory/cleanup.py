@@ -58,6 +58,42 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
+# mallopt's parameter number for the mmap threshold (glibc's malloc.h).
+_M_MMAP_THRESHOLD = -3
+
+
+@functools.cache
+def _find_mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt, or None where the C library has none; looked up once."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt
+
+
+def set_malloc_mmap_threshold(megabytes: float) -> bool:
+    """Give every C allocation of at least `megabytes` its own mapping, returned to the OS when freed.
+
+    glibc starts by mapping blocks of 128 KiB and more, but raises that threshold (up to 32 MiB) to the size
+    of each mapped block that is freed: after the first training step, a step's activations (a few MB each)
+    come from the heap, and the heap keeps what is freed, scattered, so a process's RSS settles near its
+    peak and creeps up. A fixed threshold stops the raising: measured on a 17 M-parameter model with
+    3 processes, DDP's high-water RSS fell from 1,036 to 781 MB and FSDP's from 904 to 620 MB. The price is
+    the pages mapped afresh for each large tensor at every step (on the demo, a quarter of the tokens/s).
+    Setting MALLOC_MMAP_THRESHOLD_ in the environment does the same for a whole launch.
+
+    Returns:
+        Whether the threshold was set (False without glibc's mallopt, or for 0: glibc's default kept).
+    """
+    mallopt = _find_mallopt()
+    if megabytes <= 0 or mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(megabytes * 1024 * 1024)))
+
+
 def cleanup_memory(on_gpu: bool, empty_cuda_cache: bool = False) -> int:
     """Give unused memory back to the OS; return the bytes of RSS it freed (before − after, at least 0).
 

@@ -16,6 +16,7 @@ from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 from lowmem.distributed.collectives import broadcast_from_main, local_processes
 from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
 from lowmem.errors import ConfigError
+from lowmem.memory.cleanup import set_malloc_mmap_threshold
 from lowmem.memory.data_settings import MemorySettings, decide_memory_settings
 from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
@@ -76,6 +77,9 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
                               settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The GPT and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked
     (with the compiler's worker pool bounded on a low memory budget)."""
+    if set_malloc_mmap_threshold(config.malloc_mmap_threshold_mb):
+        logger.info("C allocations of %g MB or more are mapped apart and returned when freed "
+                    "(--malloc_mmap_threshold_mb).", config.malloc_mmap_threshold_mb)
     model = GPT(model_config_for(config, vocab_size)).use_memory_savers(config.loss_chunk_tokens,
                                                                         config.activation_checkpointing)
     logger.info("Model: %.2f M parameters (%.2f M without embeddings); loss: %s; activation checkpointing: %s.",
