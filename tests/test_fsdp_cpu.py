@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from training_helpers import (ROOT, assert_losses_match, kill_all, resumed_from, start_run, traced_losses, traced_run,
-                              wait_for_step, write_chat_rows)
+from training_helpers import (ROOT, assert_losses_match, kill_all, resume_chat_data, resumed_from, start_run,
+                              traced_losses, traced_run, wait_for_step)
 
 FSDP_CONFIG = ROOT / "configs" / "accelerate" / "fsdp.yaml"
 FSDP_LAUNCHER = ["accelerate", "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "3",
@@ -38,8 +38,7 @@ needs_launcher = pytest.mark.skipif(shutil.which("accelerate") is None, reason="
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat")
-    return write_chat_rows(folder / "train.parquet", 900, seed=1), write_chat_rows(folder / "valid.parquet", 60, seed=2)
+    return resume_chat_data(tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from training_helpers import (assert_losses_match, kill_all, resume_overrides, resumed_from, run_command, start_run,
-                              tiny_overrides, traced_losses, traced_run, wait_for_step, write_chat_rows)
+from training_helpers import (assert_losses_match, kill_all, resume_chat_data, resume_overrides, resumed_from,
+                              run_command, start_run, tiny_overrides, traced_losses, traced_run, wait_for_step)
 
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat")
-    return write_chat_rows(folder / "train.parquet", 900, seed=1), write_chat_rows(folder / "valid.parquet", 60, seed=2)
+    return resume_chat_data(tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,11 @@ def write_chat_rows(path: Path, rows: int, seed: int, row_group_rows: int = 64) 
     return path
 
 
+def resume_chat_data(folder: Path) -> tuple[Path, Path]:
+    """The training and validation files of the resume tests: 900 and 60 rows."""
+    return write_chat_rows(folder / "train.parquet", 900, seed=1), write_chat_rows(folder / "valid.parquet", 60, seed=2)
+
+
 def tiny_overrides(tmp_path: Path, train_file: Path, valid_file: Path) -> list[str]:
     """Command-line overrides for a model that trains in seconds."""
     return [
