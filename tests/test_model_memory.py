@@ -18,14 +18,14 @@ import pytest
 from lowmem.bench.memory_bench import DDP, FSDP, MemoryCase, cases, launcher, parse_bench_output, run_case
 
 # A mid-size model whose weights, gradients and AdamW state (17 M parameters: 270 MB in float32) and
-# logits (64 packed rows, a few thousand tokens × 8,064, 100 MB and more per float32 copy) both weigh
-# against the ~400 MB of the interpreter, torch and the data pipeline. Every case checkpoints its
-# activations (MemoryCase's last field), so that they do not hide the other two levers, and returns freed
-# tensors to the system (a fixed mmap threshold), so that a high-water mark is what a step needed, not
-# what glibc's heap kept. Measured: whole logits ~1,200 MB per process, chunked ~920 MB, FSDP lower still.
+# logits (a few thousand tokens × 8,064: 100 MB and more per float32 copy) both weigh against the ~400 MB of
+# the interpreter, torch and the data pipeline. Every case checkpoints its activations (MemoryCase's last
+# field), so that they do not hide the other two levers, and returns freed tensors to the system (a fixed
+# mmap threshold), so that a high-water mark is what a step needed, not what glibc's heap kept. Two steps:
+# AdamW's moments, the largest share of the state, exist from the first step's update on.
 MID_SIZE = ["--n_layer=4", "--n_embd=512", "--n_head=8", "--vocab_size=8000", "--max_seq_len=192",
-            "--batch_size_per_gpu=64", "--steps=1", "--skip_steps=1", "--pipeline=False",
-            "--malloc_mmap_threshold_mb=1"]
+            "--steps=1", "--skip_steps=1", "--pipeline=False", "--malloc_mmap_threshold_mb=1"]
+STRATEGY_BATCH = "--batch_size_per_gpu=16"  # the state is what differs: small batches, quicker steps
 
 
 def test_the_bench_fsdp_launch_is_the_fsdp_config_files(monkeypatch):
@@ -62,6 +62,30 @@ def test_the_bench_table_is_parsed():
     assert parse_bench_output("Traceback ...") is None
 
 
+LOSS_STEPS = """
+import resource, sys, torch
+from lowmem.memory.cleanup import set_malloc_mmap_threshold
+from lowmem.model import GPT, GPTConfig
+set_malloc_mmap_threshold(1)
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=8000, max_seq_len=192, n_layer=4, n_head=8, n_embd=512))
+model.use_memory_savers(loss_chunk_tokens=int(sys.argv[1]), checkpoint_activations=True)
+optimizer = torch.optim.AdamW(model.parameters())
+tokens = torch.randint(0, 8000, (22, 192))  # 4,224 tokens: (4,224 x 8,064) float32 logits are 136 MB
+_, loss = model(tokens, tokens)  # one step: the loss's tensors peak in its forward and backward
+loss.backward()
+optimizer.step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def loss_high_water(chunk_tokens: int) -> float:
+    """The high-water RSS in MB of a training step of the mid-size model in a fresh process."""
+    done = subprocess.run([sys.executable, "-c", LOSS_STEPS, str(chunk_tokens)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return float(done.stdout.split()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
 def test_fsdp_and_the_chunked_loss_each_lower_the_peak(tmp_path):
@@ -73,21 +97,23 @@ def test_fsdp_and_the_chunked_loss_each_lower_the_peak(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     args = [*MID_SIZE, f"--tokenizer_dir={tokenizer_dir}"]
     os.chdir(tmp_path)  # the demo data set is found from here, as in the tokenizer run
-    measured = {}
-    for name, case in {"ddp plain": MemoryCase(DDP, 0, True), "ddp chunked": MemoryCase(DDP, 1024, True),
-                       "fsdp chunked": MemoryCase(FSDP, 1024, True)}.items():
-        result = run_case(case, processes=3, bench_args=args, env=env)
-        assert result.high_water_mb is not None, f"{name} failed:\n{result.failure}"
-        measured[name] = result.high_water_mb
-    ddp_plain, ddp_chunked, fsdp_chunked = (mean(measured[name]) for name in measured)
-    # The plain loss holds about three (tokens, vocabulary) float32 tensors at once; the chunked one a
-    # 1,024-token chunk's (33 MB).
-    assert ddp_chunked < ddp_plain - 100, measured
-    # DDP keeps the whole 270 MB of weights, gradients and optimizer state in every process; FSDP a third.
-    # Two steps, not one: AdamW's moments, the largest share, exist from the first step's update on.
-    assert fsdp_chunked < ddp_chunked - 60, measured
-    assert max(measured["fsdp chunked"]) < min(measured["ddp chunked"]), measured
 
+    def high_water(case: MemoryCase, processes: int, batch: str) -> list[float]:
+        result = run_case(case, processes=processes, bench_args=[*args, batch], env=env)
+        assert result.high_water_mb is not None, f"{case.label} failed:\n{result.failure}"
+        return result.high_water_mb
+
+    # The loss: whole logits against chunks of 1,024 tokens, each in a fresh process (measured 850 vs 650 MB).
+    plain, chunked = (loss_high_water(chunk) for chunk in (0, 1024))
+    # The plain loss holds about three (tokens, vocabulary) float32 tensors at once (136 MB each here); the
+    # chunked one a 1,024-token chunk's (33 MB).
+    assert chunked < plain - 100, (plain, chunked)
+
+    # The strategy: 3 processes each. DDP keeps the whole 270 MB of weights, gradients and optimizer state
+    # in every process; FSDP a third of it.
+    ddp, fsdp = (high_water(MemoryCase(strategy, 1024, True), 3, STRATEGY_BATCH) for strategy in (DDP, FSDP))
+    assert mean(fsdp) < mean(ddp) - 60, (ddp, fsdp)
+    assert max(fsdp) < min(ddp), (ddp, fsdp)
 
 KEEP_HEAP_PINNED = """
 import sys, psutil, torch
