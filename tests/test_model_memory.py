@@ -70,17 +70,15 @@ set_malloc_mmap_threshold(1)
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=8000, max_seq_len=192, n_layer=4, n_head=8, n_embd=512))
 model.use_memory_savers(loss_chunk_tokens=int(sys.argv[1]), checkpoint_activations=True)
-optimizer = torch.optim.AdamW(model.parameters())
 tokens = torch.randint(0, 8000, (22, 192))  # 4,224 tokens: (4,224 x 8,064) float32 logits are 136 MB
-_, loss = model(tokens, tokens)  # one step: the loss's tensors peak in its forward and backward
+_, loss = model(tokens, tokens)  # a forward and backward pass: where the loss's tensors peak
 loss.backward()
-optimizer.step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 
 
 def loss_high_water(chunk_tokens: int) -> float:
-    """The high-water RSS in MB of a training step of the mid-size model in a fresh process."""
+    """The high-water RSS in MB of a forward and backward pass of the mid-size model in a fresh process."""
     done = subprocess.run([sys.executable, "-c", LOSS_STEPS, str(chunk_tokens)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return float(done.stdout.split()[-1])
