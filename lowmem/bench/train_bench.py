@@ -149,12 +149,10 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
     from lowmem.bench.data_bench import generate_file, machine_line
     from lowmem.distributed.accelerator import create_accelerator
     from lowmem.distributed.collectives import all_reduce_sum, broadcast_from_main
-    from lowmem.model import GPT, IGNORE_INDEX
-    from lowmem.distributed.strategy import prepare_model_and_optimizer
-    from lowmem.memory.cleanup import set_malloc_mmap_threshold
-    from lowmem.train.performance import enable_tf32, maybe_compile
+    from lowmem.model import IGNORE_INDEX
     from lowmem.config import validate_config
-    from lowmem.train.setup import ensure_tokenizer, make_loader, model_config_for, shared_memory_settings
+    from lowmem.train.setup import (build_model, ensure_tokenizer, make_loader, prepare_for_training,
+                                    shared_memory_settings)
     from lowmem.train.step import train_step
 
     validate_config(config)
@@ -176,14 +174,10 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         data, data_rss = measure_data_phase(loader, micro_batches, tokenizer.pad_id)
         in_memory = list(_first(loader, micro_batches))  # the same batches the pipeline phase will see
 
-        set_malloc_mmap_threshold(config.malloc_mmap_threshold_mb)
-        model = GPT(model_config_for(config, tokenizer.vocab_size)).use_memory_savers(
-            config.loss_chunk_tokens, config.activation_checkpointing)
-        flops_per_token = model.estimate_flops_per_token()
-        n_params = model.num_params()
-        model, optimizer = prepare_model_and_optimizer(model, config, accelerator)
-        enable_tf32(on_gpu)
-        model = maybe_compile(model, config, settings)
+        plain_model = build_model(config, tokenizer.vocab_size)  # as training builds and prepares it
+        flops_per_token = plain_model.estimate_flops_per_token()
+        n_params = plain_model.num_params()
+        model, optimizer = prepare_for_training(plain_model, config, accelerator, settings)
 
         def step(batches: list[dict[str, torch.Tensor]]) -> None:
             tokens = sum(float((batch["targets"] != IGNORE_INDEX).sum()) for batch in batches)

@@ -73,10 +73,8 @@ def shared_memory_settings(config: TrainConfig, accelerator: Accelerator) -> Mem
     return settings
 
 
-def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, vocab_size: int,
-                              settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The GPT and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked
-    (with the compiler's worker pool bounded on a low memory budget)."""
+def build_model(config: TrainConfig, vocab_size: int) -> GPT:
+    """The plain GPT a config asks for, with its memory savers (and the C allocator's threshold) set."""
     if set_malloc_mmap_threshold(config.malloc_mmap_threshold_mb):
         logger.info("C allocations of %g MB or more are mapped apart and returned when freed "
                     "(--malloc_mmap_threshold_mb).", config.malloc_mmap_threshold_mb)
@@ -86,11 +84,24 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
                 model.num_params() / 1e6, model.num_params(exclude_embeddings=True) / 1e6,
                 f"chunks of {config.loss_chunk_tokens} tokens" if config.loss_chunk_tokens else "whole logits",
                 "on" if config.activation_checkpointing else "off")
+    return model
+
+
+def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerator,
+                         settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """`model` and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked
+    (with the compiler's worker pool bounded on a low memory budget)."""
     model, optimizer = prepare_model_and_optimizer(model, config, accelerator)
     logger.info("Parallelism: %s.", describe(accelerator))
     if enable_tf32(accelerator.device.type == "cuda"):
         logger.info("TF32 matmuls on: float32 work runs on the tensor cores.")
     return maybe_compile(model, config, settings), optimizer
+
+
+def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, vocab_size: int,
+                              settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """`build_model`, then `prepare_for_training`."""
+    return prepare_for_training(build_model(config, vocab_size), config, accelerator, settings)
 
 
 def make_loader(files: str, config: TrainConfig, accelerator: Accelerator, collate: TokenizingCollate,
