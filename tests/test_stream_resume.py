@@ -68,12 +68,25 @@ def test_resume_at_many_cut_points(data):
 
 
 def test_resume_near_the_end_reads_only_the_last_window(data):
-    n = len(epoch_rows(data, 0))
-    _, after, _, decoded = cut_and_resume(data, 0, n - 5)
+    n = len(epoch_rows(data, 0, mix_row_groups=1))
+    _, after, _, decoded = cut_and_resume(data, 0, n - 5, mix_row_groups=1)
     assert len(after) == 5
     # Only the last window's row groups are decoded again: at most one window plus a group at each edge.
     assert decoded <= BUFFER + 2 * GROUP_ROWS
     assert decoded < n / 5
+
+
+def test_resume_with_lanes_reads_only_the_row_groups_of_one_window(tmp_path):
+    files = [write_rows(tmp_path / "big.parquet", [f"z{i}" for i in range(20_000)], GROUP_ROWS)]
+    lanes = 16
+    n = len(epoch_rows(files, 0, mix_row_groups=lanes))
+    for cut in (n - 5, n // 2):
+        _, after, _, decoded = cut_and_resume(files, 0, cut, mix_row_groups=lanes)
+        assert len(after) == n - cut
+        if cut == n - 5:
+            # Each lane's part of the last window lies in at most two row groups.
+            assert decoded <= 2 * lanes * GROUP_ROWS
+            assert decoded < n / 5
 
 
 def test_resume_with_ranks(data):
@@ -92,9 +105,10 @@ def test_resume_ultra_low_mem_same_as_normal(data):
 
 def test_state_is_positions_not_rows(data):
     _, _, state, _ = cut_and_resume(data, 0, 300)
-    assert set(state["consumers"]) == {"0"}
-    assert all(isinstance(v, int) for v in state["consumers"]["0"])
-    assert "x" not in json.dumps(state["consumers"])
+    positions = state["layers"][-1]["positions"]
+    assert set(positions) == {"0"}
+    assert all(isinstance(v, int) for v in positions["0"])
+    assert "x" not in json.dumps(state["layers"])
 
 
 def test_state_from_other_data_or_settings_is_refused(data, tmp_path):
@@ -103,8 +117,10 @@ def test_state_from_other_data_or_settings_is_refused(data, tmp_path):
         ParquetStream(data, buffer_size=BUFFER, seed=12).load_state_dict(state)
     with pytest.raises(DataError, match="data files"):
         make_stream(data[:1]).load_state_dict(state)
-    with pytest.raises(DataError, match="world_size"):
-        make_stream(data, rank=0, world_size=2).load_state_dict(state)
+    # One rank's position of three cannot be shared out among two processes: the others' are needed.
+    rank_state = make_stream(data, rank=1, world_size=3).state_dict()
+    with pytest.raises(DataError, match="covers 1 of its 3 readers"):
+        make_stream(data, rank=0, world_size=2).load_state_dict(rank_state)
 
 
 def _prompts(rows):
@@ -153,8 +169,14 @@ def test_loader_resume_in_a_later_epoch_then_next_epoch(data):
     assert list(resumed) == epoch4
 
 
-def test_loader_refuses_other_worker_count(data):
-    first = StreamLoader(make_stream(data), batch_size=8, num_workers=2)
-    next(iter(first))
-    with pytest.raises(DataError, match="num_workers"):
-        StreamLoader(make_stream(data), batch_size=8, num_workers=1).load_state_dict(first.state_dict())
+def test_loader_with_another_worker_count_continues_the_epoch_once(data):
+    first = StreamLoader(make_stream(data), batch_size=8, collate_fn=_prompts, num_workers=2)
+    batches = iter(first)
+    before = [row for _ in range(5) for row in next(batches)]
+    resumed = StreamLoader(make_stream(data), batch_size=8, collate_fn=_prompts, num_workers=1)
+    resumed.load_state_dict(first.state_dict())
+    after = [row for batch in resumed for row in batch]
+    every_row = {f"x{i}" for i in range(2345)} | {f"y{i}" for i in range(1111)}
+    assert len(set(before + after)) == len(before + after)  # no row twice
+    assert set(before + after) <= every_row
+    assert len(every_row) - len(before + after) < 2 + 1  # fewer than N + M left out

@@ -77,10 +77,11 @@ def _measure_ceiling(files: Sequence[str]) -> dict[str, Any]:
     return {"rows": rows, "seconds": time.perf_counter() - started}
 
 
-def _measure_stream(files: Sequence[str], ultra_low_mem: bool, buffer_size: int) -> dict[str, Any]:
+def _measure_stream(files: Sequence[str], ultra_low_mem: bool, buffer_size: int, mix_row_groups: int) -> dict[str, Any]:
     from lowmem.data import ParquetStream
 
-    stream = ParquetStream(files, buffer_size=buffer_size, ultra_low_mem=ultra_low_mem, seed=0)
+    stream = ParquetStream(files, buffer_size=buffer_size, ultra_low_mem=ultra_low_mem, seed=0,
+                           mix_row_groups=mix_row_groups)
     tenth = len(stream) // 10
     rows, rss_at_tenth = 0, None
     started = time.perf_counter()
@@ -91,41 +92,42 @@ def _measure_stream(files: Sequence[str], ultra_low_mem: bool, buffer_size: int)
             "rows_decoded": stream.rows_decoded}
 
 
-def _measure_resume(files: Sequence[str], buffer_size: int, fraction: float) -> dict[str, Any]:
+def _measure_resume(files: Sequence[str], buffer_size: int, fraction: float, mix_row_groups: int) -> dict[str, Any]:
     from lowmem.data import ParquetStream
 
     # The position is computed from the plan, without reading the rows before it.
-    stream = ParquetStream(files, buffer_size=buffer_size, seed=0)
+    stream = ParquetStream(files, buffer_size=buffer_size, seed=0, mix_row_groups=mix_row_groups)
     cut = int(len(stream) * fraction)
-    state = stream.state_with_positions({0: [cut // buffer_size, cut % buffer_size, 0]})
+    state = stream.state_with_positions({0: [cut // buffer_size, cut % buffer_size // 2, 0]})
     started = time.perf_counter()
-    resumed = ParquetStream(files, buffer_size=buffer_size, seed=0)
+    resumed = ParquetStream(files, buffer_size=buffer_size, seed=0, mix_row_groups=mix_row_groups)
     resumed.load_state_dict(state)
     next(iter(resumed))
     return {"rows": 1, "seconds": time.perf_counter() - started, "rows_decoded": resumed.rows_decoded}
 
 
-def measure(case: str, files: Sequence[str], buffer_size: int = 5000) -> dict[str, Any]:
+def measure(case: str, files: Sequence[str], buffer_size: int = 5000, mix_row_groups: int = 16) -> dict[str, Any]:
     """Run one case in this process and return its figures (RSS in bytes)."""
     if case == "ceiling":
         result = _measure_ceiling(files)
     elif case in ("normal", "ultra"):
-        result = _measure_stream(files, ultra_low_mem=case == "ultra", buffer_size=buffer_size)
+        result = _measure_stream(files, ultra_low_mem=case == "ultra", buffer_size=buffer_size,
+                                 mix_row_groups=mix_row_groups)
     elif case in ("resume", "resume10"):
-        result = _measure_resume(files, buffer_size, 0.9 if case == "resume" else 0.1)
+        result = _measure_resume(files, buffer_size, 0.9 if case == "resume" else 0.1, mix_row_groups)
     else:
         raise ValueError(f"unknown case {case!r}; choose from {CASES}")
     return {"case": case, **result, "rss_end": _rss(), "peak_rss": _peak_rss()}
 
 
-def run_case(case: str, files: Sequence[str | Path], buffer_size: int = 5000) -> dict[str, Any]:
+def run_case(case: str, files: Sequence[str | Path], buffer_size: int = 5000, mix_row_groups: int = 16) -> dict[str, Any]:
     """Run one case in a fresh Python process and return its figures.
 
     "spawn" starts a new interpreter (no copy of this process's heap, as a fork would give) that imports
     lowmem from the same place as this one.
     """
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(measure, (case, [str(file) for file in files], buffer_size))
+        return pool.apply(measure, (case, [str(file) for file in files], buffer_size, mix_row_groups))
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
@@ -161,16 +163,17 @@ def machine_line() -> str:
             f"Python {platform.python_version()}, pyarrow {pa.__version__}")
 
 
-def bench_data(files: Sequence[str | Path] | None = None, rows: int = 2_000_000, buffer_size: int = 5000) -> str:
-    """Run the four cases, each in a fresh process, and return the table (generating a file if none given)."""
+def bench_data(files: Sequence[str | Path] | None = None, rows: int = 2_000_000, buffer_size: int = 5000,
+               mix_row_groups: int = 16) -> str:
+    """Run the cases, each in a fresh process, and return the table (generating a file if none given)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="lowmem-bench-") as folder:
         if not files:
             files = [generate_file(Path(folder) / f"bench-{rows}.parquet", rows)]
-        results = {case: run_case(case, files, buffer_size) for case in CASES}
+        results = {case: run_case(case, files, buffer_size, mix_row_groups) for case in CASES}
     total_rows = results["ceiling"]["rows"]
-    return (f"{total_rows:,} rows, buffer_size={buffer_size}, on {machine_line()}\n"
+    return (f"{total_rows:,} rows, buffer_size={buffer_size}, mix_row_groups={mix_row_groups}, on {machine_line()}\n"
             "(each case in a fresh process with the same imports; peak RSS includes the interpreter and torch)\n"
             + format_table(results))
 

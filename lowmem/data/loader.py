@@ -50,7 +50,8 @@ class StreamLoader:
     Rows are batched and collated inside the workers. Every batch carries its worker's stream position,
     and the loader records it when the batch is handed to the caller, so `state_dict()` describes
     exactly the batches the caller has received: batches the DataLoader prefetched but did not hand
-    over are read again after a resume. Restoring needs the same `num_workers` (and world size).
+    over are read again after a resume. Restored with the same `num_workers` (and world size) the batches
+    continue exactly; with others, the rest of the epoch is shared out anew.
 
     Args:
         stream: the ParquetStream to read (its `num_workers` is set to this loader's).
@@ -136,16 +137,18 @@ class StreamLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position: the next iteration yields exactly the batches that followed it."""
-        saved_workers = state.get("workers_per_rank") if isinstance(state, dict) else None
-        if saved_workers is not None and saved_workers != max(1, self.num_workers):
-            raise DataError(
-                f"The saved data position was made with {saved_workers} DataLoader worker(s) per rank, but "
-                f"this loader has num_workers={self.num_workers}. Resume with the same num_workers to continue exactly."
-            )
+        """Continue from a saved position: the next iteration yields exactly the batches that followed it.
+
+        `state` is this rank's saved state, or every rank's merged (`lowmem.data.elastic.merge_rank_states`).
+        Saved with the same processes and workers, the batches continue row for row; otherwise the rows no
+        old reader had handed over are shared out anew (a merged state is needed then).
+        """
         self.stream.load_state_dict(state)
-        self._loaded = {int(consumer): list(position) for consumer, position in state["consumers"].items()}
+        self._loaded = self.stream.loaded_positions()
         self._delivered = {}
+        exact = self.stream.continues_exactly
+        next_workers = state.get("next_workers", {})
+        next_worker = next_workers.get(str(self.stream.rank), state.get("next_worker", 0) if "rank" in state else 0)
         # DataLoader workers take turns from worker 0: rotate so the consumer that was due comes first.
-        self._next_worker = int(state.get("next_worker", 0))
+        self._next_worker = int(next_worker) if exact else 0
         self.stream.worker_rotation = self._next_worker

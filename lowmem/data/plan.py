@@ -1,18 +1,11 @@
-"""The epoch plan: which rows each consumer reads, and in which order, as a pure function.
+"""The epoch plan: the sequence of rows of one epoch, as a pure function of (files, seed, epoch).
 
 One epoch is laid out as a single global sequence of rows:
 
     row groups in a permuted order  →  within each row group, its rows in a permuted order
 
-Consumer `c` of `C` (a consumer is one rank, or one DataLoader worker of a rank) takes the contiguous
-slice `[c * R, (c + 1) * R)` of that sequence, with `R = total_rows // C`. So every consumer gets exactly
-`R` rows, no row is given twice, and the `total_rows % C` rows at the very end are left out (a different
-few each epoch, because the sequence is re-permuted). Because the slice is contiguous, a consumer reads
-only its own row groups (plus at most two it shares with its neighbours), not every file.
-
-Each consumer then cuts its slice into windows of `window_rows` rows and emits each window in a random
-order: the shuffle buffer. A position is therefore just (window, rows emitted from it), and resuming
-means re-reading the row groups of one window, never the epoch's start.
+How consumers (ranks, or DataLoader workers of ranks) share the sequence out and the order in which each
+reads its share (lanes and windows) is `lowmem.data.lanes`'s business; `consumer_range` gives the shares.
 
 Every permutation comes from a seed derived from (seed, epoch, purpose, ids), so the plan needs no state.
 
@@ -31,7 +24,7 @@ import numpy as np
 
 # Separate purposes get separate seed streams, so e.g. the row-group order never correlates with the
 # order inside a window.
-_GROUP_ORDER, _ROWS_IN_GROUP, _ROWS_IN_WINDOW = 0, 1, 2
+_GROUP_ORDER, _ROWS_IN_GROUP = 0, 1  # 2: window orders (lowmem.data.lanes)
 GROUP_ORDER_MAX_CORRELATION = 0.01
 _GROUP_ORDER_DRAWS = 32
 
@@ -82,67 +75,78 @@ def group_order(group_rows: np.ndarray, seed: int, epoch: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows `[start, stop)` of row group `group`, counted in the group's (permuted) row order."""
+    """Rows `[start, stop)` of a source, counted in the source's own row order.
 
-    group: int
+    A source `>= 0` is a row group, whose rows are counted in the epoch's permuted order of that group. A
+    source `< 0` is the unsent part of a window of an earlier layout (`lowmem.data.elastic`), number
+    `-1 - source` of its sequence's `rests`.
+    """
+
+    source: int
     start: int
     stop: int
 
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
 
-class EpochPlan:
-    """The row order of one epoch for `num_consumers` consumers."""
 
-    def __init__(self, group_rows: np.ndarray, seed: int, epoch: int, num_consumers: int, shuffle: bool,
-                 drop_remainder: bool = True, max_rows: int | None = None):
-        if num_consumers < 1:
-            raise ValueError("num_consumers must be at least 1")
-        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
-        self.group_rows = group_rows
-        self.num_consumers = num_consumers
-        num_groups = group_rows.shape[0]
-        self.group_order = group_order(group_rows, seed, epoch) if shuffle else np.arange(num_groups)
-        rows_in_order = group_rows[self.group_order]
-        self._ends = np.cumsum(rows_in_order)  # (G,) global position just past each group
-        self._starts = self._ends - rows_in_order
-        total = int(self._ends[-1]) if num_groups else 0
-        if max_rows is not None:
-            total = min(total, max_rows)  # the first rows of the sequence: file order without shuffling
-        self.total_rows, self.drop_remainder = total, drop_remainder
+class PieceSequence:
+    """A sequence of rows made of pieces laid end to end, kept as numpy arrays (cheap in forked workers).
 
-    def consumer_range(self, consumer: int) -> tuple[int, int]:
-        """Global positions `[start, stop)` of `consumer`'s rows."""
-        return consumer_range(consumer, self.num_consumers, self.total_rows, self.drop_remainder)
+    `rests` describes the sources below 0 (see `Piece`); the epoch's sequence has none.
+    """
 
-    def num_windows(self, consumer: int, window_rows: int) -> int:
-        first, last = self.consumer_range(consumer)
-        return -(-(last - first) // window_rows)  # ceil
+    def __init__(self, sources: np.ndarray, starts: np.ndarray, stops: np.ndarray, rests: tuple = ()):
+        self.sources = np.asarray(sources, dtype=np.int64)
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.stops = np.asarray(stops, dtype=np.int64)
+        self.rests = tuple(rests)
+        self._ends = np.cumsum(self.stops - self.starts)  # (P,) position just past each piece
+        self.total_rows = int(self._ends[-1]) if self._ends.shape[0] else 0
 
-    def window_range(self, consumer: int, window: int, window_rows: int) -> tuple[int, int]:
-        """Global positions `[start, stop)` of one window of one consumer (the last may be short)."""
-        first, last = self.consumer_range(consumer)
-        start = first + window * window_rows
-        return start, min(start + window_rows, last)
+    @classmethod
+    def of(cls, pieces: list[Piece], rests: tuple = ()) -> "PieceSequence":
+        """The sequence of `pieces`, in order."""
+        arrays = np.array([(p.source, p.start, p.stop) for p in pieces], dtype=np.int64).reshape(-1, 3)
+        return cls(arrays[:, 0], arrays[:, 1], arrays[:, 2], rests)
 
     def pieces(self, start: int, stop: int) -> list[Piece]:
-        """The row-group pieces that make up global positions `[start, stop)`, in order."""
+        """The pieces that make up positions `[start, stop)` of the sequence, in order."""
         pieces = []
         position = int(np.searchsorted(self._ends, start, side="right"))
         while start < stop:
-            group_start = int(self._starts[position])
+            piece_start = int(self._ends[position]) - int(self.stops[position] - self.starts[position])
             piece_stop = min(stop, int(self._ends[position]))
-            pieces.append(Piece(int(self.group_order[position]), start - group_start, piece_stop - group_start))
+            offset = int(self.starts[position]) - piece_start
+            pieces.append(Piece(int(self.sources[position]), start + offset, piece_stop + offset))
             start = piece_stop
             position += 1
         return pieces
+
+
+class EpochPlan:
+    """The epoch's sequence of rows: every row group in a permuted order (file order without shuffling),
+    cut to `max_rows`. How consumers share it out is `lowmem.data.lanes.Layout`'s business."""
+
+    def __init__(self, group_rows: np.ndarray, seed: int, epoch: int, shuffle: bool, max_rows: int | None = None):
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self.group_rows = group_rows
+        num_groups = group_rows.shape[0]
+        self.group_order = group_order(group_rows, seed, epoch) if shuffle else np.arange(num_groups)
+        rows_in_order = group_rows[self.group_order]
+        sequence = PieceSequence(self.group_order, np.zeros(num_groups, dtype=np.int64), rows_in_order)
+        if max_rows is not None and max_rows < sequence.total_rows:
+            # The first rows of the sequence (of the file order without shuffling).
+            sequence = PieceSequence.of(sequence.pieces(0, max_rows))
+        self.sequence = sequence
+
+    @property
+    def total_rows(self) -> int:
+        return self.sequence.total_rows
 
     def rows_in_group(self, group: int) -> np.ndarray | None:
         """The permuted row order inside `group` (None when not shuffling: file order)."""
         if not self.shuffle:
             return None
         return _rng(self.seed, self.epoch, _ROWS_IN_GROUP, group).permutation(int(self.group_rows[group]))
-
-    def rows_in_window(self, consumer: int, window: int, num_rows: int) -> np.ndarray | None:
-        """The order in which a window's `num_rows` kept rows are emitted (None when not shuffling)."""
-        if not self.shuffle:
-            return None
-        return _rng(self.seed, self.epoch, _ROWS_IN_WINDOW, self.num_consumers, consumer, window).permutation(num_rows)

@@ -248,11 +248,12 @@ def _column_positions(metadata: pq.FileMetaData, columns: Sequence[str]) -> list
     return [i for i in range(metadata.num_columns) if metadata.schema.column(i).path.split(".")[0] in wanted]
 
 
-def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int) -> list[str]:
+def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int, groups_at_once: int = 1) -> list[str]:
     """Log one warning per file whose largest row group is over `limit_bytes`; return those files.
 
-    Such files work, but every read holds a whole row group in memory, so the bound on host memory is
-    only as good as the row groups are small. The warning carries the command that repacks the file.
+    Such files work, but every read holds a whole row group in memory (and a shuffled stream holds
+    `groups_at_once` of them), so the bound on host memory is only as good as the row groups are small.
+    The warning carries the command that repacks the file.
     """
     flagged = []
     for path, (group, size, rows) in index.largest_group_per_file().items():
@@ -264,9 +265,10 @@ def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int) -> list[str]:
         stem, _ = os.path.splitext(source)
         logger.warning(
             "Row group %d of '%s' holds %d rows, %.0f MB uncompressed, over the %.0f MB limit for one "
-            "read: every read of it holds that much in memory. Rewrite the file with small row groups%s:\n"
+            "read: every read of it holds that much in memory%s. Rewrite the file with small row groups%s:\n"
             "    python train_low_mem.py repack %s %s --row_group_rows=%d",
             group, path, rows, size / MB, limit_bytes / MB,
+            f", and {groups_at_once} row groups are read at once" if groups_at_once > 1 else "",
             " (copy it here first, and upload the result in its place)" if is_uri(path) else "",
             source, f"{stem}.repacked.parquet", REPACK_ROW_GROUP_ROWS,
         )

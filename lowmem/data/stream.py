@@ -5,25 +5,29 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator, Sequence
 
-import pyarrow as pa
-import pyarrow.compute as pc
+import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lowmem.data.plan import EpochPlan, Piece, consumer_range
+from lowmem.data.elastic import EpochLayers, Layer, Position, close_layer
+from lowmem.data.lanes import LayoutSpec
+from lowmem.data.plan import EpochPlan, consumer_range
 from lowmem.data.reader import RowGroupReader
 from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, build_row_group_index, warn_large_row_groups
+from lowmem.data.windows import SourceCache, Window, read_window
 from lowmem.errors import DataError
-from lowmem.memory import MemoryBudget, release_arrow_memory
+from lowmem.memory import MemoryBudget
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 # Rows turned into Python objects at a time: keeps the peak of Python strings well below the window's.
 _CONVERT_ROWS = 1024
-# By default a row group is "too large" above this fraction of the host's memory budget.
+# By default the row groups read at once may hold up to this fraction of the host's memory budget.
 LARGE_ROW_GROUP_FRACTION = 1 / 200
-
-Position = list  # [window, rows emitted from it, rows skipped so far this epoch]
+# The seed purpose of window orders (see lowmem.data.plan).
+_ROWS_IN_WINDOW = 2
+# Row groups each consumer reads at once and mixes, unless told otherwise (see the README's data section).
+DEFAULT_MIX_ROW_GROUPS = 16
 
 
 class ParquetStream(IterableDataset):
@@ -32,18 +36,22 @@ class ParquetStream(IterableDataset):
     Args:
         files: a path, a glob, a directory (every *.parquet below it), or a list of them.
         columns: the text columns to read; every file must have them, as strings.
-        buffer_size: rows in the shuffle buffer. Each consumer emits its rows in windows of this many
-            rows, each window in a random order; memory holds one window plus one row group.
-        shuffle: permute row groups, rows within a row group, and rows within a window, anew each
-            epoch. False gives file order.
-        seed: the seed of every permutation; the order is a pure function of (files, seed, epoch,
-            number of consumers).
+        buffer_size: rows in the shuffle window. Each consumer sends its rows in windows of about this many
+            rows, each window in a random order.
+        mix_row_groups: row groups each consumer reads at once (its lanes). A window takes rows from every
+            lane, interleaved, so that consecutive rows come from this many row groups. Memory holds this
+            many row groups plus one window. 1 reads one stretch of the sequence at a time.
+        shuffle: permute row groups, rows within a row group, and each window, anew each epoch. False gives
+            file order.
+        seed: the seed of every permutation; the order is a pure function of (files, seed, epoch, number
+            of consumers, mix_row_groups, buffer_size).
         rank, world_size: this process's place among the training processes.
         ultra_low_mem: reopen the file for every row group and release Arrow's pool after it. None
             decides from the memory budget: on when the host has less than `ultra_low_mem_threshold_gb`.
         ultra_low_mem_threshold_gb: the budget below which `ultra_low_mem=None` turns the mode on.
-        large_row_group_bytes: row groups above this uncompressed size get a warning with the repack
-            command; None means 1/200 of the memory budget.
+        large_row_group_bytes: the memory the row groups read at once may take; files whose row groups are
+            over this divided by `mix_row_groups` get a warning with the repack command. None means 1/200 of
+            the memory budget.
         num_workers: DataLoader workers per rank that will read this stream (0 = read in the training
             process). Only `len()` needs it before iterating; `StreamLoader` sets it.
         drop_remainder: True (training) gives every consumer exactly `total_rows // consumers` rows and
@@ -53,7 +61,8 @@ class ParquetStream(IterableDataset):
             not shuffling), e.g. the first validation prompts to score.
 
     Each consumer (a rank, or a DataLoader worker of a rank) yields exactly `total_rows // consumers`
-    rows per epoch, minus rows with a null or empty value, which are skipped and counted.
+    rows per epoch, minus rows with a null or empty value, which are skipped and counted. A saved position
+    continues exactly with the same consumers, and loads into any other number of them (`lowmem.data.elastic`).
     """
 
     def __init__(
@@ -71,11 +80,13 @@ class ParquetStream(IterableDataset):
         num_workers: int = 0,
         drop_remainder: bool = True,
         max_rows: int | None = None,
+        mix_row_groups: int = DEFAULT_MIX_ROW_GROUPS,
     ):
         super().__init__()
-        _check_arguments(columns, buffer_size, rank, world_size, num_workers)
+        _check_arguments(columns, buffer_size, rank, world_size, num_workers, mix_row_groups)
         self.columns = tuple(columns)
         self.buffer_size = int(buffer_size)
+        self.mix_row_groups = int(mix_row_groups)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.rank, self.world_size = int(rank), int(world_size)
@@ -90,18 +101,24 @@ class ParquetStream(IterableDataset):
             int(budget.total_bytes * LARGE_ROW_GROUP_FRACTION) if large_row_group_bytes is None else int(large_row_group_bytes)
         )
         if self.rank == 0:
-            warn_large_row_groups(self.index, self.large_row_group_bytes)
+            warn_large_row_groups(self.index, self.large_row_group_bytes // self.lanes, self.lanes)
 
         self.epoch = 0
-        self._resume: dict[int, Position] = {}  # loaded positions not yet picked up by an iteration
-        self._positions_consumers: int | None = None  # consumer count of the loaded or running positions
+        self._saved_layers: list[Layer] | None = None  # loaded layers, until an iteration has picked them up
+        self._closed: list[Layer] = []  # this epoch's layers before the current one (after a change of layout)
+        self._current: LayoutSpec | None = None  # the layout being read (None: the one this stream's settings give)
+        self._resume: dict[int, Position] = {}  # loaded positions in the current layout, not yet picked up
         self._live: dict[int, _Cursor] = {}  # positions of the iterations running in this process
         self._reader: RowGroupReader | None = None
         # DataLoader worker w reads consumer (w + worker_rotation) % workers of this rank. A resumed loader
         # rotates so that its worker 0 reads the consumer whose batch was due next.
         self.worker_rotation = 0
 
-    # ----- size and epochs ------------------------------------------------------------------------
+    # ----- size, layout and epochs ----------------------------------------------------------------
+    @property
+    def lanes(self) -> int:
+        return self.mix_row_groups if self.shuffle else 1
+
     @property
     def workers_per_rank(self) -> int:
         return max(1, self.num_workers)
@@ -110,28 +127,41 @@ class ParquetStream(IterableDataset):
     def num_consumers(self) -> int:
         return self.world_size * self.workers_per_rank
 
-    def plan(self, num_consumers: int | None = None) -> EpochPlan:
-        """This epoch's plan for `num_consumers` consumers (default: ranks × workers per rank)."""
-        return EpochPlan(self.index.rows, self.seed, self.epoch, num_consumers or self.num_consumers, self.shuffle,
-                         self.drop_remainder, self.max_rows)
+    def layout_spec(self, num_consumers: int | None = None) -> LayoutSpec:
+        """The layout this stream's settings give for `num_consumers` consumers (default: ranks × workers)."""
+        return LayoutSpec(num_consumers or self.num_consumers, self.lanes, self.buffer_size)
+
+    def plan(self) -> EpochPlan:
+        """This epoch's sequence of row groups."""
+        return EpochPlan(self.index.rows, self.seed, self.epoch, self.shuffle, self.max_rows)
+
+    def layers(self, num_consumers: int | None = None) -> EpochLayers:
+        """This epoch's layers, read now by `num_consumers` consumers (default: ranks × workers per rank)."""
+        current = self._settle(num_consumers or self.num_consumers)
+        return EpochLayers(self.plan(), self._closed, current, self.drop_remainder,
+                           (self.seed, self.epoch, _ROWS_IN_WINDOW))
 
     def rank_consumer_rows(self) -> list[int]:
         """Rows per epoch of each of this rank's consumers (before null or empty values are skipped)."""
-        # Counting needs only the total, not the epoch's order: no plan is built.
-        total = self.index.num_rows if self.max_rows is None else min(self.index.num_rows, self.max_rows)
         first = self.rank * self.workers_per_rank
-        ranges = (consumer_range(consumer, self.num_consumers, total, self.drop_remainder)
-                  for consumer in range(first, first + self.workers_per_rank))
-        return [stop - start for start, stop in ranges]
+        consumers = range(first, first + self.workers_per_rank)
+        if self._saved_layers is None and not self._closed:
+            # Counting a whole epoch needs only the total, not the epoch's order: no plan is built.
+            total = self.index.num_rows if self.max_rows is None else min(self.index.num_rows, self.max_rows)
+            ranges = (consumer_range(consumer, self.num_consumers, total, self.drop_remainder) for consumer in consumers)
+            return [stop - start for start, stop in ranges]
+        layout = self.layers().current_layout
+        return [layout.consumer_rows(consumer) for consumer in consumers]
 
     def __len__(self) -> int:
-        """Rows this rank yields per epoch (before rows with null or empty values are skipped)."""
+        """Rows this rank yields in this epoch (before rows with null or empty values are skipped); after a
+        change of layout, in the rest of the epoch."""
         return sum(self.rank_consumer_rows())
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows. A loaded position is for its own epoch only."""
         if epoch != self.epoch:
-            self._resume, self._live, self._positions_consumers = {}, {}, None
+            self._saved_layers, self._closed, self._current, self._resume, self._live = None, [], None, {}, {}
             self.worker_rotation = 0
         self.epoch = int(epoch)
 
@@ -149,38 +179,75 @@ class ParquetStream(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch: small and JSON-serialisable, valid at any point of an iteration.
 
-        It holds the epoch, seeds, a fingerprint of the data and one `[window, emitted, skipped]` per
-        consumer of this rank, never rows. With DataLoader workers the positions live in the worker
-        processes: use `StreamLoader.state_dict()` there.
+        It holds the epoch, seeds, a fingerprint of the data, and the layout with one `[window, sent,
+        skipped]` per consumer of this rank, never rows. With DataLoader workers the positions live in the
+        worker processes: use `StreamLoader.state_dict()` there.
         """
         live = {consumer: cursor.as_list() for consumer, cursor in self._live.items()}
         return self.state_with_positions({**self._resume, **live})
 
     def state_with_positions(self, positions: dict[int, Position]) -> dict[str, Any]:
-        """The state dict of this stream with the given consumer positions."""
+        """The state dict of this stream with the given positions of this rank's consumers in the current
+        layout (a consumer not given has not started)."""
+        spec = self._settle(self.num_consumers)
+        workers = spec.consumers // self.world_size
+        own = {consumer: [0, 0, 0] for consumer in range(self.rank * workers, (self.rank + 1) * workers)}
+        own.update({consumer: list(position) for consumer, position in positions.items() if consumer in own})
         return {
             "format": STATE_FORMAT,
             "data": self.index.fingerprint,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "buffer_size": self.buffer_size,
             "epoch": self.epoch,
             "rank": self.rank,
             "world_size": self.world_size,
-            "workers_per_rank": (self._positions_consumers or self.num_consumers) // self.world_size,
-            "consumers": {str(consumer): list(position) for consumer, position in sorted(positions.items())},
+            "workers_per_rank": workers,
+            "layers": [layer.as_dict() for layer in self._closed] + [Layer(spec, own).as_dict()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position: the next iteration yields exactly the rest of that epoch."""
+        """Continue from a saved position: the next iteration yields exactly the rest of that epoch.
+
+        The same layout (consumers, lanes, window) continues the saved order row for row. Another layout
+        needs every consumer's position (`lowmem.data.elastic.merge_rank_states`): the rows not yet sent
+        are then shared out anew, each exactly once.
+        """
+        layers = _saved_layers(state)
         _check_state_matches(self, state)
         self.epoch = int(state["epoch"])
-        self._resume = {int(consumer): [int(v) for v in position] for consumer, position in state["consumers"].items()}
-        saved_workers = int(state["workers_per_rank"])
-        self._positions_consumers = self.world_size * saved_workers
-        if self.workers_per_rank != saved_workers:
-            self.num_workers = saved_workers
-        self._live = {}
+        self._saved_layers, self._current, self._live = layers, None, {}
+        self._settle(self.num_consumers)
+
+    def _settle(self, num_consumers: int) -> LayoutSpec:
+        """The layout read by `num_consumers` consumers, taking up loaded layers as fits it."""
+        spec = self.layout_spec(num_consumers)
+        if self._current == spec:
+            return spec
+        if self._current is not None and self._saved_layers is None:
+            raise DataError(
+                f"This epoch is being read by {self._current.describe()}; it cannot be read by "
+                f"{spec.describe()} as well. Start the next epoch, or keep num_workers as it was."
+            )
+        layers = self._saved_layers or []
+        if layers and layers[-1].spec == spec:
+            self._closed, self._resume = layers[:-1], dict(layers[-1].positions)
+        elif layers:
+            self._closed, self._resume = close_layer(layers, spec), {}
+            logger.info("Data: the rest of epoch %d, saved by %s, is shared out anew among %s.",
+                        self.epoch, layers[-1].spec.describe(), spec.describe())
+        self._current = spec
+        return spec
+
+    def loaded_positions(self) -> dict[int, Position]:
+        """Loaded positions of this rank's consumers not yet picked up by an iteration."""
+        first = self.rank * self.workers_per_rank
+        return {consumer: list(position) for consumer, position in self._resume.items()
+                if first <= consumer < first + self.workers_per_rank}
+
+    @property
+    def continues_exactly(self) -> bool:
+        """True when the loaded position is read in its own layout (row for row as if never stopped)."""
+        return self._saved_layers is not None and self._saved_layers[-1].spec == self._current
 
     def forget_loaded_positions(self) -> None:
         """Drop loaded positions not yet picked up here (DataLoader workers took their own copies)."""
@@ -199,59 +266,39 @@ class ParquetStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, str]]:
         consumer, num_consumers = self.current_consumer()
-        if self._resume and self._positions_consumers != num_consumers:
-            raise DataError(
-                f"The saved data position was made with {self._positions_consumers // self.world_size} "
-                f"DataLoader worker(s) per rank, but this run reads with {num_consumers // self.world_size}. "
-                "Resume with the same num_workers (and number of processes) to continue exactly."
-            )
-        plan = self.plan(num_consumers)
+        layers = self.layers(num_consumers)
         cursor = _Cursor(*self._resume.pop(consumer, [0, 0, 0]))
         self._live[consumer] = cursor
-        self._positions_consumers = num_consumers
-        return self._iter_rows(plan, consumer, cursor)
+        return self._iter_rows(layers, consumer, cursor)
 
     def _get_reader(self) -> RowGroupReader:
         if self._reader is None:
             self._reader = RowGroupReader(self.index, ultra_low_mem=self.ultra_low_mem)
         return self._reader
 
-    def _iter_rows(self, plan: EpochPlan, consumer: int, cursor: "_Cursor") -> Iterator[dict[str, str]]:
-        groups = _GroupCache(self._get_reader(), plan, self.ultra_low_mem)
-        num_windows = plan.num_windows(consumer, self.buffer_size)
-        while cursor.window < num_windows:
-            window, emitted = cursor.window, cursor.emitted
-            rows, skipped = self._build_window(plan, consumer, window, groups)
-            if emitted == 0:  # a window resumed part-way was counted before the save
-                cursor.skipped += skipped
-            for start in range(emitted, rows.num_rows, _CONVERT_ROWS):
-                chunk = rows.slice(start, _CONVERT_ROWS).to_pylist()
+    def _iter_rows(self, layers: EpochLayers, consumer: int, cursor: "_Cursor") -> Iterator[dict[str, str]]:
+        layer = len(layers.closed)
+        order = layers.layout(layer).consumer_order(consumer)
+        caches = [SourceCache(self._get_reader(), layers, layer, self.ultra_low_mem) for _ in order.lanes]
+        while cursor.window < order.num_windows:
+            window = read_window(order, cursor.window, caches)
+            if cursor.sent == 0:  # a window resumed part-way was counted before the save
+                cursor.skipped += window.skipped
+            cursor.begin_window(window)
+            for start in range(window.first_unsent(cursor.sent), window.rows.num_rows, _CONVERT_ROWS):
+                chunk = window.rows.slice(start, _CONVERT_ROWS).to_pylist()
                 # `yield from` a list iterator costs far less per row than a Python loop, and the
                 # cursor reads its position from the iterator when asked.
                 yield from cursor.follow(start, chunk)
-            del rows
+            del window
             cursor.next_window()
-        groups.clear()
+        for cache in caches:
+            cache.clear()
         if cursor.skipped:
             logger.warning(
                 "Skipped %d rows with a null or empty %s value in epoch %d (rank %d, consumer %d of %d).",
-                cursor.skipped, "/".join(self.columns), self.epoch, self.rank, consumer, plan.num_consumers,
+                cursor.skipped, "/".join(self.columns), self.epoch, self.rank, consumer, layers.current.consumers,
             )
-
-    def _build_window(self, plan: EpochPlan, consumer: int, window: int, groups: "_GroupCache") -> tuple[pa.Table, int]:
-        """The window's rows in emission order, without null or empty values, and how many were dropped."""
-        start, stop = plan.window_range(consumer, window, self.buffer_size)
-        parts = [groups.piece(piece) for piece in plan.pieces(start, stop)]
-        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-        kept = _keep_mask(table)
-        skipped = 0
-        if kept is not None:
-            table = table.filter(kept)
-            skipped = (stop - start) - table.num_rows
-        order = plan.rows_in_window(consumer, window, table.num_rows)
-        if order is not None:
-            table = table.take(order)
-        return table, skipped
 
     def close(self) -> None:
         """Close open files (iteration reopens them as needed)."""
@@ -267,15 +314,21 @@ class ParquetStream(IterableDataset):
 
 
 class _Cursor:
-    """One consumer's position: window, rows emitted from it, rows skipped so far this epoch.
+    """One consumer's position: window, raw rows of it sent, rows skipped so far this epoch.
 
-    While rows of a converted chunk are being handed out, the emitted count is derived from the chunk's
-    list iterator (rows left in it), so the hot loop does no bookkeeping per row.
+    While rows of a converted chunk are being handed out, the count is derived from the chunk's list
+    iterator (rows left in it), so the hot loop does no bookkeeping per row. Raw rows count the window's
+    rows with empty values too, which are never sent: a position means the same rows whatever was skipped.
     """
 
-    def __init__(self, window: int = 0, emitted: int = 0, skipped: int = 0):
+    def __init__(self, window: int = 0, sent: int = 0, skipped: int = 0):
         self.window, self.skipped = window, skipped
-        self._base, self._chunk_len, self._rows_left = emitted, 0, None
+        self._sent_before = sent  # the raw position when no chunk is being followed
+        self._window: Window | None = None
+        self._base, self._chunk_len, self._rows_left = 0, 0, None
+
+    def begin_window(self, window: Window) -> None:
+        self._window = window
 
     def follow(self, start: int, chunk: list) -> Iterator:
         rows = iter(chunk)
@@ -283,78 +336,55 @@ class _Cursor:
         return rows
 
     @property
-    def emitted(self) -> int:
+    def sent(self) -> int:
         if self._rows_left is None:
-            return self._base
-        return self._base + self._chunk_len - self._rows_left()
+            return self._sent_before
+        return self._window.raw_position(self._base + self._chunk_len - self._rows_left())
 
     def next_window(self) -> None:
-        self.window, self._base, self._chunk_len, self._rows_left = self.window + 1, 0, 0, None
+        self.window += 1
+        self._sent_before, self._window, self._base, self._chunk_len, self._rows_left = 0, None, 0, 0, None
 
     def as_list(self) -> Position:
-        return [self.window, self.emitted, self.skipped]
+        return [self.window, self.sent, self.skipped]
 
 
-class _GroupCache:
-    """The most recently read row group, kept because neighbouring windows usually share it."""
-
-    def __init__(self, reader: RowGroupReader, plan: EpochPlan, release_after_drop: bool):
-        self.reader, self.plan, self.release_after_drop = reader, plan, release_after_drop
-        self.group: int | None = None
-        self.table: pa.Table | None = None
-        self.order = None
-
-    def piece(self, piece: Piece) -> pa.Table:
-        if piece.group != self.group:
-            self.clear()
-            self.table = self.reader.read(piece.group)
-            self.order = self.plan.rows_in_group(piece.group)
-            self.group = piece.group
-        if self.order is None:
-            return self.table.slice(piece.start, piece.stop - piece.start)
-        return self.table.take(self.order[piece.start:piece.stop])
-
-    def clear(self) -> None:
-        had_table = self.table is not None
-        self.group, self.table, self.order = None, None, None
-        if had_table and self.release_after_drop:
-            release_arrow_memory()
-
-
-def _keep_mask(table: pa.Table) -> pa.ChunkedArray | None:
-    """True for rows whose every column is a non-empty string; None when every row qualifies."""
-    mask = None
-    for column in table.columns:
-        non_empty = pc.fill_null(pc.greater(pc.binary_length(column), 0), False)
-        mask = non_empty if mask is None else pc.and_(mask, non_empty)
-    if mask is None or pc.all(mask).as_py():
-        return None
-    return mask
-
-
-def _check_arguments(columns: Sequence[str], buffer_size: int, rank: int, world_size: int, num_workers: int) -> None:
+def _check_arguments(columns: Sequence[str], buffer_size: int, rank: int, world_size: int, num_workers: int,
+                     mix_row_groups: int) -> None:
     if isinstance(columns, str) or not columns:
         raise DataError(f"columns must be a non-empty list of column names, e.g. ('prompt', 'response'); got {columns!r}.")
     if buffer_size < 1:
         raise DataError(f"buffer_size must be at least 1 row; got {buffer_size}.")
     if world_size < 1 or not 0 <= rank < world_size:
         raise DataError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}.")
+    if mix_row_groups < 1:
+        raise DataError(f"mix_row_groups must be at least 1 (1 reads one row group at a time); got {mix_row_groups}.")
     if num_workers < 0:
         raise DataError(f"num_workers must be 0 or more; got {num_workers}.")
 
 
-def _check_state_matches(stream: ParquetStream, state: dict[str, Any]) -> None:
-    """Refuse a saved position that would not continue this stream exactly, and say why."""
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+def _saved_layers(state: dict[str, Any]) -> list[Layer]:
+    """The layers of a saved state; a state from before layers (format 1) is one layer of single-lane windows."""
+    if not isinstance(state, dict) or state.get("format") not in (1, STATE_FORMAT):
         raise DataError("This is not a ParquetStream position (unknown format); it cannot be resumed from.")
+    if state["format"] == 1:
+        consumers = int(state["world_size"]) * int(state["workers_per_rank"])
+        spec = LayoutSpec(consumers, 1, int(state["buffer_size"]))
+        positions = {int(consumer): [int(v) for v in position] for consumer, position in state["consumers"].items()}
+        return [Layer(spec, positions)]
+    return [Layer.from_dict(layer) for layer in state["layers"]]
+
+
+def _check_state_matches(stream: ParquetStream, state: dict[str, Any]) -> None:
+    """Refuse a saved position of other data or another order, and say why."""
     differences = []
     if state["data"] != stream.index.fingerprint:
         differences.append("the data files (names or row groups) changed")
-    for field in ("seed", "shuffle", "buffer_size", "world_size", "rank"):
+    for field in ("seed", "shuffle"):
         if state[field] != getattr(stream, field):
             differences.append(f"{field} was {state[field]}, now {getattr(stream, field)}")
     if differences:
         raise DataError(
             "The saved data position does not fit this stream: " + "; ".join(differences) + ". Resume with "
-            "the same data files and settings, or start the data from the beginning of an epoch."
+            "the same data files, seed and shuffle, or start the data from the beginning of an epoch."
         )
