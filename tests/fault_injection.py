@@ -55,25 +55,34 @@ def row_hashes(input_ids: torch.Tensor, pad_id: int, segment_ids: torch.Tensor |
 class TrainingTrace(Callback):
     """Writes `trace-rank<r>.json` into `trace_dir` at the end of training: a hash of each row trained on, each
     step's loss (the mean over every token of the step, all ranks) at full precision, and a checksum of the
-    final weights."""
+    final weights. Every checkpoint writes it too (without the weights), so that a stopped run leaves the rows
+    and losses up to its last save."""
 
     def __init__(self, trace_dir: str | Path) -> None:
         self.trace_dir = Path(trace_dir)
         self.rows: list[str] = []
         self.losses: dict[int, float] = {}
+        self.lrs: dict[int, float] = {}
 
     def on_step_end(self, trainer: Any, result: StepResult) -> None:
         for batch in result.micro_batches:
             self.rows.extend(row_hashes(batch["input_ids"], trainer.tokenizer.pad_id, batch.get("segment_ids")))
         step_loss, step_tokens = all_reduce_sum(trainer.accelerator, [float(result.loss_sum), result.target_tokens])
         self.losses[trainer.state.step] = step_loss / max(step_tokens, 1.0)
+        self.lrs[trainer.state.step] = result.lr
 
-    def on_train_end(self, trainer: Any, model: torch.nn.Module) -> None:
+    def _write(self, trainer: Any, **extra: Any) -> None:
         rank = trainer.accelerator.process_index
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         (self.trace_dir / f"trace-rank{rank}.json").write_text(json.dumps(
             {"rank": rank, "steps": trainer.state.step, "rows": self.rows, "losses": self.losses,
-             "weights": weights_checksum(model)}))
+             "lrs": self.lrs, **extra}))
+
+    def on_checkpoint_write(self, trainer: Any, folder: Path) -> None:
+        self._write(trainer)
+
+    def on_train_end(self, trainer: Any, model: torch.nn.Module) -> None:
+        self._write(trainer, weights=weights_checksum(model))
 
 
 class StopAfterStep(Callback):

@@ -28,8 +28,8 @@ def test_resume_roles_come_from_the_fields():
     assert set(MODEL_SHAPE_FIELDS) == {"n_layer", "n_head", "n_embd", "max_seq_len"}
     assert set(RESUME_EXACT_FIELDS) == {
         "train_file", "seed", "batch_size_per_gpu", "gradient_accumulation_steps", "dataloader_buffer_size",
-        "max_seq_len", "epochs", "max_steps", "learn_rate", "min_lr_ratio", "warmup_steps", "weight_decay",
-        "adam_beta1", "adam_beta2", "grad_clip", "loss_on_response_only", "dropout",
+        "dataloader_mix_row_groups", "max_seq_len", "epochs", "max_steps", "learn_rate", "min_lr_ratio",
+        "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "loss_on_response_only", "dropout",
     }
 
 

@@ -98,7 +98,12 @@ def test_large_row_groups_warn_once_per_file_with_the_repack_command(tmp_path, c
     assert len(warnings) == 2
     for path, message in zip(big, warnings):
         assert f"python train_low_mem.py repack {path} " in message
-        assert "--row_group_rows=10000" in message
+        # 16 row groups are read at once: each must fit in 20,000 / 16 bytes, so the smallest repack size.
+        assert "--row_group_rows=1000" in message
+    with caplog.at_level(logging.WARNING, logger="lowmem.data.sources"):
+        caplog.clear()
+        ParquetStream(big, large_row_group_bytes=400_000, mix_row_groups=1)  # one group at once: fits
+    assert not [r for r in caplog.records if "repack" in r.getMessage()]
     with caplog.at_level(logging.WARNING, logger="lowmem.data.sources"):
         caplog.clear()
         ParquetStream(big, large_row_group_bytes=20_000, rank=1, world_size=2)

@@ -39,6 +39,8 @@ TRAINER_STATE_FILE = "trainer_state.json"
 # The run's length only sets the schedule's total: changing it keeps a resume exact as long as every step
 # already taken had the same learning rate under the old and the new total.
 RUN_LENGTH_FIELDS = ("epochs", "max_steps")
+# Fields added after checkpoints were written without them: the value those runs had in effect.
+VALUES_BEFORE_THE_FIELD = {"dataloader_mix_row_groups": 1}
 
 
 class Stateful(Protocol):
@@ -126,32 +128,30 @@ def _run_length_is_harmless(saved: dict[str, Any], config: TrainConfig, steps_pe
                                config.min_lr_ratio, old_total, new_total)
 
 
-def resume_differences(saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any],
-                       steps_per_epoch: int) -> tuple[list[str], list[str]]:
+def resume_differences(saved: dict[str, Any], config: TrainConfig, steps_per_epoch: int) -> tuple[list[str], list[str]]:
     """(changes that break exactness, changes that make the checkpoint unusable) between a save and now.
 
     `steps_per_epoch` is this run's; a changed run length counts only when it changed a learning rate
-    already used.
+    already used. The run facts (processes, workers) are not among them: a resume may change them.
     """
-    saved_config = saved["config"]
+    saved_config = {**VALUES_BEFORE_THE_FIELD, **saved["config"]}
     changed = [name for name in RESUME_EXACT_FIELDS if saved_config.get(name) != getattr(config, name)]
     changed.sort(key=lambda name: name in RUN_LENGTH_FIELDS)  # what changes the batches is named first
     if changed and set(changed) <= set(RUN_LENGTH_FIELDS) and _run_length_is_harmless(saved, config, steps_per_epoch):
         changed = []
     inexact = [f"{name}: {saved_config.get(name)!r} → {getattr(config, name)!r}" for name in changed]
-    for name, value in run_facts.items():
-        if saved.get(name) != value:
-            inexact.append(f"{name}: {saved.get(name)!r} → {value!r}")
+    # Another number of processes or workers is no reason to refuse: the data layer shares the rest of the
+    # epoch out anew (`lowmem.train.rescale`), and the trainer says so.
     unusable = [f"{name}: {saved_config.get(name)!r} → {getattr(config, name)!r}" for name in MODEL_SHAPE_FIELDS
                 if saved_config.get(name) != getattr(config, name)]
     return inexact, unusable
 
 
-def check_resume(folder: Path, saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any],
-                 allow_config_change: bool, steps_per_epoch: int) -> list[str]:
+def check_resume(folder: Path, saved: dict[str, Any], config: TrainConfig, allow_config_change: bool,
+                 steps_per_epoch: int) -> list[str]:
     """Refuse a resume from `folder` (whose trainer state is `saved`) that cannot continue exactly (unless
     allowed) or cannot load at all; return the changes."""
-    inexact, unusable = resume_differences(saved, config, run_facts, steps_per_epoch)
+    inexact, unusable = resume_differences(saved, config, steps_per_epoch)
     if unusable:
         raise ConfigError(
             f"The checkpoint {folder} holds a model of another shape ({'; '.join(unusable)}). Resume with the "

@@ -9,6 +9,7 @@ Commands:
     memlog      summarise a run's memory logs: growth per rank and a leak verdict
     repack      rewrite parquet files into small row groups
     bench_data  benchmark the data pipeline against a plain pyarrow read
+    bench_mixing how many row groups a batch mixes, against memory and speed, for each mix_row_groups
     bench_train benchmark training steps through the pipeline against in-memory batches
     bench_memory the memory table: high-water RSS and tokens/s of DDP and FSDP with each memory saver
 
@@ -26,7 +27,7 @@ import fire
 
 from lowmem.cli.common import program_name
 from lowmem.cli.evaluation import evaluate, generate
-from lowmem.cli.tools import bench_data, bench_memory, bench_train, memlog, repack
+from lowmem.cli.tools import bench_data, bench_memory, bench_mixing, bench_train, memlog, repack
 from lowmem.cli.training import tokenizer, train, train_with
 from lowmem.errors import LowmemError
 
@@ -52,6 +53,7 @@ COMMANDS = {
     "memlog": memlog,
     "repack": repack,
     "bench_data": bench_data,
+    "bench_mixing": bench_mixing,
     "bench_train": bench_train,
     "bench_memory": bench_memory,
 }

@@ -44,7 +44,7 @@ def repack(inputs: str, output: str, row_group_rows: int = 10_000) -> None:
               f"{result.row_groups_before} → {result.row_groups_after} row groups")
 
 
-def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000) -> None:
+def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000, mix_row_groups: int = 16) -> None:
     """Benchmark reading: a plain pyarrow read against ParquetStream (normal, ultra-low-mem, resume).
 
     Each case runs in a fresh process and the table shows rows/s, peak RSS, and the seconds from a
@@ -54,10 +54,32 @@ def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000) -> N
         files: parquet files to read; with none, a file of `rows` generated rows is written to a temporary folder.
         rows: rows of the generated file.
         buffer_size: ParquetStream's shuffle buffer, in rows.
+        mix_row_groups: row groups each reader reads at once and mixes.
     """
     from lowmem.bench.data_bench import bench_data as run_bench
 
-    print(run_bench(list(files) or None, rows=rows, buffer_size=buffer_size))
+    print(run_bench(list(files) or None, rows=rows, buffer_size=buffer_size, mix_row_groups=mix_row_groups))
+
+
+def bench_mixing(rows: int = 2_000_000, row_group_rows: int = 10_000, buffer_size: int = 5000, batch_size: int = 32,
+                 mixes: tuple = (1, 4, 8, 16, 24, 32)) -> None:
+    """Benchmark mixing: row groups per batch, rows/s and peak RSS for each mix_row_groups, on a sorted file.
+
+    Each setting runs in a fresh process on a generated file sorted by id, so that a row's row group is known;
+    the table compares with a uniform shuffle (row groups per batch) and with a plain pyarrow read (rows/s).
+
+    Args:
+        rows: rows of the generated file.
+        row_group_rows: rows per row group of the generated file.
+        buffer_size: ParquetStream's shuffle window, in rows.
+        batch_size: rows per batch.
+        mixes: the mix_row_groups values to compare, e.g. --mixes=1,16.
+    """
+    from lowmem.bench.mixing_bench import bench_mixing as run_bench
+
+    mixes = (mixes,) if isinstance(mixes, int) else tuple(int(mix) for mix in mixes)
+    print(run_bench(rows=rows, row_group_rows=row_group_rows, buffer_size=buffer_size, batch_size=batch_size,
+                    mixes=mixes))
 
 
 def bench_train(use_large_config: bool = False, steps: int = 20, skip_steps: int = 3, data_file: str | None = None,

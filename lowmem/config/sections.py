@@ -24,6 +24,9 @@ class DataConfig:
     prompt_column: str = option("prompt", "text column with the prompt")
     response_column: str = option("response", "text column with the response")
     dataloader_buffer_size: int = option(2000, "rows in each process's shuffle buffer", minimum=1, resume=EXACT)
+    dataloader_mix_row_groups: int = option(16, "row groups each reader reads at once and mixes into every batch; "
+                                            "memory holds this many row groups", minimum=1, resume=EXACT,
+                                            hint="1 reads one row group at a time, as earlier versions did")
     dataloader_num_workers: int = option(-1, "DataLoader workers per process; -1 decides from the memory budget",
                                          minimum=-1, hint="-1 decides from the memory budget")
 

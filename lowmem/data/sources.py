@@ -248,6 +248,12 @@ def _column_positions(metadata: pq.FileMetaData, columns: Sequence[str]) -> list
     return [i for i in range(metadata.num_columns) if metadata.schema.column(i).path.split(".")[0] in wanted]
 
 
+def _rows_that_fit(limit_bytes: int, group_bytes: int, group_rows: int) -> int:
+    """Rows per row group that keep a group of rows this size under `limit_bytes` (in thousands, at least 1,000)."""
+    fitting = int(limit_bytes / max(group_bytes / max(group_rows, 1), 1))
+    return max(1000, min(REPACK_ROW_GROUP_ROWS, fitting // 1000 * 1000))
+
+
 def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int, groups_at_once: int = 1) -> list[str]:
     """Log one warning per file whose largest row group is over `limit_bytes`; return those files.
 
@@ -270,6 +276,6 @@ def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int, groups_at_once
             group, path, rows, size / MB, limit_bytes / MB,
             f", and {groups_at_once} row groups are read at once" if groups_at_once > 1 else "",
             " (copy it here first, and upload the result in its place)" if is_uri(path) else "",
-            source, f"{stem}.repacked.parquet", REPACK_ROW_GROUP_ROWS,
+            source, f"{stem}.repacked.parquet", _rows_that_fit(limit_bytes, size, rows),
         )
     return flagged

@@ -33,3 +33,13 @@ def same_learning_rates(steps_done: int, peak_lr: float, warmup_steps: int, min_
     all of them in the warmup): a run lengthened or shortened then still continues exactly."""
     return all(get_lr(step, peak_lr, warmup_steps, old_total, min_lr_ratio)
                == get_lr(step, peak_lr, warmup_steps, new_total, min_lr_ratio) for step in range(steps_done))
+
+
+def stretched_step(step: int, anchor_step: int, anchor_virtual: float, virtual_total: int, total: int) -> float:
+    """Where step `step` of a run of `total` steps falls on a schedule of `virtual_total` steps, when from
+    `anchor_step` (at `anchor_virtual` on that schedule) the rest is stretched over the steps left.
+
+    A resume on another number of processes changes the steps left; this keeps the learning rate continuous
+    and ends the decay at the run's new end.
+    """
+    return anchor_virtual + (step - anchor_step) * (virtual_total - anchor_virtual) / max(total - anchor_step, 1)

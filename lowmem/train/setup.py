@@ -111,6 +111,7 @@ def make_loader(files: str, config: TrainConfig, accelerator: Accelerator, colla
         files, columns=(config.prompt_column, config.response_column), buffer_size=config.dataloader_buffer_size,
         shuffle=shuffle, seed=config.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
         ultra_low_mem=settings.ultra_low_mem, ultra_low_mem_threshold_gb=config.ultra_low_mem_threshold_gb,
+        mix_row_groups=config.dataloader_mix_row_groups,
     )
     return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate,
                         num_workers=settings.num_workers, pin_memory=settings.pin_memory)

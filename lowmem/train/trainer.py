@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from lowmem.checkpoint.contents import TrainingCheckpoint, check_resume, read_trainer_state
+from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD, TrainingCheckpoint, check_resume, read_trainer_state
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.config import TrainConfig, check_data_files, validate_config
@@ -42,7 +42,8 @@ from lowmem.eval.validation import METRIC_MODES
 from lowmem.eval.validator import Validator
 from lowmem.train.callbacks import Callback, StepResult
 from lowmem.train.log import StepLog, setup_training_log
-from lowmem.train.schedule import get_lr, total_steps
+from lowmem.train.rescale import merged_data_state, processes_changed, readers_changed, rescale_line
+from lowmem.train.schedule import get_lr, stretched_step, total_steps
 from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader,
                                 make_memory_monitor, shared_memory_settings, steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
@@ -122,7 +123,7 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(loader, config)
         self.total_steps = total_steps(self.steps_per_epoch, config.epochs, config.max_steps)
 
-        self.state = TrainState()
+        self.state = TrainState(total_steps=self.total_steps)
         self.checkpoints = CheckpointManager(
             config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
             mode=METRIC_MODES[config.best_metric], is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,
@@ -204,9 +205,37 @@ class Trainer:
                           agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens)
 
     def learning_rate(self, step: int) -> float:
-        """The schedule's learning rate for optimizer step `step` (0-based)."""
-        config = self.config
-        return get_lr(step, config.learn_rate, config.warmup_steps, self.total_steps, config.min_lr_ratio)
+        """The schedule's learning rate for optimizer step `step` (0-based), stretched after a resume on another
+        number of processes (see `continue_schedule`)."""
+        config, state = self.config, self.state
+        if not state.lr_virtual_total:
+            return get_lr(step, config.learn_rate, config.warmup_steps, self.total_steps, config.min_lr_ratio)
+        virtual = stretched_step(step, state.lr_anchor_step, state.lr_anchor_virtual, state.lr_virtual_total,
+                                 self.total_steps)
+        return get_lr(virtual, config.learn_rate, config.warmup_steps, state.lr_virtual_total, config.min_lr_ratio)
+
+    def set_total_steps(self, total: int) -> None:
+        self.total_steps = self.state.total_steps = total
+        self.step_log.total_steps = total
+
+    def continue_schedule(self) -> int:
+        """After a resume on another number of processes: the steps left are this epoch's rest and the later
+        epochs at the new rate; the schedule is stretched over them from where it stood. Returns the steps left."""
+        config, state = self.config, self.state
+        saved_total = state.total_steps or self.total_steps
+        if state.lr_virtual_total:
+            virtual = stretched_step(state.step, state.lr_anchor_step, state.lr_anchor_virtual, state.lr_virtual_total,
+                                     saved_total)
+        else:
+            virtual, state.lr_virtual_total = float(state.step), saved_total
+        steps_left = (len(self.data.loader) // config.gradient_accumulation_steps
+                      + max(0, config.epochs - state.epoch - 1) * self.steps_per_epoch)
+        total = state.step + steps_left
+        if config.max_steps:
+            total = min(total, config.max_steps)
+        state.lr_anchor_step, state.lr_anchor_virtual = state.step, virtual
+        self.set_total_steps(total)
+        return total - state.step
 
     def after_step(self, result: StepResult) -> None:
         """Count the step, run the callbacks and the memory schedule, and write the log line when due."""
@@ -282,16 +311,28 @@ class Trainer:
             logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
             return None
         saved = read_trainer_state(folder)
-        changes = check_resume(folder, saved, self.config, self.checkpoint.run_facts, allow_config_change,
-                               self.steps_per_epoch)
+        changes = check_resume(folder, saved, self.config, allow_config_change, self.steps_per_epoch)
         self.checkpoint.load(folder, saved, skip=("data",))
+        run_facts = self.checkpoint.run_facts
+        rescaled = processes_changed(saved, run_facts)
         try:
-            self.checkpoint.load_part(folder, "data")
+            if readers_changed(saved, self.config, run_facts, VALUES_BEFORE_THE_FIELD):
+                # Another layout of readers needs every old rank's position to share the rest out.
+                self.data.load_state_dict(merged_data_state(folder, int(saved.get("world_size", 1))))
+            else:
+                self.checkpoint.load_part(folder, "data")
         except DataError as error:
-            if not changes:
+            if not changes and not rescaled:
                 raise
             logger.warning("The saved data position does not fit the changed settings (%s): epoch %d restarts.",
                            error, self.state.epoch)
+        if rescaled:
+            steps_left = self.continue_schedule()
+            logger.info(rescale_line(saved, self.config, run_facts, len(self.data.loader.stream), steps_left))
+        elif self.state.lr_virtual_total:
+            self.set_total_steps(self.state.total_steps)  # a stretched schedule keeps the total it planned
+        else:
+            self.state.total_steps = self.total_steps
         self.checkpoints.last_saved_step = self.state.step
         self.resumed_from = folder
         logger.info("Resumed from %s: epoch %d, step %d, %s tokens seen%s.", folder, self.state.epoch,

@@ -1,0 +1,105 @@
+"""Resuming a run on another number of processes: the rest of the epoch is shared out, each row once, and steps,
+schedule and checkpoints continue."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from training_helpers import resume_chat_data, run_command, resume_overrides
+
+from lowmem.config import TrainConfig
+from lowmem.train.rescale import accumulation_to_keep, rescale_line
+from lowmem.train.schedule import get_lr, stretched_step
+
+ROWS = 900  # resume_chat_data's training rows
+ROWS_PER_STEP = 8 * 2  # per process: batch_size_per_gpu × gradient_accumulation_steps of resume_overrides
+
+
+def launcher(processes: int) -> list[str]:
+    return ["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes), "--main_process_port", "0"]
+
+
+def traced_rows(trace: Path) -> list[str]:
+    return [row for path in sorted(trace.glob("trace-rank*.json")) for row in json.loads(path.read_text())["rows"]]
+
+
+@pytest.mark.slow
+def test_three_processes_stopped_then_resumed_on_two_train_every_row_of_the_epoch_once(tmp_path):
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate launcher is not on PATH")
+    chat_data = resume_chat_data(tmp_path)
+    env = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    # One epoch: 300 rows per process with 3, in steps of 16 rows; the run stops and saves after step 7.
+    first = run_command(["train", *resume_overrides(tmp_path, chat_data, "--epochs=1")], cwd=tmp_path,
+                        env={**env, "LOWMEM_TRACE_DIR": str(tmp_path / "trace3"), "LOWMEM_STOP_AFTER_STEP": "7"},
+                        launcher=launcher(3))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoint-7" / "COMPLETE.json").is_file()
+
+    second = run_command(["train", *resume_overrides(tmp_path, chat_data, "--epochs=1", "--is_keep_training=True")],
+                         cwd=tmp_path, env={**env, "LOWMEM_TRACE_DIR": str(tmp_path / "trace2")}, launcher=launcher(2))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Resumed from" in second.stderr and "checkpoint-7" in second.stderr
+    assert "Resuming on 2 process(es) × 1 reader(s) where the run had 3 × 1" in second.stderr
+    assert "global batch is now 32 rows per optimizer step (it was 48)" in second.stderr
+    assert "--gradient_accumulation_steps=3" in second.stderr
+
+    before, after = traced_rows(tmp_path / "trace3"), traced_rows(tmp_path / "trace2")
+    assert len(before) == 3 * 7 * ROWS_PER_STEP
+    seen = before + after
+    assert len(set(seen)) == len(seen), "a row was trained on twice"
+    # What a fresh run leaves out too: under one optimizer step per process, plus fewer than N + M rows.
+    assert ROWS - len(seen) < 2 * ROWS_PER_STEP + 3 + 2, ROWS - len(seen)
+
+    # Steps continue from the save; the learning rate goes on from where it was, down to the end.
+    trace = json.loads((tmp_path / "trace2" / "trace-rank0.json").read_text())
+    old = json.loads((tmp_path / "trace3" / "trace-rank0.json").read_text())
+    steps = sorted(int(step) for step in trace["lrs"])
+    assert steps[0] == 8 and steps == list(range(8, steps[-1] + 1))
+    per_process = (ROWS - len(before)) // 2
+    assert steps[-1] == 7 + -(-per_process // 8) // 2  # batches of 8 (the last one short), 2 per step
+    lrs = [trace["lrs"][str(step)] for step in steps]
+    assert lrs == sorted(lrs, reverse=True)
+    assert 0.8 < lrs[0] / old["lrs"]["7"] <= 1.0
+    assert lrs[-1] == pytest.approx(2e-3 * 0.1, rel=0.25)  # near the floor at the end
+
+    # The run's checkpoints and memory logs are whole.
+    final = tmp_path / "run" / f"checkpoint-{steps[-1]}"
+    assert (final / "COMPLETE.json").is_file() and (tmp_path / "run" / "final").is_dir()
+    state = json.loads((final / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["train"]["step"] == steps[-1]
+    memory_logs = sorted((tmp_path / "logs").glob("*memory*rank1*"))
+    assert memory_logs, list((tmp_path / "logs").iterdir())
+    for path in memory_logs:
+        for line in path.read_text().splitlines():
+            json.loads(line)
+
+
+def test_the_stretched_schedule_is_continuous_and_ends_at_the_new_total():
+    # Saved at step 40 of 100; the rest now takes 90 steps instead of 60.
+    lr = [get_lr(stretched_step(step, 40, 40.0, 100, 130), 1e-3, 10, 100) for step in range(40, 131)]
+    assert lr[0] == get_lr(40, 1e-3, 10, 100)
+    assert lr == sorted(lr, reverse=True)
+    assert lr[-1] == pytest.approx(1e-4)
+    # A second change stretches from where the first left it.
+    at_70 = stretched_step(70, 40, 40.0, 100, 130)
+    assert stretched_step(70, 70, at_70, 100, 90) == pytest.approx(at_70)
+    assert stretched_step(90, 70, at_70, 100, 90) == pytest.approx(100)
+
+
+def test_the_log_line_says_how_to_keep_the_global_batch():
+    saved = {"world_size": 3, "workers_per_rank": 1,
+             "config": {"batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}}
+    config = TrainConfig(batch_size_per_gpu=8, gradient_accumulation_steps=2)
+    line = rescale_line(saved, config, {"world_size": 2, "workers_per_rank": 2}, 500, 40)
+    assert "2 process(es) × 2 reader(s) where the run had 3 × 1" in line
+    assert "now 32 rows per optimizer step (it was 48)" in line and "--gradient_accumulation_steps=3" in line
+    assert accumulation_to_keep(48, 5, 8) is None
+    assert "no whole --gradient_accumulation_steps keeps 48" in rescale_line(
+        saved, config, {"world_size": 5, "workers_per_rank": 1}, 100, 10)
+    same = rescale_line(saved, TrainConfig(batch_size_per_gpu=8, gradient_accumulation_steps=3),
+                        {"world_size": 2, "workers_per_rank": 1}, 100, 10)
+    assert "stays 48 rows" in same
