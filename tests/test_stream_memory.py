@@ -26,6 +26,7 @@ def measured(files):
         "normal_1m": run_case("normal", [files[1_000_000]]),
         "ultra_1m": run_case("ultra", [files[1_000_000]]),
         "normal_2m": run_case("normal", [files[2_000_000]]),
+        "one_lane_1m": run_case("normal", [files[1_000_000]], mix_row_groups=1),
     }
 
 
@@ -46,6 +47,18 @@ def test_doubling_the_rows_does_not_raise_the_peak(measured):
     assert large <= small * 1.10
     # The peak is mostly the interpreter and torch; the data's own share must not scale with the file.
     assert large - small < 25 * MB, (large - small) / MB
+
+
+def test_lanes_cost_at_most_three_row_groups_each(measured, files):
+    from lowmem.data.sources import build_row_group_index
+
+    # The stated bound: one row group per lane, plus the window. A lane's group is permuted on arrival (a
+    # second copy for a moment), and Arrow's allocator keeps some freed memory: measured, about two row
+    # groups' worth per lane. 16 lanes (the default) against one.
+    largest = int(build_row_group_index(files[1_000_000], ("prompt", "response")).uncompressed_bytes.max())
+    extra = measured["normal_1m"]["peak_rss"] - measured["one_lane_1m"]["peak_rss"]
+    assert extra < 3 * 16 * largest, (extra / MB, largest / MB)
+    assert measured["one_lane_1m"]["rows"] == measured["normal_1m"]["rows"]
 
 
 def _repack_peak(source, target) -> int:
