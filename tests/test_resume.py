@@ -104,7 +104,9 @@ def test_kill_during_a_save_loses_nothing(tmp_path, chat_data):
         time.sleep(delay)
         kill_all(process)
         assert not (folder / "run" / "checkpoint-50" / "COMPLETE.json").exists()
-        resumed = run_command(["train", *resume_overrides(folder, chat_data), "--is_keep_training=True"], cwd=folder)
+        # The resume is what is tested, not the rest of the run: it stops (and saves) after one more step.
+        resumed = run_command(["train", *resume_overrides(folder, chat_data), "--is_keep_training=True"], cwd=folder,
+                              env={"LOWMEM_STOP_AFTER_STEP": "26"})
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert resumed_from(resumed.stderr) == 25
         assert not list((folder / "run").glob(".checkpoint-*")), "the interrupted save's leftovers are removed"

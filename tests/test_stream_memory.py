@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pyarrow.parquet as pq
 import pytest
 
 from lowmem.bench.data_bench import generate_file, run_case
@@ -11,13 +12,22 @@ MB = 1024**2
 ALLOCATOR_NOISE = 2 * MB
 
 
+def _twice(source, target):
+    """`source`'s row groups written twice, one after the other: twice the rows, in a fraction of the time that
+    generating them takes."""
+    reader = pq.ParquetFile(source)
+    with pq.ParquetWriter(target, reader.schema_arrow, compression="zstd") as writer:
+        for _ in range(2):
+            for group in range(reader.num_row_groups):
+                writer.write_table(reader.read_row_group(group))
+    return target
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("memory")
-    return {
-        rows: generate_file(folder / f"rows{rows}.parquet", rows, row_group_rows=10_000)
-        for rows in (1_000_000, 2_000_000)
-    }
+    one = generate_file(folder / "rows1000000.parquet", 1_000_000, row_group_rows=10_000)
+    return {1_000_000: one, 2_000_000: _twice(one, folder / "rows2000000.parquet")}
 
 
 @pytest.fixture(scope="module")
