@@ -150,17 +150,24 @@ def test_signal_handlers_are_restored():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
-def test_three_processes_resume_exactly_after_sigkill(tmp_path, chat_data):
+THREE_PROCESSES = ["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0"]
+THREE_PROCESS_ENV = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+THREE_PROCESS_EXTRA = ["--epochs=2", "--save_steps=5"]  # 18 steps per epoch with 3 ranks
+
+
+@pytest.fixture(scope="module")
+def three_process_reference(tmp_path_factory, chat_data):
     if shutil.which("accelerate") is None:
         pytest.skip("the accelerate launcher is not on PATH")
-    launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0"]
-    env = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    extra = ["--epochs=2", "--save_steps=5"]  # 18 steps per epoch with 3 ranks
-    reference_dir = tmp_path / "reference"
-    reference_dir.mkdir()
-    _, reference_trace = traced_run(reference_dir, chat_data, env=env, extra=extra, launcher=launcher)
-    reference_losses = traced_losses(reference_trace)
+    folder = tmp_path_factory.mktemp("reference3")
+    _, trace = traced_run(folder, chat_data, env=THREE_PROCESS_ENV, extra=THREE_PROCESS_EXTRA, launcher=THREE_PROCESSES)
+    return trace
 
+
+def test_three_processes_resume_exactly_after_sigkill(tmp_path, chat_data, three_process_reference):
+    reference_trace = three_process_reference
+    reference_losses = traced_losses(reference_trace)
+    env, extra, launcher = THREE_PROCESS_ENV, THREE_PROCESS_EXTRA, THREE_PROCESSES
     process = start_run(tmp_path, chat_data, env={**env, "LOWMEM_TEST_STEP_SECONDS": "0.05"}, launcher=launcher,
                         extra=extra)
     wait_for_step(process, 23)  # in the second epoch
@@ -179,6 +186,32 @@ def test_three_processes_resume_exactly_after_sigkill(tmp_path, chat_data):
     # process's first step, so the resumed run's first all-reduce adds in another order than the
     # uninterrupted run's, a difference at float rounding. Losses agree to 1e-6.
     assert_losses_match(traced_losses(trace), reference_losses, start)
+
+
+# The workers notice the launcher's end at once (a parent-death signal) and save at the end of their step.
+LAUNCHER_GONE_BOUND_SECONDS = 20
+
+
+def test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save(tmp_path, chat_data, three_process_reference):
+    import psutil
+
+    env, extra, launcher = THREE_PROCESS_ENV, THREE_PROCESS_EXTRA, THREE_PROCESSES
+    process = start_run(tmp_path, chat_data, env={**env, "LOWMEM_TEST_STEP_SECONDS": "0.05"}, launcher=launcher,
+                        extra=extra)
+    wait_for_step(process, 8)
+    workers = psutil.Process(process.pid).children(recursive=True)
+    assert len(workers) >= 3
+    process.send_signal(signal.SIGKILL)  # the launcher only: its workers live in sessions of their own
+    _, alive = psutil.wait_procs(workers, timeout=LAUNCHER_GONE_BOUND_SECONDS)
+    assert not alive, [worker.pid for worker in alive]
+    process.wait(timeout=30)
+    saved = {int(marker.parent.name.split("-")[1]) for marker in (tmp_path / "run").glob("checkpoint-*/COMPLETE.json")}
+    assert saved and max(saved) >= 8, "the workers saved before they exited"
+    resumed, trace = traced_run(tmp_path, chat_data, env=env, extra=[*extra, "--is_keep_training=True"],
+                                launcher=launcher)
+    start = resumed_from(resumed.stderr)
+    assert start == max(saved)
+    assert_losses_match(traced_losses(trace), traced_losses(three_process_reference), start)
 
 
 def _can_drop_privileges() -> bool:
@@ -215,8 +248,9 @@ def test_save_into_a_read_only_folder_fails_with_a_message_and_keeps_older_check
                              cwd=folder, launcher=["unshare", "-U", sys.executable])
         assert second.returncode == 2, second.stderr[-3000:]
         assert "Traceback" not in second.stderr
-        assert "No permission to write checkpoint-" in second.stderr, second.stderr[-2000:]
-        assert "--output_dir" in second.stderr and "continues from checkpoint-10" in second.stderr
+        # Refused at the start, before anything is built or trained (a save-time failure has its own tests).
+        assert "cannot be written" in second.stderr and "--output_dir" in second.stderr, second.stderr[-2000:]
+        assert "Training:" not in second.stderr
         after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
         assert after == before, "the existing checkpoints changed"
     finally:

@@ -15,6 +15,7 @@ from lowmem.distributed.accelerator import create_accelerator
 from lowmem.eval.validation import bleu4, evaluate
 from lowmem.model import GPT
 from lowmem.checkpoint.export import find_model_folder, load_model_folder
+from lowmem.checkpoint.run_lock import lock_run_folder
 from lowmem.config import TrainConfig, check_data_files
 from lowmem.data.tokenizer import Tokenizer
 from lowmem.train.performance import enable_tf32, inference_autocast
@@ -32,6 +33,16 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
     length, on another subject).
     """
     accelerator = create_accelerator(1, config.bf16, config.process_group_timeout_minutes)
+    lock = lock_run_folder(accelerator, config.output_dir, "evaluation")  # it writes eval/ into the run folder
+    try:
+        return _evaluate_locked(config, accelerator, checkpoint, test_file, bleu_samples)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | None, test_file: str | None,
+                     bleu_samples: int) -> dict[str, Any]:
     folder = find_model_folder(config.output_dir, checkpoint)
     config.test_file = test_file or config.test_file
     check_data_files(config, ("test_file",))

@@ -1,4 +1,5 @@
-"""Stopping cleanly on SIGINT / SIGTERM: finish the step, save, exit; a second signal exits at once."""
+"""Stopping cleanly on SIGINT / SIGTERM (or the launcher's end): finish the step, save, exit; a second signal
+exits at once."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import logging
 import os
 import signal
 from types import FrameType
+
+from lowmem.distributed.launcher_watch import LAUNCHER_GONE_SIGNAL, launcher_watched
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +30,15 @@ class GracefulStop:
     def install(self) -> "GracefulStop":
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._handle)
+        if launcher_watched():
+            # The launcher's death arrives as SIGHUP, once per thread of this process: each is the same request.
+            self._previous[LAUNCHER_GONE_SIGNAL] = signal.signal(LAUNCHER_GONE_SIGNAL, self._launcher_gone)
         return self
+
+    def _launcher_gone(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested_by is None:
+            self.requested_by = "the launcher's end"
+            logger.warning("The launcher is gone: finishing this step, saving a checkpoint, then exiting.")
 
     def uninstall(self) -> None:
         for signum, handler in self._previous.items():

@@ -30,11 +30,13 @@ from tqdm import tqdm
 from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD, TrainingCheckpoint, check_resume, read_trainer_state
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
+from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder
 from lowmem.config import TrainConfig, check_data_files, validate_config
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.distributed.accelerator import create_accelerator
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder
+from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.errors import DataError
 from lowmem.eval.commands import answer
@@ -435,11 +437,19 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     """
     validate_config(config)
     check_data_files(config)
+    check_output_dir(config.output_dir)
+    stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                      config.process_group_timeout_minutes)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
-    trainer = Trainer(config, accelerator, callbacks)
-    if is_keep_training:
-        trainer.resume(allow_config_change)
-    return {**trainer.fit(), "log_file": str(log_path)}
+    lock = lock_run_folder(accelerator, config.output_dir, "training")
+    try:
+        trainer = Trainer(config, accelerator, callbacks)
+        if is_keep_training:
+            trainer.resume(allow_config_change)
+        return {**trainer.fit(), "log_file": str(log_path)}
+    finally:
+        if lock is not None:
+            lock.release()
+
