@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -199,6 +200,7 @@ def test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save(tmp_path,
     process = start_run(tmp_path, chat_data, env={**env, "LOWMEM_TEST_STEP_SECONDS": "0.05"}, launcher=launcher,
                         extra=extra)
     wait_for_step(process, 8)
+    threading.Thread(target=process.stderr.read, daemon=True).start()  # a full pipe must not block anyone
     workers = psutil.Process(process.pid).children(recursive=True)
     assert len(workers) >= 3
     process.send_signal(signal.SIGKILL)  # the launcher only: its workers live in sessions of their own
@@ -256,3 +258,34 @@ def test_save_into_a_read_only_folder_fails_with_a_message_and_keeps_older_check
     finally:
         subprocess.run(["chmod", "-R", "u+rwX", str(folder)])
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# A rank killed outright: the others fail in their next collective (gloo sees the peer's socket close) and the
+# launcher ends the rest of the group; the process-group timeout bounds a hang where nothing fails.
+ONE_RANK_KILLED_BOUND_SECONDS = 60
+
+
+def test_sigkill_of_one_worker_ends_the_others_and_the_resume_is_exact(tmp_path, chat_data, three_process_reference):
+    import psutil
+
+    env, extra, launcher = THREE_PROCESS_ENV, THREE_PROCESS_EXTRA, THREE_PROCESSES
+    process = start_run(tmp_path, chat_data, env={**env, "LOWMEM_TEST_STEP_SECONDS": "0.05"}, launcher=launcher,
+                        extra=extra)
+    wait_for_step(process, 8)
+    threading.Thread(target=process.stderr.read, daemon=True).start()  # a full pipe must not block anyone
+    workers = psutil.Process(process.pid).children(recursive=True)
+    assert len(workers) >= 3
+    workers[-1].send_signal(signal.SIGKILL)
+    _, alive = psutil.wait_procs([process_of(process), *workers[:-1]], timeout=ONE_RANK_KILLED_BOUND_SECONDS)
+    assert not alive, [proc.pid for proc in alive]
+    process.wait(timeout=30)
+    resumed, trace = traced_run(tmp_path, chat_data, env=env, extra=[*extra, "--is_keep_training=True"],
+                                launcher=launcher)
+    start = resumed_from(resumed.stderr)
+    assert_losses_match(traced_losses(trace), traced_losses(three_process_reference), start)
+
+
+def process_of(popen):
+    import psutil
+
+    return psutil.Process(popen.pid)
