@@ -193,28 +193,39 @@ def test_three_processes_resume_exactly_after_sigkill(tmp_path, chat_data, three
 LAUNCHER_GONE_BOUND_SECONDS = 20
 
 
-def test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save(tmp_path, chat_data, three_process_reference):
+def _three_processes_at_step(tmp_path, chat_data, step: int):
+    """A 3-process run (slowed) that has logged `step`, with its stderr drained; the launcher and its workers."""
     import psutil
 
-    env, extra, launcher = THREE_PROCESS_ENV, THREE_PROCESS_EXTRA, THREE_PROCESSES
-    process = start_run(tmp_path, chat_data, env={**env, "LOWMEM_TEST_STEP_SECONDS": "0.05"}, launcher=launcher,
-                        extra=extra)
-    wait_for_step(process, 8)
+    process = start_run(tmp_path, chat_data, env={**THREE_PROCESS_ENV, "LOWMEM_TEST_STEP_SECONDS": "0.05"},
+                        launcher=THREE_PROCESSES, extra=THREE_PROCESS_EXTRA)
+    wait_for_step(process, step)
     threading.Thread(target=process.stderr.read, daemon=True).start()  # a full pipe must not block anyone
     workers = psutil.Process(process.pid).children(recursive=True)
     assert len(workers) >= 3
+    return process, workers
+
+
+def _resume_three_processes(tmp_path, chat_data):
+    """Resume the run in `tmp_path` on 3 processes to its end; the step it resumed from and its trace."""
+    resumed, trace = traced_run(tmp_path, chat_data, env=THREE_PROCESS_ENV,
+                                extra=[*THREE_PROCESS_EXTRA, "--is_keep_training=True"], launcher=THREE_PROCESSES)
+    return resumed_from(resumed.stderr), trace
+
+
+def test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save(tmp_path, chat_data, three_process_reference):
+    import psutil
+
+    process, workers = _three_processes_at_step(tmp_path, chat_data, 8)
     process.send_signal(signal.SIGKILL)  # the launcher only: its workers live in sessions of their own
     _, alive = psutil.wait_procs(workers, timeout=LAUNCHER_GONE_BOUND_SECONDS)
     assert not alive, [worker.pid for worker in alive]
     process.wait(timeout=30)
     saved = {int(marker.parent.name.split("-")[1]) for marker in (tmp_path / "run").glob("checkpoint-*/COMPLETE.json")}
     assert saved and max(saved) >= 8, "the workers saved before they exited"
-    resumed, trace = traced_run(tmp_path, chat_data, env=env, extra=[*extra, "--is_keep_training=True"],
-                                launcher=launcher)
-    start = resumed_from(resumed.stderr)
+    start, trace = _resume_three_processes(tmp_path, chat_data)
     assert start == max(saved)
     assert_losses_match(traced_losses(trace), traced_losses(three_process_reference), start)
-
 
 def _can_drop_privileges() -> bool:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
@@ -268,24 +279,10 @@ ONE_RANK_KILLED_BOUND_SECONDS = 60
 def test_sigkill_of_one_worker_ends_the_others_and_the_resume_is_exact(tmp_path, chat_data, three_process_reference):
     import psutil
 
-    env, extra, launcher = THREE_PROCESS_ENV, THREE_PROCESS_EXTRA, THREE_PROCESSES
-    process = start_run(tmp_path, chat_data, env={**env, "LOWMEM_TEST_STEP_SECONDS": "0.05"}, launcher=launcher,
-                        extra=extra)
-    wait_for_step(process, 8)
-    threading.Thread(target=process.stderr.read, daemon=True).start()  # a full pipe must not block anyone
-    workers = psutil.Process(process.pid).children(recursive=True)
-    assert len(workers) >= 3
+    process, workers = _three_processes_at_step(tmp_path, chat_data, 8)
     workers[-1].send_signal(signal.SIGKILL)
-    _, alive = psutil.wait_procs([process_of(process), *workers[:-1]], timeout=ONE_RANK_KILLED_BOUND_SECONDS)
+    _, alive = psutil.wait_procs([psutil.Process(process.pid), *workers[:-1]], timeout=ONE_RANK_KILLED_BOUND_SECONDS)
     assert not alive, [proc.pid for proc in alive]
     process.wait(timeout=30)
-    resumed, trace = traced_run(tmp_path, chat_data, env=env, extra=[*extra, "--is_keep_training=True"],
-                                launcher=launcher)
-    start = resumed_from(resumed.stderr)
+    start, trace = _resume_three_processes(tmp_path, chat_data)
     assert_losses_match(traced_losses(trace), traced_losses(three_process_reference), start)
-
-
-def process_of(popen):
-    import psutil
-
-    return psutil.Process(popen.pid)

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD
 from lowmem.config import TrainConfig
 from lowmem.data.elastic import merge_rank_states
 from lowmem.errors import DataError
@@ -21,16 +22,16 @@ READER_FIELDS = ("dataloader_buffer_size", "dataloader_mix_row_groups")
 READER_FACTS = ("world_size", "workers_per_rank")
 
 
-def readers_changed(saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any],
-                    values_before_the_field: dict[str, Any]) -> bool:
-    """True when the saved run read its data with another layout than this run will."""
-    saved_config = {**values_before_the_field, **saved["config"]}
-    return (any(saved.get(fact) != run_facts[fact] for fact in READER_FACTS)
-            or any(saved_config.get(name) != getattr(config, name) for name in READER_FIELDS))
-
-
 def processes_changed(saved: dict[str, Any], run_facts: dict[str, Any]) -> bool:
+    """True when the saved run had another number of processes or of DataLoader workers per process."""
     return any(saved.get(fact) != run_facts[fact] for fact in READER_FACTS)
+
+
+def readers_changed(saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any]) -> bool:
+    """True when the saved run read its data with another layout than this run will."""
+    saved_config = {**VALUES_BEFORE_THE_FIELD, **saved["config"]}
+    return (processes_changed(saved, run_facts)
+            or any(saved_config.get(name) != getattr(config, name) for name in READER_FIELDS))
 
 
 def merged_data_state(folder: Path, world_size: int) -> dict[str, Any]:

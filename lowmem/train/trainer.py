@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD, TrainingCheckpoint, check_resume, read_trainer_state
+from lowmem.checkpoint.contents import TrainingCheckpoint, check_resume, read_trainer_state
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder
@@ -318,7 +318,7 @@ class Trainer:
         run_facts = self.checkpoint.run_facts
         rescaled = processes_changed(saved, run_facts)
         try:
-            if readers_changed(saved, self.config, run_facts, VALUES_BEFORE_THE_FIELD):
+            if readers_changed(saved, self.config, run_facts):
                 # Another layout of readers needs every old rank's position to share the rest out.
                 self.data.load_state_dict(merged_data_state(folder, int(saved.get("world_size", 1))))
             else:
