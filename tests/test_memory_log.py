@@ -66,6 +66,17 @@ def test_snapshot_has_sane_numbers():
     assert cheap.uss is None and cheap.workers_rss is None and cheap.footprint == cheap.rss
 
 
+def test_a_child_high_water_is_its_own_not_its_parents():
+    """A process started by a big one reports its own peak: on Linux `ru_maxrss` would start at the parent's."""
+    import subprocess
+
+    held = np.ones(400 * MB, dtype=np.uint8)  # 400 MB resident in this process before the child starts
+    code = "from lowmem.memory.probe import own_high_water; print(own_high_water())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert held.sum() == 400 * MB and 5 * MB < child < 300 * MB, child / MB
+    assert take_snapshot().rss_high_water >= 400 * MB
+
+
 def test_snapshot_sums_live_children_and_survives_vanished_ones():
     worker = multiprocessing.get_context("fork").Process(target=_sleep, args=(5,))
     worker.start()

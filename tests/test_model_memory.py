@@ -2,7 +2,8 @@
 with 3 processes peaks lower per process than DDP.
 
 Each case is `bench_train` under `accelerate launch` in processes of its own (lowmem.bench.memory_bench); the
-high-water RSS is the kernel's `ru_maxrss`, read by each process at its end, so no case sees another's peak.
+high-water RSS is VmHWM, read by each process at its end, so no case sees another's peak (nor the pytest
+process's: a child's `ru_maxrss` starts at its parent's high-water, VmHWM at zero).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def test_the_bench_table_is_parsed():
 
 
 LOSS_STEPS = """
-import resource, sys, torch
+import sys, torch
 from lowmem.memory.cleanup import set_malloc_mmap_threshold
+from lowmem.memory.probe import own_high_water
 from lowmem.model import GPT, GPTConfig
 set_malloc_mmap_threshold(1)
 torch.manual_seed(0)
@@ -73,7 +75,7 @@ model.use_memory_savers(loss_chunk_tokens=int(sys.argv[1]), checkpoint_activatio
 tokens = torch.randint(0, 8000, (22, 192))  # 4,224 tokens: (4,224 x 8,064) float32 logits are 136 MB
 _, loss = model(tokens, tokens)  # a forward and backward pass: where the loss's tensors peak
 loss.backward()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(own_high_water() / 2**20)
 """
 
 

@@ -77,9 +77,9 @@ def _repack_peak(source, target) -> int:
     import sys
 
     code = (
-        "import json, resource, sys; from lowmem.data.repack import repack; "
+        "import json, sys; from lowmem.data.repack import repack; from lowmem.memory.probe import own_high_water; "
         "repack(sys.argv[1], sys.argv[2], 10_000); "
-        "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))"
+        "print(json.dumps(own_high_water()))"
     )
     done = subprocess.run([sys.executable, "-c", code, str(source), str(target)], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

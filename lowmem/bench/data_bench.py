@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import resource
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from lowmem.memory.probe import own_high_water
 from lowmem.units import DECIMAL_MB, GIB
 
 CASES = ("ceiling", "normal", "ultra", "resume", "resume10")
@@ -61,7 +61,7 @@ def _rss() -> int:
 
 
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return own_high_water()
 
 
 def _measure_ceiling(files: Sequence[str]) -> dict[str, Any]:

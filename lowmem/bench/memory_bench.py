@@ -2,8 +2,8 @@
 
 For every combination of strategy (DDP: a full replica per process; FSDP: everything sharded), loss (whole
 logits; chunked) and activation checkpointing (off; on), `bench_memory` launches `bench_train` under
-`accelerate launch` in processes of their own, so that each case's high-water RSS (the kernel's
-`ru_maxrss`: the most the process ever held) is its own and not an earlier case's. Each row gives the
+`accelerate launch` in processes of their own, so that each case's high-water RSS (VmHWM: the most
+the process's memory ever held) is its own and not an earlier case's. Each row gives the
 high-water RSS of every process, their sum, and the tokens/s of the timed steps on in-memory batches.
 
 On a CPU the model, its gradients and the optimizer state live in host memory together with the

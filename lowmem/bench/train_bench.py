@@ -14,7 +14,6 @@ cost of producing them on the fly. Tokens are real (non-padding) input tokens.
 from __future__ import annotations
 
 import dataclasses
-import resource
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 
 from lowmem.config import TrainConfig
 from lowmem.data.collate import TokenizingCollate
+from lowmem.memory.probe import own_high_water
 from lowmem.units import DECIMAL_MB
 
 
@@ -191,7 +191,7 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
                                       tokenizer.pad_id, on_gpu) if pipeline else None)
 
     per_rank = gather_object([{"data": data, "data_rss": data_rss, "ceiling": ceiling, "pipeline": through_pipeline,
-                               "high_water": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}])
+                               "high_water": own_high_water()}])
     if not accelerator.is_main_process:
         return ""
     device = torch.cuda.get_device_name() if on_gpu else machine_line()

@@ -21,6 +21,23 @@ _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess)
 _NOT_WORKER_SCRIPT = re.compile(r"[/\\]torch[/\\]_inductor[/\\]")
 
 
+def own_high_water() -> int:
+    """This process's highest RSS so far, in bytes: /proc/self/status VmHWM, or `ru_maxrss` off Linux.
+
+    `ru_maxrss` is not this process's own on Linux: exec keeps the high-water mark of the process that forked
+    it, so a child started by an 800 MB parent reports at least 800 MB however little it holds. VmHWM
+    belongs to the address space, which exec replaces.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 @dataclass(frozen=True)
 class MemorySnapshot:
     """Memory figures in bytes; None where the figure does not exist here or could not be read.
@@ -44,7 +61,7 @@ class MemorySnapshot:
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     cuda_peak: int | None = None
-    rss_high_water: int | None = None  # the process's highest RSS so far (the kernel's ru_maxrss), this process only
+    rss_high_water: int | None = None  # the process's highest RSS so far (VmHWM), this process only
 
     @property
     def footprint(self) -> int:
@@ -166,7 +183,7 @@ def take_snapshot(process: psutil.Process | None = None, include_children: bool 
     process = process or psutil.Process()
     rss = process.memory_info().rss
     # Records come right after a cleanup; the kernel's high-water mark also sees the peaks between them.
-    high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if own else None  # Linux: KiB
+    high_water = own_high_water() if own else None
     uss = _uss(process) if include_uss else None
     workers, workers_rss, workers_uss = (_children_memory(process, include_uss) if include_children
                                          else (0, None, None))
