@@ -64,15 +64,16 @@ def test_checkpoint_loads_with_and_without_compile(tmp_path, chat_data, referenc
         assert loss == pytest.approx(reference[step], rel=1e-5), step
 
 
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
 @pytest.mark.parametrize("cuda_backends", [False, True], ids=["cpu-path", "cuda-backend-list"])
-def test_masked_attention_compiles_in_one_graph(monkeypatch, cuda_backends):
+def test_masked_attention_compiles_in_one_graph(monkeypatch, cuda_backends, architecture):
     """Packed rows under torch.compile: the backend choice (a no-op on the CPU, `sdpa_kernel` on a GPU,
     simulated here) traces into the graph without a break and computes what the eager model does."""
     if cuda_backends:
         monkeypatch.setattr(gpt_module, "sdpa_backends",
                             lambda device, masked: gpt_module.MASKED_SDPA_BACKENDS if masked else None)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, max_seq_len=16, n_layer=2, n_head=2, n_embd=16))
+    model = GPT(GPTConfig(vocab_size=50, max_seq_len=16, n_layer=2, n_head=2, n_embd=16, architecture=architecture))
     idx = torch.randint(0, 50, (2, 16))
     segments = torch.tensor([[1] * 6 + [2] * 7 + [0] * 3, [1] * 16])
     torch._dynamo.reset()

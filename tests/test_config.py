@@ -25,7 +25,7 @@ def test_train_config_is_every_section_with_flat_fields():
 
 
 def test_resume_roles_come_from_the_fields():
-    assert set(MODEL_SHAPE_FIELDS) == {"n_layer", "n_head", "n_embd", "max_seq_len"}
+    assert set(MODEL_SHAPE_FIELDS) == {"architecture", "n_layer", "n_head", "n_embd", "max_seq_len"}
     assert set(RESUME_EXACT_FIELDS) == {
         "train_file", "seed", "batch_size_per_gpu", "gradient_accumulation_steps", "dataloader_buffer_size",
         "dataloader_mix_row_groups", "max_seq_len", "epochs", "max_steps", "learn_rate", "min_lr_ratio",
@@ -97,3 +97,9 @@ def test_default_data_paths_fall_back_to_the_packaged_demo_data(tmp_path, monkey
     mine = with_demo_data(apply_overrides(TrainConfig(), {"validation_file": "elsewhere.parquet"}))
     assert mine.train_file == "data/train.parquet" and mine.validation_file == "elsewhere.parquet"
     assert Path(mine.test_file) == DEMO_DATA_DIR / "test.parquet"
+
+
+def test_an_odd_head_width_is_refused_for_llama_before_anything_starts():
+    with pytest.raises(ConfigError, match=r"must be even.*--architecture=gpt2"):
+        validate_config(TrainConfig(n_embd=36, n_head=4))  # unset: a new run's llama
+    validate_config(TrainConfig(n_embd=36, n_head=4, architecture="gpt2"))

@@ -87,9 +87,10 @@ def test_chunked_loss_under_bf16_autocast_stays_close_to_the_plain_one():
 
 
 # ----- through the model -------------------------------------------------------------------------------------
-def small_gpt(dropout: float = 0.0) -> GPT:
+def small_gpt(dropout: float = 0.0, architecture: str = "gpt2") -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=64, n_layer=3, n_head=2, n_embd=32, dropout=dropout))
+    return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=64, n_layer=3, n_head=2, n_embd=32, dropout=dropout,
+                         architecture=architecture))
 
 
 def packed_batch() -> dict[str, torch.Tensor]:
@@ -128,9 +129,10 @@ def test_a_model_with_a_chunked_loss_trains_as_with_the_whole_logits():
     assert logits is not None and logits.shape == (ROWS, SEQ, model.config.padded_vocab_size)
 
 
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_activation_checkpointing_gives_the_same_loss_and_gradients(dropout):
-    model, batch = small_gpt(dropout), packed_batch()
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(dropout, architecture):
+    model, batch = small_gpt(dropout, architecture), packed_batch()
     reference = model_loss_and_grads(model, batch)
     model.use_memory_savers(checkpoint_activations=True)
     assert model.memory_savers == {"loss_chunk_tokens": 0, "checkpoint_activations": True}

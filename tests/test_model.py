@@ -13,6 +13,9 @@ from lowmem.errors import ConfigError
 from lowmem.model import GPT, IGNORE_INDEX, PRESETS, GPTConfig, KVCache
 from lowmem.model import gpt as gpt_module
 
+# The behaviour both architectures must share: causality, the loss, the cache, padding and windows.
+ARCHITECTURE = pytest.mark.parametrize("architecture", gpt_module.ARCHITECTURES)
+
 
 def tiny_config(**overrides) -> GPTConfig:
     sizes = dict(vocab_size=50, max_seq_len=16, n_layer=2, n_head=4, n_embd=32)
@@ -111,12 +114,13 @@ def test_presets():
 # Model structure and initialisation
 
 
-def test_embeddings_are_tied():
-    model = tiny_model()
+@ARCHITECTURE
+def test_embeddings_are_tied(architecture):
+    model = tiny_model(architecture=architecture)
     assert model.lm_head.weight is model.tok_emb.weight
     assert model.lm_head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
     # Still one tensor after a state-dict round trip into a fresh model.
-    other = tiny_model(seed=5)
+    other = tiny_model(seed=5, architecture=architecture)
     other.load_state_dict(model.state_dict())
     assert other.lm_head.weight is other.tok_emb.weight
     assert torch.equal(other.tok_emb.weight, model.tok_emb.weight)
@@ -162,12 +166,58 @@ def test_no_bias_parameters_when_bias_false():
     assert not any(name.endswith("bias") for name, _ in model.named_parameters())
 
 
+def test_llama_architecture_has_rotary_positions_rmsnorm_and_swiglu():
+    model = tiny_model(architecture="llama", n_embd=48, n_head=4)
+    assert model.pos_emb is None and "pos_emb.weight" not in model.state_dict()
+    assert isinstance(model.ln_f, torch.nn.RMSNorm) and isinstance(model.blocks[0].ln_1, torch.nn.RMSNorm)
+    mlp = model.blocks[0].mlp
+    assert isinstance(mlp, gpt_module.SwiGLU) and mlp.gate.out_features == mlp.up.out_features == 128  # 8/3*48 -> 64s
+    assert model.lm_head.weight is model.tok_emb.weight
+    # Every parameter but the token embedding is a block's or ln_f's.
+    C, H = 48, 128
+    per_block = 4 * C * C + 3 * C * H + 2 * C
+    assert model.num_params(exclude_embeddings=True) == model.config.n_layer * per_block + C
+    assert model.estimate_flops_per_token(seq_len=8) == 6 * model.num_params() + 12 * 2 * C * 8
+
+
+def test_the_two_architectures_have_about_the_same_size_at_the_demo_shape():
+    sizes = {arch: GPT(GPTConfig.demo(8000, architecture=arch)).num_params(exclude_embeddings=True)
+             for arch in gpt_module.ARCHITECTURES}
+    assert sizes["llama"] == pytest.approx(sizes["gpt2"], rel=0.03)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(architecture="mistral"), "architecture must be one of gpt2, llama"),
+    (dict(architecture="llama", n_embd=36, n_head=4), "must be even"),
+    (dict(rope_theta=0), "rope_theta"),
+    (dict(norm_eps=-1.0), "norm_eps"),
+])
+def test_architecture_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(**overrides)
+
+
+def test_rotary_attention_depends_on_relative_positions_only():
+    # Rotating queries and keys by their positions: shifting both by the same offset leaves q . k unchanged.
+    from lowmem.model.rotary import apply_rotary, rotary_angles
+
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    scores = []
+    for offset in (0, 17):
+        cos, sin = rotary_angles(torch.arange(offset, offset + 5), 8, 10000.0)
+        scores.append(apply_rotary(q, cos, sin) @ apply_rotary(k, cos, sin).transpose(-1, -2))
+    torch.testing.assert_close(scores[0], scores[1], atol=1e-5, rtol=1e-5)
+    cos, sin = rotary_angles(torch.zeros(5, dtype=torch.long), 8, 10000.0)
+    torch.testing.assert_close(apply_rotary(q, cos, sin), q)  # position 0 is no rotation
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Forward and loss
 
 
-def test_causality_later_tokens_never_change_earlier_logits():
-    model = tiny_model()
+@ARCHITECTURE
+def test_causality_later_tokens_never_change_earlier_logits(architecture):
+    model = tiny_model(architecture=architecture)
     idx, _ = random_batch(model.config, B=2, T=12)
     logits, _ = model(idx)
     for t in (0, 5, 11):
@@ -185,8 +235,9 @@ def test_sequence_longer_than_max_seq_len_is_rejected():
         model(torch.zeros(1, model.config.max_seq_len + 1, dtype=torch.long))
 
 
-def test_loss_equals_manual_cross_entropy():
-    model = tiny_model()
+@ARCHITECTURE
+def test_loss_equals_manual_cross_entropy(architecture):
+    model = tiny_model(architecture=architecture)
     idx, targets = random_batch(model.config)
     logits, loss = model(idx, targets, return_logits=True)
     log_probs = torch.log_softmax(logits.double(), dim=-1)
@@ -263,8 +314,9 @@ def test_weight_decay_groups():
     assert not opt.defaults.get("fused")  # fused only on CUDA
 
 
-def test_a_few_steps_overfit_a_fixed_batch():
-    model = tiny_model().train()
+@ARCHITECTURE
+def test_a_few_steps_overfit_a_fixed_batch(architecture):
+    model = tiny_model(architecture=architecture).train()
     idx, targets = random_batch(model.config, B=2, T=8)
     opt = model.configure_optimizer(weight_decay=0.0, learning_rate=3e-3)
     _, first = model(idx, targets)
@@ -277,8 +329,9 @@ def test_a_few_steps_overfit_a_fixed_batch():
     assert last.item() < 0.5 * first.item()
 
 
-def test_dropout_is_active_only_in_training_mode():
-    model = tiny_model(dropout=0.5)
+@ARCHITECTURE
+def test_dropout_is_active_only_in_training_mode(architecture):
+    model = tiny_model(dropout=0.5, architecture=architecture)
     idx, _ = random_batch(model.config)
     torch.testing.assert_close(model(idx)[0], model(idx)[0])
     model.train()
@@ -302,8 +355,9 @@ def test_generate_greedy_is_deterministic():
     assert torch.equal(model.generate(prompt, max_new_tokens=6, top_k=1), out1)
 
 
-def test_generate_greedy_matches_forward_argmax():
-    model = tiny_model()
+@ARCHITECTURE
+def test_generate_greedy_matches_forward_argmax(architecture):
+    model = tiny_model(architecture=architecture)
     prompt, _ = random_batch(model.config, B=2, T=4)
     out = model.generate(prompt, max_new_tokens=1, greedy=True)
     logits, _ = model(prompt)
@@ -438,10 +492,12 @@ def varied_model(seed: int = 0, **overrides) -> GPT:
     two logits still differ by far more than float rounding (about 1e-3 against 1e-7).
     """
     model = tiny_model(seed, **overrides)
+    # Without a position table the llama model needs larger weights to stop repeating itself as soon.
+    std = 0.3 if model.config.architecture == "llama" else 0.15
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.15)
+                p.normal_(0.0, std)
     return model
 
 
@@ -460,8 +516,9 @@ def test_kv_cache_writes_in_place_and_returns_all_positions():
         layer.append(torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8))
 
 
-def test_cached_forward_matches_full_forward():
-    model = tiny_model(max_seq_len=32)
+@ARCHITECTURE
+def test_cached_forward_matches_full_forward(architecture):
+    model = tiny_model(max_seq_len=32, architecture=architecture)
     idx, _ = random_batch(model.config, B=2, T=20)
     full = model.lm_head(model._hidden(idx))  # (B, T, V)
     cache = KVCache(model.config.n_layer, max_len=20)
@@ -488,8 +545,9 @@ def test_unpadded_forward_keeps_the_is_causal_fast_path(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_generate_cached_and_uncached_give_the_same_greedy_tokens(seed):
-    model = varied_model(seed, max_seq_len=64)
+@ARCHITECTURE
+def test_generate_cached_and_uncached_give_the_same_greedy_tokens(seed, architecture):
+    model = varied_model(seed, max_seq_len=64, architecture=architecture)
     prompt, _ = random_batch(model.config, B=3, T=8, seed=seed)
     cached = model.generate(prompt, max_new_tokens=50, greedy=True)
     uncached = model.generate(prompt, max_new_tokens=50, greedy=True, use_cache=False)
@@ -517,10 +575,11 @@ def test_generate_with_cache_runs_only_the_new_token_per_step(monkeypatch):
     assert model._decoding is None  # the cache does not outlive the call
 
 
-def test_generate_sampling_with_the_same_seed_matches_cached_and_uncached():
+@ARCHITECTURE
+def test_generate_sampling_with_the_same_seed_matches_cached_and_uncached(architecture):
     # The logits of the two paths differ by float rounding only (~1e-7), so the probabilities and the
     # generator's draws agree unless a draw lands within that distance of a bucket edge.
-    model = varied_model(max_seq_len=64)
+    model = varied_model(max_seq_len=64, architecture=architecture)
     prompt, _ = random_batch(model.config, B=3, T=6)
     settings = dict(max_new_tokens=40, temperature=1.3, top_k=20, top_p=0.9)
     cached = model.generate(prompt, generator=torch.Generator().manual_seed(11), **settings)
@@ -529,8 +588,9 @@ def test_generate_sampling_with_the_same_seed_matches_cached_and_uncached():
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_generate_left_padded_batch_matches_each_row_alone(use_cache):
-    model = varied_model(3, max_seq_len=64)
+@ARCHITECTURE
+def test_generate_left_padded_batch_matches_each_row_alone(use_cache, architecture):
+    model = varied_model(3, max_seq_len=64, architecture=architecture)
     g = torch.Generator().manual_seed(5)
     rows = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (3, 9, 6)]
     batch, lengths = left_pad(rows, pad=7)
@@ -542,8 +602,9 @@ def test_generate_left_padded_batch_matches_each_row_alone(use_cache):
         assert torch.equal(out[i, 9:], alone[0, len(row) :]), f"row {i}"
 
 
-def test_generate_left_padding_ids_do_not_matter():
-    model = varied_model(max_seq_len=64)
+@ARCHITECTURE
+def test_generate_left_padding_ids_do_not_matter(architecture):
+    model = varied_model(max_seq_len=64, architecture=architecture)
     rows = [torch.tensor([5, 6, 7]), torch.tensor([1, 2, 3, 4, 5, 6])]
     zeros, lengths = left_pad(rows, pad=0)
     other, _ = left_pad(rows, pad=model.config.vocab_size - 1)
@@ -564,8 +625,9 @@ def test_generate_stops_at_eos_with_cache():
     assert (out[:, -1] == eos).all()
 
 
-def test_generate_eos_mid_batch_same_with_and_without_cache():
-    model = varied_model(max_seq_len=64)
+@ARCHITECTURE
+def test_generate_eos_mid_batch_same_with_and_without_cache(architecture):
+    model = varied_model(max_seq_len=64, architecture=architecture)
     prompt, _ = random_batch(model.config, B=3, T=5, seed=2)
     free = model.generate(prompt, max_new_tokens=20, greedy=True)
     eos = int(free[0, 5 + 3])  # row 0 produces it by step 3; a finished row is then fed padding
@@ -579,8 +641,9 @@ def test_generate_eos_mid_batch_same_with_and_without_cache():
 
 
 @pytest.mark.parametrize("prompt_len", [10, 16, 20])
-def test_generate_with_cache_past_max_seq_len_stays_valid(prompt_len):
-    model = varied_model()  # max_seq_len 16
+@ARCHITECTURE
+def test_generate_with_cache_past_max_seq_len_stays_valid(prompt_len, architecture):
+    model = varied_model(architecture=architecture)  # max_seq_len 16
     prompt, _ = random_batch(model.config, B=2, T=prompt_len)
     cached = model.generate(prompt, max_new_tokens=15, greedy=True)
     assert cached.shape == (2, prompt_len + 15)
@@ -591,8 +654,9 @@ def test_generate_with_cache_past_max_seq_len_stays_valid(prompt_len):
     assert sampled.shape == (2, prompt_len + 15) and (sampled < model.config.vocab_size).all()
 
 
-def test_generate_left_padded_past_max_seq_len_matches_each_row_alone():
-    model = varied_model(2)  # max_seq_len 16
+@ARCHITECTURE
+def test_generate_left_padded_past_max_seq_len_matches_each_row_alone(architecture):
+    model = varied_model(2, architecture=architecture)  # max_seq_len 16
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (4, 12)]
     batch, lengths = left_pad(rows)

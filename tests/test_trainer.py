@@ -117,14 +117,20 @@ def test_request_stop_saves_where_training_stands_and_exports_nothing(in_tmp, ch
     assert {p.name for p in (run / "checkpoint-5" / "rank0").iterdir()} == {"rng.pt", "data.json", "memory.json"}
 
 
-def test_a_resumed_trainer_continues_exactly(in_tmp, chat_data, tokenizer_dir):
-    reference = TrainingTrace(in_tmp / "reference")
-    Trainer(tiny_config(in_tmp / "a", chat_data, tokenizer_dir, epochs=2), callbacks=[reference]).fit()
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_a_resumed_trainer_continues_exactly(in_tmp, chat_data, tokenizer_dir, architecture):
+    def config(folder: Path) -> TrainConfig:
+        return tiny_config(folder, chat_data, tokenizer_dir, epochs=2, architecture=architecture)
 
-    stopped = Trainer(tiny_config(in_tmp / "b", chat_data, tokenizer_dir, epochs=2), callbacks=[StopAfterStep(7)])
+    reference = TrainingTrace(in_tmp / "reference")
+    Trainer(config(in_tmp / "a"), callbacks=[reference]).fit()
+
+    stopped = Trainer(config(in_tmp / "b"), callbacks=[StopAfterStep(7)])
     stopped.fit()
+    saved = json.loads((in_tmp / "b" / "run" / "checkpoint-7" / "trainer_state.json").read_text())
+    assert saved["config"]["architecture"] == architecture
     resumed_trace = TrainingTrace(in_tmp / "resumed")
-    resumed = Trainer(tiny_config(in_tmp / "b", chat_data, tokenizer_dir, epochs=2), callbacks=[resumed_trace])
+    resumed = Trainer(config(in_tmp / "b"), callbacks=[resumed_trace])
     assert resumed.resume() == in_tmp / "b" / "run" / "checkpoint-7"
     assert (resumed.state.step, resumed.checkpoints.last_saved_step) == (7, 7)
     resumed.fit()

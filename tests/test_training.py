@@ -37,15 +37,16 @@ def test_single_process_training_learns_and_saves(tmp_path, chat_data):
     assert re.search(r"step 60/60 \| epoch 0 \| loss [\d.]+ \| lr [\d.e+-]+ \| grad_norm [\d.]+ \| tokens/s [\d,]+ \| rss \d+ MB",
                      log_text)
     assert "Sample" in log_text
+    assert not (tmp_path / "logs" / "tensorboard").exists(), "no curves unless --report_to asks for them"
 
 
-def traced_three_process_run(tmp_path, chat_data, max_steps: int, **test_env: str):
+def traced_three_process_run(tmp_path, chat_data, max_steps: int, extra: tuple[str, ...] = (), **test_env: str):
     """A tiny run on 3 CPU processes with each rank's trace; returns the finished process and the 3 traces."""
     if shutil.which("accelerate") is None:
         pytest.skip("the accelerate launcher is not on PATH")
     trace_dir = tmp_path / "trace"
     done = run_command(
-        ["train", *tiny_overrides(tmp_path, *chat_data), f"--max_steps={max_steps}"], cwd=tmp_path,
+        ["train", *tiny_overrides(tmp_path, *chat_data), f"--max_steps={max_steps}", *extra], cwd=tmp_path,
         env={"ACCELERATE_USE_CPU": "1", "LOWMEM_TRACE_DIR": str(trace_dir), "OMP_NUM_THREADS": "1", **test_env},
         launcher=three_cpu_processes(tmp_path / "ranks"),
     )
@@ -54,7 +55,7 @@ def traced_three_process_run(tmp_path, chat_data, max_steps: int, **test_env: st
 
 
 def test_three_processes_read_disjoint_rows_and_end_with_identical_weights(tmp_path, chat_data):
-    done, traces = traced_three_process_run(tmp_path, chat_data, max_steps=20)
+    done, traces = traced_three_process_run(tmp_path, chat_data, max_steps=20, extra=("--report_to=tensorboard",))
     for trace in traces:
         assert trace["steps"] == 20
         assert len(trace["rows"]) == 20 * 8
@@ -63,6 +64,9 @@ def test_three_processes_read_disjoint_rows_and_end_with_identical_weights(tmp_p
     assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2]), "ranks shared rows"
     assert len({trace["weights"] for trace in traces}) == 1, "weights differ between ranks"
     assert "Processes: 3" in done.stderr
+    events = list((tmp_path / "logs" / "tensorboard").rglob("events.out.tfevents.*"))
+    # The curves (and accelerate's hparams subfolder) come from the main process alone.
+    assert len([path for path in events if path.parent.name == "run"]) == 1 and len(events) == 2, events
 
 
 def test_missing_data_file_says_where_to_put_data(tmp_path):
@@ -90,8 +94,9 @@ def test_large_config_builds_the_large_model_and_takes_two_steps(tmp_path, chat_
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    millions = float(re.search(r"Model: ([\d.]+) M parameters \(([\d.]+) M without embeddings\)", done.stderr).group(2))
-    assert 80 < millions < 90, "GPT-2 small's blocks: ~85 M parameters"
+    model_line = r"Model: \w+ architecture, ([\d.]+) M parameters \(([\d.]+) M without embeddings\)"
+    millions = float(re.search(model_line, done.stderr).group(2))
+    assert 80 < millions < 90, "GPT-2 small-sized blocks (llama): ~85 M parameters"
     assert "step 2/2" in done.stderr
     model_config = json.loads((tmp_path / "large" / "final" / "model_config.json").read_text())
     assert (model_config["n_layer"], model_config["n_embd"], model_config["max_seq_len"]) == (12, 768, 192)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -172,9 +173,11 @@ def test_packed_collate_holds_the_same_rows_in_segments():
     assert int((packed["targets"] != IGNORE_INDEX).sum()) == 4 + 2 + 2  # responses + end tokens
 
 
-def test_packed_rows_compute_exactly_as_rows_alone():
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_packed_rows_compute_exactly_as_rows_alone(architecture):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=100, max_seq_len=32, n_layer=2, n_head=2, n_embd=32)).eval()
+    model = GPT(GPTConfig(vocab_size=100, max_seq_len=32, n_layer=2, n_head=2, n_embd=32,
+                          architecture=architecture)).eval()
     lengths = [9, 5, 12, 3]
     rows = [torch.randint(5, 100, (n,)) for n in lengths]
     packed = torch.zeros(1, 32, dtype=torch.long)
@@ -193,3 +196,51 @@ def test_packed_rows_compute_exactly_as_rows_alone():
             start += len(row)
         unmasked, _ = model(packed)  # the same sequence without segments: rows would see each other
         assert not torch.allclose(unmasked[0, 9:14], logits[0, 9:14], atol=1e-3)
+
+
+def _run_folder_with_a_checkpoint(folder, saved_config: dict) -> None:
+    """A run folder whose checkpoint-7 holds a trainer state with `saved_config` (nothing else is read)."""
+    import json
+
+    (folder / "checkpoint-7").mkdir(parents=True)
+    (folder / "checkpoint-7" / "trainer_state.json").write_text(json.dumps({"config": saved_config}))
+
+
+def test_the_architecture_of_a_new_run_and_of_a_resumed_one(tmp_path):
+    from lowmem.checkpoint.contents import resume_differences
+    from lowmem.train.setup import NEW_RUN_ARCHITECTURE, settle_architecture
+
+    fresh = TrainConfig(output_dir=str(tmp_path / "new"))
+    assert settle_architecture(fresh, is_keep_training=True).architecture == NEW_RUN_ARCHITECTURE
+    # A run saved before the option existed holds a gpt2 model: its resume keeps it, whatever the default.
+    old = tmp_path / "old"
+    _run_folder_with_a_checkpoint(old, {"n_layer": 4})
+    resumed = settle_architecture(TrainConfig(output_dir=str(old)), is_keep_training=True)
+    assert resumed.architecture == "gpt2"
+    before_the_option = {k: v for k, v in dataclasses.asdict(resumed).items() if k != "architecture"}
+    assert resume_differences({"config": before_the_option, "train": {"step": 7}}, resumed, 100) == ([], [])
+    # A llama run resumes as llama; an explicit other value is kept here and refused by the resume check.
+    llama = tmp_path / "llama"
+    _run_folder_with_a_checkpoint(llama, {"architecture": "llama"})
+    assert settle_architecture(TrainConfig(output_dir=str(llama)), is_keep_training=True).architecture == "llama"
+    explicit = settle_architecture(TrainConfig(output_dir=str(llama), architecture="gpt2"), is_keep_training=True)
+    assert explicit.architecture == "gpt2"
+    saved = {"config": dataclasses.asdict(TrainConfig(architecture="llama")), "train": {"step": 7}}
+    assert resume_differences(saved, explicit, 100)[1] == ["architecture: 'llama' → 'gpt2'"]
+    # Without --is_keep_training a folder's checkpoints do not decide.
+    assert settle_architecture(TrainConfig(output_dir=str(old)), is_keep_training=False).architecture == \
+        NEW_RUN_ARCHITECTURE
+
+
+def test_a_model_file_written_before_the_architecture_field_loads_as_gpt2(tmp_path):
+    import json
+
+    from lowmem.model.weights import load_model_config, save_model_config
+
+    save_model_config(GPTConfig(vocab_size=100, max_seq_len=16, n_layer=1, n_head=2, n_embd=16), tmp_path)
+    fields = json.loads((tmp_path / "model_config.json").read_text())
+    for name in ("architecture", "rope_theta", "norm_eps"):
+        del fields[name]
+    (tmp_path / "model_config.json").write_text(json.dumps(fields))
+    config = load_model_config(tmp_path)
+    assert config.architecture == "gpt2" and GPT(config).pos_emb is not None

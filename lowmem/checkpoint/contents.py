@@ -40,7 +40,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 # already taken had the same learning rate under the old and the new total.
 RUN_LENGTH_FIELDS = ("epochs", "max_steps")
 # Fields added after checkpoints were written without them: the value those runs had in effect.
-VALUES_BEFORE_THE_FIELD = {"dataloader_mix_row_groups": 1}
+VALUES_BEFORE_THE_FIELD = {"dataloader_mix_row_groups": 1, "architecture": "gpt2"}
 
 
 class Stateful(Protocol):
@@ -117,6 +117,23 @@ class TrainingCheckpoint:
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:
     return json.loads((folder / TRAINER_STATE_FILE).read_text())
+
+
+def newest_saved_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """The training config saved with the newest checkpoint of `run_dir` that has a readable trainer state,
+    or None. For settings every checkpoint of a run shares (the model's architecture): nothing is verified."""
+    steps = []
+    # checkpoint-N.old: a save replacing checkpoint-N was interrupted; CheckpointManager will rename it back.
+    for folder in Path(run_dir).glob("checkpoint-*"):
+        number = folder.name.split("-", 1)[1].removesuffix(".old")
+        if number.isdigit():
+            steps.append((int(number), folder))
+    for _, folder in sorted(steps, reverse=True):
+        try:
+            return dict(read_trainer_state(folder)["config"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def _run_length_is_harmless(saved: dict[str, Any], config: TrainConfig, steps_per_epoch: int) -> bool:

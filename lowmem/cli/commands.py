@@ -6,6 +6,7 @@ Commands:
     tokenizer   train the SentencePiece tokenizer on the training files
     evaluate    score a trained model on the test file: loss, perplexity, BLEU-4
     generate    answer a prompt (or each line typed) with a trained model
+    export      write a trained model as a folder transformers loads (AutoModelForCausalLM, AutoTokenizer)
     memlog      summarise a run's memory logs: growth per rank and a leak verdict
     repack      rewrite parquet files into small row groups
     bench_data  benchmark the data pipeline against a plain pyarrow read
@@ -14,7 +15,7 @@ Commands:
     bench_memory the memory table: high-water RSS and tokens/s of DDP and FSDP with each memory saver
 
 `lowmem COMMAND --help` documents each one. The commands themselves live in `training` (train, tokenizer),
-`evaluation` (evaluate, generate) and `tools` (memlog, repack, bench_*).
+`evaluation` (evaluate, generate, export) and `tools` (memlog, repack, bench_*).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 import fire
 
 from lowmem.cli.common import program_name
-from lowmem.cli.evaluation import evaluate, generate
+from lowmem.cli.evaluation import evaluate, export, generate
 from lowmem.cli.tools import bench_data, bench_memory, bench_mixing, bench_train, memlog, repack
 from lowmem.cli.training import tokenizer, train, train_with
 from lowmem.errors import LowmemError
@@ -50,6 +51,7 @@ COMMANDS = {
     "tokenizer": tokenizer,
     "evaluate": evaluate,
     "generate": generate,
+    "export": export,
     "memlog": memlog,
     "repack": repack,
     "bench_data": bench_data,

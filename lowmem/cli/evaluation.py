@@ -1,4 +1,5 @@
-"""The commands that use a trained model: `evaluate` (scores on the test file) and `generate` (answers)."""
+"""The commands that use a trained model: `evaluate` (scores on the test file), `generate` (answers) and `export`
+(the transformers format)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,26 @@ def generate(prompt: str | None = None, use_large_config: bool = False, checkpoi
 
     config = build_config(use_large_config, overrides, demo_data=False)  # generate reads no data files
     generate_command(config, prompt, checkpoint, max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def export(out: str, use_large_config: bool = False, checkpoint: str | None = None, **overrides: Any) -> None:
+    """Write a trained model as a folder that transformers loads offline: AutoModelForCausalLM.from_pretrained(OUT)
+    and AutoTokenizer.from_pretrained(OUT), with a chat template that lays a prompt out as in training.
+
+    Exports the run's best/ model (else final/), or --checkpoint: a gpt2 model as GPT2LMHeadModel, a llama model
+    as LlamaForCausalLM. OUT must not exist (or be empty); it is written aside and renamed into place. Needs
+    transformers 4.46 or later: pip install "lowmem[hf]".
+
+    Args:
+        out: the folder to create.
+        use_large_config: take output_dir from TrainConfigPretrainLarge.
+        checkpoint: a checkpoint-<step>, best/ or final/ folder to export instead.
+        overrides: config fields, e.g. --output_dir=model_save/demo, --tokenizer_dir=..., --eval_max_new_tokens=...
+            (the max_new_tokens written to generation_config.json).
+    """
+    from lowmem.hf import export_hf
+
+    config = build_config(use_large_config, overrides, demo_data=False)  # export reads no data files
+    folder = export_hf(config, str(out), checkpoint)  # fire reads a name like 123 as a number
+    print(f"Wrote {folder}: load it with AutoModelForCausalLM.from_pretrained({str(folder)!r}) and "
+          f"AutoTokenizer.from_pretrained({str(folder)!r}).")

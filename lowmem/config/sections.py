@@ -76,6 +76,10 @@ class TokenizerConfig:
 class ModelConfig:
     """The shape of the GPT."""
 
+    architecture: Optional[str] = option(None, "llama (rotary positions, RMSNorm, SwiGLU) or gpt2 (learned "
+                                         "positions, LayerNorm, GELU); unset: llama for a new run, the checkpoint's "
+                                         "when resuming", choices=("gpt2", "llama"), resume=MODEL_SHAPE,
+                                         hint="leave it unset to keep a resumed run's architecture")
     n_layer: int = option(4, "transformer blocks", minimum=1, resume=MODEL_SHAPE)
     n_head: int = option(4, "attention heads per block (must divide n_embd)", minimum=1, resume=MODEL_SHAPE)
     n_embd: int = option(128, "width of the residual stream", minimum=1, resume=MODEL_SHAPE)
@@ -127,7 +131,7 @@ class OptimConfig:
 
 @dataclass
 class OutputConfig:
-    """The run folder: log lines, checkpoints and which of them are kept."""
+    """The run folder: log lines, training curves, checkpoints and which of them are kept."""
 
     output_dir: str = option("model_save/demo", "run folder: checkpoints and the exported model")
     logging_steps: int = option(10, "optimizer steps between log lines", minimum=1)
@@ -135,6 +139,9 @@ class OutputConfig:
     # The name is historical: it counts the best checkpoints (by best_metric), and the latest is kept on top.
     keep_latest_n_ckp: int = option(3, "how many best checkpoints (by best_metric) are kept besides the latest, "
                                     "which is always kept", minimum=0, aliases=("keep_best_n",))
+    report_to: str = option("none", "training curves through Accelerate's trackers, from the main process: "
+                            "tensorboard (event files in logs/tensorboard/<basename of output_dir>/), wandb, or none",
+                            choices=("none", "tensorboard", "wandb"))
 
 
 @dataclass

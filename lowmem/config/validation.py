@@ -31,6 +31,10 @@ def validate_config(config: TrainConfig) -> None:
         _require(problem is None, problem or "")
     _require(config.n_embd % config.n_head == 0,
              f"--n_embd ({config.n_embd}) must be divisible by --n_head ({config.n_head}).")
+    # Unset means llama for a new run; a resumed gpt2 run is settled to gpt2 only later, so it must pass here.
+    _require(config.architecture == "gpt2" or (config.n_embd // config.n_head) % 2 == 0,
+             f"The llama architecture rotates pairs of channels: --n_embd // --n_head "
+             f"({config.n_embd // config.n_head}) must be even. Choose another --n_head or --n_embd, or pass --architecture=gpt2.")
     _require(config.prompt_column != config.response_column,
              "--prompt_column and --response_column must name two different columns.")
 

@@ -142,8 +142,8 @@ def offload_optimizer_threads(accelerator: Accelerator) -> None:
                 "on this machine).", threads, cores, local_processes(accelerator))
 
 
-def create_accelerator(gradient_accumulation_steps: int, bf16: bool,
-                       process_group_timeout_minutes: float) -> Accelerator:
+def create_accelerator(gradient_accumulation_steps: int, bf16: bool, process_group_timeout_minutes: float,
+                       log_with: str | None = None, project_dir: str | None = None) -> Accelerator:
     """An Accelerator on the GPUs if there are any, else on the CPU (gloo between processes).
 
     The process group comes first (accelerate's PartialState, which also sets this process's GPU), so that
@@ -156,6 +156,8 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool,
         bf16: bf16 mixed precision where the GPU computes bf16 natively (see `bf16_supported`).
         process_group_timeout_minutes: how long a collective waits for the slowest rank before the run fails
             (NCCL's default is 10 minutes; a first run's tokenizer training on rank 0 can take longer).
+        log_with: Accelerate's tracker for the training curves ("tensorboard", "wandb"), or None.
+        project_dir: the trackers' logging folder (see `lowmem.train.tracking.tracker_arguments`).
     """
     on_cpu = not torch.cuda.is_available()
     cpu = on_cpu or parse_flag_from_env("ACCELERATE_USE_CPU")  # as AcceleratorState would decide it
@@ -167,7 +169,8 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool,
     fsdp_plugin = fsdp_plugin_for(mixed_precision)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=gradient_accumulation_steps,
                               mixed_precision=mixed_precision, fsdp_plugin=fsdp_plugin,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)], log_with=log_with,
+                              project_dir=project_dir)
     launched = requested_processes()
     if launched != accelerator.num_processes:
         raise ConfigError(

@@ -1,8 +1,15 @@
-"""A GPT (decoder-only transformer) in plain PyTorch.
+"""A GPT (decoder-only transformer) in plain PyTorch, in two architectures.
 
-The model is deliberately small and explicit: token + learned position embeddings, a stack of pre-norm
-blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP -> residual), a final LayerNorm
-and a language-model head that shares its weight with the token embedding.
+The model is deliberately small and explicit: token embeddings, a stack of pre-norm blocks (norm ->
+causal self-attention -> residual, norm -> MLP -> residual), a final norm and a language-model head that
+shares its weight with the token embedding. `GPTConfig.architecture` chooses the parts:
+
+    architecture  positions                   norm       MLP
+    gpt2          learned table, added        LayerNorm  GELU, 4 x n_embd wide
+    llama         rotary, on queries and keys RMSNorm    SwiGLU, about 8/3 x n_embd wide (about as many weights)
+
+Both keep the same module names where the parts play the same role (`tok_emb`, `blocks.i.attn.qkv`,
+`blocks.i.mlp.out_proj`, `ln_f`, ...), so memory savers, FSDP units, compile and checkpoints treat them alike.
 
 Generation can keep a key/value cache (`KVCache`): the keys and values of positions already run are
 stored, so each new token costs one position's work instead of a pass over the whole context.
@@ -18,7 +25,7 @@ import inspect
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Optional
 
 import torch
 import torch.nn as nn
@@ -28,10 +35,19 @@ from torch.utils.checkpoint import checkpoint
 
 from lowmem.errors import ConfigError
 from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
+from lowmem.model.rotary import apply_rotary, rotary_angles
+
+# The rotary cosines and sines of the positions a forward pass runs, each (B or 1, 1, T, hs); None for gpt2.
+Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
+
+# The architectures `GPTConfig.architecture` accepts (see the module docstring).
+ARCHITECTURES: tuple[str, ...] = ("gpt2", "llama")
 
 # Matmuls whose inner dimension is a multiple of 64 map cleanly onto GPU tensor cores; padding the vocabulary
 # (the largest matmul in a small model) up to it is cheap in parameters and noticeably faster.
 VOCAB_PAD_MULTIPLE = 64
+# The SwiGLU hidden width is rounded up to this, for the same reason.
+MLP_WIDTH_MULTIPLE = 64
 
 
 # SDPA kernels allowed for attention with an explicit mask (packed rows, padded prompts) on a GPU. Flash
@@ -74,6 +90,10 @@ class GPTConfig:
         dropout: dropout probability on embeddings, attention weights and residual branches (0.0 for
             pretraining on a lot of data, 0.1 or so when fine-tuning on little).
         bias: whether Linear and LayerNorm layers have biases (False is slightly faster and as good).
+        architecture: "gpt2" or "llama" (see the module docstring). Model files written before the field
+            existed hold a "gpt2" model, hence that default here; new training runs choose theirs in the config.
+        rope_theta: base of the rotary frequencies (llama only).
+        norm_eps: the epsilon of LayerNorm / RMSNorm.
     """
 
     vocab_size: int
@@ -83,6 +103,9 @@ class GPTConfig:
     n_embd: int
     dropout: float = 0.0
     bias: bool = False
+    architecture: str = "gpt2"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_embd"):
@@ -108,11 +131,30 @@ class GPTConfig:
             )
         if not isinstance(self.bias, bool):
             raise ConfigError(f"GPTConfig.bias must be True or False, got {self.bias!r}.")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"GPTConfig.architecture must be one of {', '.join(ARCHITECTURES)}, "
+                              f"got {self.architecture!r}.")
+        if self.architecture == "llama" and self.head_dim % 2:
+            raise ConfigError(f"The llama architecture rotates channel pairs: n_embd // n_head ({self.head_dim}) "
+                              "must be even. Choose another n_head or n_embd.")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
+                raise ConfigError(f"GPTConfig.{name} must be a number above 0, got {value!r}.")
 
     @property
     def padded_vocab_size(self) -> int:
         """`vocab_size` rounded up to a multiple of 64: the number of rows in the embedding and logits."""
         return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+    @property
+    def mlp_hidden(self) -> int:
+        """Width of the MLP's hidden layer: 4 x n_embd for GELU; for SwiGLU, whose three matrices would
+        otherwise hold 1.5 times the parameters, 8/3 x n_embd rounded up to a multiple of 64 (as many
+        parameters at widths of 256 and more; at 128, 12% more)."""
+        if self.architecture == "gpt2":
+            return 4 * self.n_embd
+        return math.ceil(8 * self.n_embd / 3 / MLP_WIDTH_MULTIPLE) * MLP_WIDTH_MULTIPLE
 
     @property
     def head_dim(self) -> int:
@@ -291,6 +333,7 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         cache: LayerKVCache | None = None,
+        rotary: Rotary = None,
     ) -> torch.Tensor:
         """Attention over `x` (B, T, C) -> (B, T, C).
 
@@ -300,8 +343,12 @@ class CausalSelfAttention(nn.Module):
                 positions in the cache after appending x's. None means plain causal attention with x's
                 positions the last T of the Tk; then T must be Tk (no cache) or 1 (one cached step).
             cache: keys and values of the earlier positions; x's are appended.
+            rotary: cosines and sines of x's positions (llama): queries and keys are rotated by them. The
+                cache stores rotated keys, so a cached key keeps the angle of its own position.
         """
         q, k, v = self.project_qkv(x)  # each (B, nh, T, hs)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.append(k, v)  # each (B, nh, Tk, hs): the earlier positions, then x's
         if attn_mask is None:
@@ -329,6 +376,34 @@ class MLP(nn.Module):
         return self.dropout(self.out_proj(x))  # (B, T, C)
 
 
+class SwiGLU(nn.Module):
+    """The Llama-style feed-forward network: SiLU(gate(x)) * up(x), projected back.
+
+    The gate lets each hidden unit scale its own value; at the same parameter count (see
+    `GPTConfig.mlp_hidden`) it trains to a lower loss than a GELU MLP in the PaLM and Llama reports.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.up = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        # Writes into the residual stream (scaled at init, see GPT._init_weights).
+        self.out_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        x = F.silu(self.gate(x)) * self.up(x)  # (B, T, H)
+        return self.dropout(self.out_proj(x))  # (B, T, C)
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    """The normalisation layer of `config.architecture`: LayerNorm (gpt2) or RMSNorm (llama, no mean, no bias)."""
+    if config.architecture == "llama":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
 class Block(nn.Module):
     """One pre-norm transformer block.
 
@@ -338,10 +413,10 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = _norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.ln_2 = _norm(config)
+        self.mlp = SwiGLU(config) if config.architecture == "llama" else MLP(config)
         # Set by `GPT.use_memory_savers`: keep only the block's input for the backward pass and run the
         # block again there, instead of keeping every intermediate activation.
         self.checkpoint_activations = False
@@ -351,8 +426,9 @@ class Block(nn.Module):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         cache: LayerKVCache | None = None,
+        rotary: Rotary = None,
     ) -> torch.Tensor:
-        """(B, T, C) -> (B, T, C). `attn_mask` and `cache` as in `CausalSelfAttention.forward`.
+        """(B, T, C) -> (B, T, C). `attn_mask`, `cache` and `rotary` as in `CausalSelfAttention.forward`.
 
         With `checkpoint_activations`, training forwards keep only `x` and recompute the block in the
         backward pass. The checkpoint sits inside the block's own forward so that a wrapper around the block
@@ -360,12 +436,12 @@ class Block(nn.Module):
         masks again (the random state is saved with the input).
         """
         if self.checkpoint_activations and self.training and cache is None and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, attn_mask, None, use_reentrant=False)
-        return self._forward(x, attn_mask, cache)
+            return checkpoint(self._forward, x, attn_mask, None, rotary, use_reentrant=False)
+        return self._forward(x, attn_mask, cache, rotary)
 
     def _forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None,
-                 cache: LayerKVCache | None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask, cache)  # positions exchange information
+                 cache: LayerKVCache | None, rotary: Rotary) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask, cache, rotary)  # positions exchange information
         x = x + self.mlp(self.ln_2(x))  # each position computes on its own
         return x
 
@@ -382,10 +458,11 @@ class GPT(nn.Module):
         self.config = config
         V = config.padded_vocab_size
         self.tok_emb = nn.Embedding(V, config.n_embd)
-        self.pos_emb = nn.Embedding(config.max_seq_len, config.n_embd)
+        # Learned absolute positions (gpt2); the llama architecture rotates queries and keys instead.
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.n_embd) if config.architecture == "gpt2" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = _norm(config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         # Weight tying: reading a token and predicting it use the same vectors. It saves V * C parameters
         # (a large share of a small model) and tends to help. Both names refer to one Parameter, so
@@ -455,8 +532,12 @@ class GPT(nn.Module):
         """
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            n -= self.tok_emb.weight.numel() + self.pos_emb.weight.numel()
+            n -= self.tok_emb.weight.numel() + self._position_table_size()
         return n
+
+    def _position_table_size(self) -> int:
+        """Parameters of the learned position table (0 with rotary positions)."""
+        return 0 if self.pos_emb is None else self.pos_emb.weight.numel()
 
     def estimate_flops_per_token(self, seq_len: int | None = None) -> int:
         """Floating-point operations to train on one token (forward + backward), for MFU.
@@ -464,8 +545,8 @@ class GPT(nn.Module):
         Follows the PaLM appendix B estimate: 6 * N + 12 * n_layer * n_embd * T, where
 
         - N counts the parameters that take part in a matmul: every parameter except the position
-          embedding (a lookup, no arithmetic). The token embedding counts because, tied to `lm_head`, it is
-          the weight of the logits matmul. Each such weight costs 2 FLOPs per token forward and 4 backward.
+          embedding (a lookup, no arithmetic; the llama architecture has none). The token embedding counts
+          because, tied to `lm_head`, it is the weight of the logits matmul. Each such weight costs 2 FLOPs per token forward and 4 backward.
         - 12 * n_layer * n_embd * T is attention itself: q @ k^T and att @ v are 2 * T * n_embd FLOPs each
           per token and layer forward, times 3 for forward + backward. The causal mask is ignored, as in
           the usual convention (kernels that skip the masked half do less work).
@@ -475,7 +556,7 @@ class GPT(nn.Module):
         """
         cfg = self.config
         T = cfg.max_seq_len if seq_len is None else seq_len
-        n_matmul = self.num_params() - self.pos_emb.weight.numel()
+        n_matmul = self.num_params() - self._position_table_size()
         return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * T
 
     # ----------------------------------------------------------------------------------------------------
@@ -520,9 +601,15 @@ class GPT(nn.Module):
             # Several new queries after cached ones: SDPA's `is_causal` aligns the mask to the first key,
             # not the last, so it would be wrong here.
             attn_mask = _attention_mask(T, start + T, None, idx.device)  # (1, 1, T, start + T)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C) + (T, C) or (B, T, C) -> (B, T, C)
+        x = self.tok_emb(idx)  # (B, T, C)
+        rotary = None
+        if self.pos_emb is None:
+            rotary = rotary_angles(pos, self.config.head_dim, self.config.rope_theta)  # each (B or 1, 1, T, hs)
+        else:
+            x = x + self.pos_emb(pos)  # (B, T, C) + (T, C) or (B, T, C)
+        x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, attn_mask, None if cache is None else cache.layers[i])  # (B, T, C)
+            x = block(x, attn_mask, None if cache is None else cache.layers[i], rotary)  # (B, T, C)
         return self.ln_f(x)  # (B, T, C)
 
     def forward(
@@ -627,9 +714,10 @@ class GPT(nn.Module):
         n_pad, cache = state.n_pad, state.cache
         max_len = self.config.max_seq_len
         if cache is not None and idx.size(1) > max_len:
-            # The window is about to slide. Position embeddings are absolute, so every kept token moves to
-            # a new position and all cached keys and values go stale: from here on each step recomputes the
-            # window, exactly as without a cache.
+            # The window is about to slide. Positions count from the window's start, so every kept token
+            # moves to a new position and all cached keys and values go stale (rotated keys included: the
+            # token that leaves the window changes what every later one attended to): from here on each
+            # step recomputes the window, exactly as without a cache.
             state.cache = cache = None
         if cache is not None:
             # The whole prompt on the first step, then only the token chosen last.
@@ -669,7 +757,7 @@ class GPT(nn.Module):
         With `use_cache`, the keys and values of every position are kept, so each step runs only the new
         token; the chosen tokens are those of the uncached path (up to float rounding in near-ties). The
         cache covers contexts up to `max_seq_len`. Once the context outgrows it, the position of every
-        kept token changes with each step (position embeddings are absolute), so the cache is dropped and
+        kept token changes with each step (positions count from the window's start), so the cache is dropped and
         each further step recomputes the last `max_seq_len` tokens, as the uncached path does.
 
         Args:

@@ -7,6 +7,7 @@ import datetime as dt
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -70,6 +71,17 @@ def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs") -
     return path
 
 
+@dataclass
+class LineFigures:
+    """The figures of one log line, as plain floats: what the trackers plot (see `lowmem.train.tracking`)."""
+
+    loss: float  # mean token loss over the steps since the last line, over every rank
+    learning_rate: float
+    grad_norm: float  # mean over the steps since the last line, before clipping
+    tokens_per_s: float  # real input tokens over every rank
+    rss_mb: float  # this process's RSS
+
+
 class StepLog:
     """Sums over the optimizer steps since the last log line, on this rank, and the line itself when due.
 
@@ -98,17 +110,22 @@ class StepLog:
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total_steps
 
-    def write(self, step: int, epoch: int, lr: float) -> None:
-        """One readable line: loss over the window and all ranks, learning rate, tokens/s, grad norm, RSS."""
+    def write(self, step: int, epoch: int, lr: float) -> LineFigures:
+        """One readable line: loss over the window and all ranks, learning rate, tokens/s, grad norm, RSS.
+
+        Returns the line's figures (every rank gets the same, except its own RSS)."""
         loss_sum, target_tokens, input_tokens = all_reduce_sum(
             self.accelerator, [float(self.loss_sum), self.target_tokens, self.input_tokens])
         rss = psutil.Process().memory_info().rss
         [rss_max] = all_reduce_max(self.accelerator, [rss])
         elapsed = time.perf_counter() - self.started
+        figures = LineFigures(loss=float(loss_sum / max(target_tokens, 1)), learning_rate=float(lr),
+                              grad_norm=float(self.grad_norm_sum / max(self.steps, 1)),
+                              tokens_per_s=float(input_tokens / max(elapsed, 1e-9)), rss_mb=float(rss / MB))
         logger.info(
             "step %d/%d | epoch %d | loss %.4f | lr %.2e | grad_norm %.3f | tokens/s %s | rss %.0f MB "
-            "(max over ranks %.0f MB)", step, self.total_steps, epoch, loss_sum / max(target_tokens, 1), lr,
-            self.grad_norm_sum / max(self.steps, 1), f"{input_tokens / max(elapsed, 1e-9):,.0f}", rss / MB,
-            rss_max / MB,
+            "(max over ranks %.0f MB)", step, self.total_steps, epoch, figures.loss, figures.learning_rate,
+            figures.grad_norm, f"{figures.tokens_per_s:,.0f}", figures.rss_mb, rss_max / MB,
         )
         self._reset()
+        return figures

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
+from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD, newest_saved_config
 from lowmem.config import TrainConfig
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
@@ -28,10 +30,28 @@ logger = logging.getLogger(__name__)
 LOG_DIR = "logs"
 
 
+# The architecture of a new run whose config leaves it unset: the one that reached the lower validation loss
+# on the demo data in the same training time (README, "Architectures").
+NEW_RUN_ARCHITECTURE = "llama"
+
+
+def settle_architecture(config: TrainConfig, is_keep_training: bool) -> TrainConfig:
+    """`config` with its architecture decided: as given; else, when resuming, the run's checkpoints' (gpt2
+    for those saved before the option existed); else NEW_RUN_ARCHITECTURE. A resumed run thus keeps its
+    model whatever the default, and an explicit other value is refused by the resume check."""
+    if config.architecture is not None:
+        return config
+    saved = newest_saved_config(config.output_dir) if is_keep_training else None
+    if saved is None:
+        return dataclasses.replace(config, architecture=NEW_RUN_ARCHITECTURE)
+    return dataclasses.replace(config, architecture={**VALUES_BEFORE_THE_FIELD, **saved}["architecture"])
+
+
 def model_config_for(config: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The GPT sizes a training config asks for."""
+    """The GPT sizes a training config asks for (its architecture settled, see `settle_architecture`)."""
     return GPTConfig(vocab_size=vocab_size, max_seq_len=config.max_seq_len, n_layer=config.n_layer,
-                     n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout)
+                     n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
+                     architecture=config.architecture or NEW_RUN_ARCHITECTURE)
 
 
 def train_tokenizer_for(config: TrainConfig) -> Tokenizer:
@@ -80,8 +100,9 @@ def build_model(config: TrainConfig, vocab_size: int) -> GPT:
                     "(--malloc_mmap_threshold_mb).", config.malloc_mmap_threshold_mb)
     model = GPT(model_config_for(config, vocab_size)).use_memory_savers(config.loss_chunk_tokens,
                                                                         config.activation_checkpointing)
-    logger.info("Model: %.2f M parameters (%.2f M without embeddings); loss: %s; activation checkpointing: %s.",
-                model.num_params() / 1e6, model.num_params(exclude_embeddings=True) / 1e6,
+    logger.info("Model: %s architecture, %.2f M parameters (%.2f M without embeddings); loss: %s; "
+                "activation checkpointing: %s.", model.config.architecture, model.num_params() / 1e6,
+                model.num_params(exclude_embeddings=True) / 1e6,
                 f"chunks of {config.loss_chunk_tokens} tokens" if config.loss_chunk_tokens else "whole logits",
                 "on" if config.activation_checkpointing else "off")
     return model

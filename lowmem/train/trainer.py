@@ -9,6 +9,7 @@ A Trainer is made of small parts, each keeping its own state and saying itself w
     memory       MemoryMonitor: cleanups, memory records, the watchdog      (checkpoint: per rank)
     validator    Validator: validation loss and BLEU-4, `due(step)`
     step_log     StepLog: one readable line per logging step
+    tracking     Tracking: the training curves (--report_to), from the main process
     stopper      GracefulStop: SIGINT/SIGTERM, or `request_stop(reason)`
 
 A checkpoint is the model, the optimizer and the dict of the stateful parts (`TrainingCheckpoint`).
@@ -40,17 +41,18 @@ from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.errors import DataError
 from lowmem.eval.commands import answer
-from lowmem.eval.validation import METRIC_MODES
+from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
 from lowmem.train.callbacks import Callback, StepResult
 from lowmem.train.log import StepLog, setup_training_log
 from lowmem.train.rescale import merged_data_state, processes_changed, readers_changed, rescale_line
 from lowmem.train.schedule import get_lr, stretched_step, total_steps
-from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader,
+from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader, settle_architecture,
                                 make_memory_monitor, shared_memory_settings, steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
 from lowmem.train.step import Batch, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
+from lowmem.train.tracking import Tracking, tracker_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +109,15 @@ class Trainer:
     def __init__(self, config: TrainConfig, accelerator: Accelerator | None = None,
                  callbacks: Sequence[Callback] = ()) -> None:
         validate_config(config)
+        # Unset here (not through run_training) means a new run's: checkpoints always record a concrete value.
+        config = settle_architecture(config, is_keep_training=False)
         self.config, self.callbacks = config, list(callbacks)
         self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
-                                                             config.process_group_timeout_minutes)
+                                                             config.process_group_timeout_minutes,
+                                                             **tracker_arguments(config.report_to))
         self.is_main = self.accelerator.is_main_process
+        self.tracking = Tracking(self.accelerator, config)  # first: it checks the accelerator has the trackers
+        self.validated_step: int | None = None  # the step of the last full validation (BLEU-4 included)
         set_seed(config.seed)
         self.started = time.perf_counter()
         self.tokenizer = ensure_tokenizer(config, self.accelerator)
@@ -149,20 +156,24 @@ class Trainer:
     # ----- the loop ---------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to the end of the epochs or of `max_steps`, or until a stop; returns the run's summary."""
-        self.begin()
+        self.tracking.start(self.state.step, resumed=self.resumed_from is not None)
         try:
-            while self.running:
-                for micro_batches, agreed in self.epoch_steps():
-                    result = self.optimizer_step(micro_batches, agreed)
-                    self.after_step(result)
-                    self.validate_and_save_when_due()
-                if self.epoch_ended:
-                    self.end_epoch()
-            if not self.stopper.requested:
-                self.validate_and_save_when_due(final=True)
+            self.begin()
+            try:
+                while self.running:
+                    for micro_batches, agreed in self.epoch_steps():
+                        result = self.optimizer_step(micro_batches, agreed)
+                        self.after_step(result)
+                        self.validate_and_save_when_due()
+                    if self.epoch_ended:
+                        self.end_epoch()
+                if not self.stopper.requested:
+                    self.validate_and_save_when_due(final=True)
+            finally:
+                self.end()
+            return self.finish()
         finally:
-            self.end()
-        return self.finish()
+            self.tracking.end()  # stopped or failed too: the curves so far are flushed and closed
 
     @property
     def running(self) -> bool:
@@ -254,7 +265,8 @@ class Trainer:
         self.progress.update(1)
         self.memory.after_step(self.state.epoch, self.state.step)
         if self.step_log.due(self.state.step):
-            self.step_log.write(self.state.step, self.state.epoch, self.lr)
+            figures = self.step_log.write(self.state.step, self.state.epoch, self.lr)
+            self.tracking.log_line(self.state.step, figures)
 
     def _skip_advice(self) -> str:
         if self.state.skipped_steps < 3:
@@ -270,10 +282,19 @@ class Trainer:
         step = self.state.step
         due = self.checkpoints.due(step) or epoch_end or final
         save = due and self.checkpoints.last_saved_step != step
-        if save or self.validator.due(step):
-            self.validator.run(self.model, step)
+        # The last loop step is often due itself: the final call then saves nothing and validates nothing again.
+        if (save or self.validator.due(step)) and self.validated_step != step:
+            self.validate()
         if save:
             self.save(score=self.validator.last_score(self.config.best_metric))
+
+    def validate(self, with_bleu: bool = True) -> EvalResult:
+        """Validate at the current step (every rank together); the result goes to the training curves too."""
+        result = self.validator.run(self.model, self.state.step, with_bleu=with_bleu)
+        if with_bleu:
+            self.validated_step = self.state.step
+        self.tracking.log_validation(self.state.step, result)
+        return result
 
     # ----- epochs, stops and saves ------------------------------------------------------------------------
     def end_epoch(self) -> None:
@@ -346,7 +367,7 @@ class Trainer:
         """Before the first step: the validation loss at the start (not after a resume), the first memory
         record, the signal handlers and the progress bar."""
         if self.resumed_from is None:
-            self.state.val_loss_start = self.validator.run(self.model, self.state.step, with_bleu=False).loss
+            self.state.val_loss_start = self.validate(with_bleu=False).loss
         self.lr = self.learning_rate(self.state.step)
         self.memory.start(self.state.epoch, self.state.step)
         self.stopper.install()
@@ -438,9 +459,10 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     validate_config(config)
     check_data_files(config)
     check_output_dir(config.output_dir)
+    config = settle_architecture(config, is_keep_training)
     stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
-                                     config.process_group_timeout_minutes)
+                                     config.process_group_timeout_minutes, **tracker_arguments(config.report_to))
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     lock = lock_run_folder(accelerator, config.output_dir, "training")

@@ -1,0 +1,119 @@
+"""`export`: a trained model folder rewritten as a folder that transformers loads offline.
+
+    OUT/config.json             GPT2LMHeadModel or LlamaForCausalLM (see `lowmem.hf.weights`)
+    OUT/model.safetensors       the weights under transformers' names, float32
+    OUT/generation_config.json  bos/eos/pad ids and our decoding defaults (`generation_defaults`)
+    OUT/tokenizer.json, OUT/tokenizer_config.json, OUT/tokenizer.model   (see `lowmem.hf.tokenizer_files`)
+
+The folder is built as `<OUT>.partial` and renamed into place, so OUT is absent or whole. The run folder is only
+read (no lock): export works while a training runs, on the best/ or final/ it finds then.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from lowmem.atomic_files import folder_built_aside
+from lowmem.checkpoint.export import find_model_folder
+from lowmem.config import TrainConfig
+from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, Tokenizer
+from lowmem.errors import ConfigError
+from lowmem.hf.tokenizer_files import check_tokenizer, save_tokenizer
+from lowmem.hf.weights import TRANSFORMERS_CLASSES, hf_config, hf_state_dict
+from lowmem.model import GPTConfig
+from lowmem.model.weights import WEIGHTS_FILE, load_model_config
+
+logger = logging.getLogger(__name__)
+
+MIN_TRANSFORMERS = (4, 46)
+INSTALL_HINT = 'pip install "lowmem[hf]"'
+
+
+def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = None) -> Path:
+    """Write the run's best/ model (else final/), or `checkpoint`, to the new folder `out` in transformers' format.
+
+    Args:
+        config: the command's config: output_dir (the run folder), tokenizer_dir (the tokenizer when the model
+            folder has none), eval_max_new_tokens (the generation default).
+        out: the folder to create; it must not exist, or be empty.
+        checkpoint: a checkpoint-<step>, best/ or final/ folder to export instead.
+
+    Returns:
+        `out`, as a Path.
+    """
+    out = Path(out)
+    _check_out(out)
+    folder = find_model_folder(config.output_dir, checkpoint)
+    transformers = _import_transformers()
+    model_config = load_model_config(folder)
+    tokenizer_dir = folder if (folder / TOKENIZER_FILE).is_file() else Path(config.tokenizer_dir)
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    if tokenizer.vocab_size != model_config.vocab_size:
+        raise ConfigError(f"The tokenizer in '{tokenizer_dir}' has {tokenizer.vocab_size} pieces but the model in "
+                          f"'{folder}' was trained with {model_config.vocab_size}: pass --tokenizer_dir=FOLDER with "
+                          "the tokenizer the model was trained with.")
+    with folder_built_aside(out) as staged:
+        _save_model(transformers, staged, folder, model_config, generation_defaults(config))
+        save_tokenizer(staged, tokenizer_dir / TOKENIZER_FILE, model_config.max_seq_len)
+        check_tokenizer(staged, tokenizer, tokenizer_dir / TOKENIZER_FILE)
+    logger.info("Exported %s (%s) to %s as %s.", folder, model_config.architecture, out,
+                TRANSFORMERS_CLASSES[model_config.architecture])
+    return out
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an OUT that is a file, or a folder with anything in it: export never mixes its files with others."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"'{out}' is a file: export writes a folder there. Pass a path that does not exist yet.")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"'{out}' already exists and is not empty: export writes a new folder and never mixes its "
+                          f"files with others. Pass a path that does not exist yet (or an empty folder), or remove "
+                          f"'{out}' first.")
+
+
+def _import_transformers() -> ModuleType:
+    """transformers, imported here only: it is an optional dependency."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConfigError(f"`export` needs the transformers library, which is not installed: {INSTALL_HINT}") from exc
+    version = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+    if version < MIN_TRANSFORMERS:
+        raise ConfigError(f"`export` needs transformers {'.'.join(map(str, MIN_TRANSFORMERS))} or later, found "
+                          f"{transformers.__version__}: {INSTALL_HINT} --upgrade")
+    return transformers
+
+
+def generation_defaults(config: TrainConfig) -> dict[str, Any]:
+    """generation_config.json: the special ids, and the decoding our `generate` and `evaluate` use by default.
+
+    do_sample=False is greedy, as `generate` (temperature 0) and evaluate's BLEU answers; max_new_tokens is
+    `eval_max_new_tokens` (128 by default, also `generate`'s default). Not written: no_repeat_ngram_size
+    (transformers' also bans the prompt's n-grams, ours only the answer's) and the sampling settings of the
+    sample printed after training (temperature 0.8, top_k 40: pass them with do_sample=True).
+    """
+    return {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": False,
+            "max_new_tokens": config.eval_max_new_tokens}
+
+
+def _save_model(transformers: ModuleType, staged: Path, folder: Path, model_config: GPTConfig,
+                generation: dict[str, Any]) -> None:
+    """config.json, model.safetensors and generation_config.json, written by the transformers model itself."""
+    from safetensors.torch import load_file
+
+    keys = hf_config(model_config)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**keys)).float()
+    # strict: every parameter of the transformers model is set, and nothing of ours is left over.
+    model.load_state_dict(hf_state_dict(load_file(str(folder / WEIGHTS_FILE)), model_config), strict=True)
+    model.generation_config = transformers.GenerationConfig(**generation)
+    model.save_pretrained(staged)
+    # Keys the installed version did not write (rope_theta, which transformers 5 moves into rope_parameters)
+    # are added for readers of other versions; what it wrote is kept as it is.
+    config_file = staged / "config.json"
+    written = json.loads(config_file.read_text(encoding="utf-8"))
+    config_file.write_text(json.dumps({**keys, **written}, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,118 @@
+"""Our model in transformers' terms: the config of the matching transformers class, and the weights renamed.
+
+    architecture  transformers class  what changes on the way
+    gpt2          GPT2LMHeadModel     Linear (out, in) -> Conv1D (in, out): every matrix transposed; biases
+                                      written as zeros when the model has none (GPT2 always has them)
+    llama         LlamaForCausalLM    the fused qkv rows split into q_proj, k_proj, v_proj; nothing
+                                      transposed; rotary needs no permutation (ours is HF's "rotate half")
+
+Both tie the output layer to the token embedding, and both crop it to the tokenizer's `vocab_size` rows:
+the rows that pad it to a multiple of 64 are never produced by our `generate` and mean nothing.
+
+Nothing here imports transformers: these are plain dicts and tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from lowmem.model import GPTConfig
+
+TRANSFORMERS_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+def hf_config(config: GPTConfig) -> dict[str, Any]:
+    """The transformers config (the keys of its config.json) of the model `config` describes."""
+    shared = {"architectures": [TRANSFORMERS_CLASSES[config.architecture]], "vocab_size": config.vocab_size,
+              "tie_word_embeddings": True, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+              "use_cache": True}
+    if config.architecture == "gpt2":
+        return {"model_type": "gpt2", **shared, "n_positions": config.max_seq_len,
+                "n_ctx": config.max_seq_len,  # not read by transformers; llama.cpp's converter reads it
+                "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head,
+                "n_inner": 4 * config.n_embd,
+                "activation_function": "gelu",  # exact (erf) GELU, as nn.GELU(); "gelu_new" would be the tanh one
+                "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
+                "attn_pdrop": config.dropout, "scale_attn_weights": True,  # 1/sqrt(head_dim), as SDPA's default
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    return {"model_type": "llama", **shared, "hidden_size": config.n_embd, "intermediate_size": config.mlp_hidden,
+            "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+            "num_key_value_heads": config.n_head, "head_dim": config.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+            # transformers 5 reads rope_parameters; 4.x reads rope_theta (5 moves it into rope_parameters).
+            "rope_theta": config.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "attention_bias": config.bias, "mlp_bias": config.bias, "attention_dropout": config.dropout}
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our weights (the names of `model.safetensors`, tied ones stored once) under transformers' names, float32.
+
+    The output layer is included under its own name, the same tensor as the embedding, so that the result
+    loads into the transformers model with `strict=True`.
+    """
+    ours = {name: tensor.float() for name, tensor in state.items()}
+    # The tied embedding is stored under one of its two names (the alphabetically first: lm_head).
+    embedding = ours["tok_emb.weight"] if "tok_emb.weight" in ours else ours["lm_head.weight"]
+    embedding = embedding[: config.vocab_size].contiguous()  # (V, C): the padding rows dropped
+    if config.architecture == "gpt2":
+        return _gpt2_state_dict(ours, embedding, config)
+    return _llama_state_dict(ours, embedding, config)
+
+
+def _gpt2_state_dict(ours: dict[str, torch.Tensor], embedding: torch.Tensor,
+                     config: GPTConfig) -> dict[str, torch.Tensor]:
+    C = config.n_embd
+    hf = {"transformer.wte.weight": embedding, "lm_head.weight": embedding,
+          "transformer.wpe.weight": ours["pos_emb.weight"]}
+
+    def conv1d(hf_name: str, ours_name: str, out_features: int) -> None:
+        """A Linear's (out, in) weight as Conv1D's (in, out), and its bias (zeros where we have none)."""
+        hf[f"{hf_name}.weight"] = ours[f"{ours_name}.weight"].t().contiguous()
+        hf[f"{hf_name}.bias"] = ours.get(f"{ours_name}.bias", torch.zeros(out_features))
+
+    def layer_norm(hf_name: str, ours_name: str) -> None:
+        hf[f"{hf_name}.weight"] = ours[f"{ours_name}.weight"]
+        hf[f"{hf_name}.bias"] = ours.get(f"{ours_name}.bias", torch.zeros(C))
+
+    for i in range(config.n_layer):
+        h, b = f"transformer.h.{i}", f"blocks.{i}"
+        layer_norm(f"{h}.ln_1", f"{b}.ln_1")
+        conv1d(f"{h}.attn.c_attn", f"{b}.attn.qkv", 3 * C)  # columns [q | k | v], as our rows
+        conv1d(f"{h}.attn.c_proj", f"{b}.attn.out_proj", C)
+        layer_norm(f"{h}.ln_2", f"{b}.ln_2")
+        conv1d(f"{h}.mlp.c_fc", f"{b}.mlp.fc", 4 * C)
+        conv1d(f"{h}.mlp.c_proj", f"{b}.mlp.out_proj", C)
+    layer_norm("transformer.ln_f", "ln_f")
+    return hf
+
+
+def _llama_state_dict(ours: dict[str, torch.Tensor], embedding: torch.Tensor,
+                      config: GPTConfig) -> dict[str, torch.Tensor]:
+    hf = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}
+
+    def copy(hf_name: str, ours_name: str) -> None:
+        """Weight and, where we have one, bias, under the new name (RMSNorm has no bias, Linear has with bias=True)."""
+        for kind in ("weight", "bias"):
+            if f"{ours_name}.{kind}" in ours:
+                hf[f"{hf_name}.{kind}"] = ours[f"{ours_name}.{kind}"]
+
+    for i in range(config.n_layer):
+        h, b = f"model.layers.{i}", f"blocks.{i}"
+        copy(f"{h}.input_layernorm", f"{b}.ln_1")
+        for kind in ("weight", "bias"):
+            if f"{b}.attn.qkv.{kind}" in ours:
+                # Rows [q; k; v], n_embd each (as many key/value heads as query heads).
+                q, k, v = ours[f"{b}.attn.qkv.{kind}"].split(config.n_embd, dim=0)
+                for name, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                    hf[f"{h}.self_attn.{name}.{kind}"] = part.contiguous()
+        copy(f"{h}.self_attn.o_proj", f"{b}.attn.out_proj")
+        copy(f"{h}.post_attention_layernorm", f"{b}.ln_2")
+        copy(f"{h}.mlp.gate_proj", f"{b}.mlp.gate")
+        copy(f"{h}.mlp.up_proj", f"{b}.mlp.up")
+        copy(f"{h}.mlp.down_proj", f"{b}.mlp.out_proj")
+    copy("model.norm", "ln_f")
+    return hf

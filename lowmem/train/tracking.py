@@ -1,0 +1,140 @@
+"""Training curves (`--report_to=tensorboard` or `wandb`) through Accelerate's trackers, from the main process.
+
+The figures are the ones the training log already has: at every log line the loss, learning rate, gradient
+norm, tokens/s and RSS (`LineFigures`), at every validation the loss, perplexity and BLEU-4 (`EvalResult`),
+each against the optimizer step. TensorBoard's event files go to `tensorboard_dir(output_dir)`,
+logs/tensorboard/<basename of output_dir>/: a resumed run writes into the same folder and continues the curve.
+
+    accelerator = create_accelerator(..., **tracker_arguments(config.report_to))  # before anything is built
+    tracking = Tracking(accelerator, config)
+    tracking.start(step, resumed)       # then log_line(step, figures) / log_validation(step, result)
+    tracking.end()                      # in a finally: the event files are flushed and closed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+
+from lowmem.config import TrainConfig
+from lowmem.errors import ConfigError
+from lowmem.eval.validation import EvalResult
+from lowmem.train.log import LineFigures
+from lowmem.train.setup import LOG_DIR
+
+# The tags, grouped as TensorBoard shows them: one per figure of a log line, one per figure of a validation.
+LINE_TAGS = ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_s", "memory/rss_mb")
+EVAL_TAGS = ("eval/val_loss", "eval/perplexity", "eval/bleu4")
+TAGS = LINE_TAGS + EVAL_TAGS
+
+# What each tracker needs installed, and how to install it.
+INSTALL = {"tensorboard": ("tensorboard", 'pip install "lowmem[tensorboard]"'), "wandb": ("wandb", "pip install wandb")}
+
+
+def run_name(output_dir: str | Path) -> str:
+    """The run's name for the trackers: the basename of its output folder (`model_save/demo` → `demo`)."""
+    return Path(output_dir).absolute().name or "run"
+
+
+def tensorboard_dir(output_dir: str | Path, log_dir: str | Path = LOG_DIR) -> Path:
+    """Where a run's TensorBoard event files go: logs/tensorboard/<basename of output_dir>/.
+
+    Relative to the working directory, beside the training log and the memory logs. The same output_dir gives
+    the same folder, so a resumed run adds to the curves of the run it continues; `tensorboard --logdir
+    logs/tensorboard` shows every run side by side. (Accelerate's tracker writes to this folder as
+    logging_dir/project_name; the hyperparameters go into a timestamped subfolder of it.)
+    """
+    return Path(log_dir) / "tensorboard" / run_name(output_dir)
+
+
+def check_installed(report_to: str) -> None:
+    """Fail before anything is built, with what to install, when the tracker's package is missing."""
+    if report_to == "none":
+        return
+    package, command = INSTALL[report_to]
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"--report_to={report_to} needs the {package} package, which is not installed. Install "
+                          f"it with `{command}`, or train without curves (--report_to=none); the training log "
+                          f"still has every figure, one line per logging step.")
+
+
+def tracker_arguments(report_to: str, log_dir: str | Path = LOG_DIR) -> dict[str, Any]:
+    """The Accelerator's arguments for `report_to` (none for "none"): `log_with` and the logging folder
+    (logs/<tracker>/, under which each run has its folder). Checks that the tracker is installed."""
+    check_installed(report_to)
+    if report_to == "none":
+        return {}
+    return {"log_with": report_to, "project_dir": str(Path(log_dir) / report_to)}
+
+
+def hyperparameters(config: TrainConfig) -> dict[str, bool | int | float | str]:
+    """The config as a flat dict of the values TensorBoard's hparams take (None, an automatic setting, left out)."""
+    values = dataclasses.asdict(config)
+    return {name: value for name, value in values.items() if isinstance(value, (bool, int, float, str))}
+
+
+class Tracking:
+    """Scalars for Accelerate's trackers; does nothing with `--report_to=none`. Every rank may call it: the
+    trackers write on the main process only.
+
+    Args:
+        accelerator: the run's Accelerator, created with `tracker_arguments(config.report_to)`.
+        config: the run's config (report_to, output_dir, and the hyperparameters stored with the run).
+    """
+
+    def __init__(self, accelerator: Accelerator, config: TrainConfig) -> None:
+        self.accelerator, self.config = accelerator, config
+        self.enabled = config.report_to != "none"
+        if self.enabled and not accelerator.log_with:
+            raise ConfigError(f"--report_to={config.report_to} needs an Accelerator created with its trackers: "
+                              "create_accelerator(..., **tracker_arguments(config.report_to)), or leave out the "
+                              "accelerator and let the Trainer create it.")
+
+    def start(self, step: int, resumed: bool) -> None:
+        """Open the run's trackers and store the config with them; once, before the first step.
+
+        TensorBoard: a fresh run hides what an earlier run in the same folder logged; a resumed run hides only
+        what was logged after the checkpoint it continues from (steps a crash lost and the run trains again).
+        """
+        if not self.enabled:
+            return
+        name = run_name(self.config.output_dir)
+        # TensorBoard drops earlier points at steps >= purge_step (a start event in the new file).
+        purge_step = step + 1 if resumed else 0
+        init_kwargs = {"tensorboard": {"purge_step": purge_step}, "wandb": {"dir": LOG_DIR, "name": name}}
+        if self.accelerator.is_main_process and self.config.report_to == "wandb":
+            Path(LOG_DIR).mkdir(parents=True, exist_ok=True)  # wandb writes its run folder into logs/wandb/
+        self.accelerator.init_trackers(name, config=hyperparameters(self.config), init_kwargs=init_kwargs)
+
+    def log_line(self, step: int, figures: LineFigures) -> None:
+        """The figures of a training log line, at its optimizer step."""
+        if not self.enabled:
+            return
+        values = (figures.loss, figures.learning_rate, figures.grad_norm, figures.tokens_per_s, figures.rss_mb)
+        self.accelerator.log({tag: float(value) for tag, value in zip(LINE_TAGS, values)}, step=step)
+
+    def log_validation(self, step: int, result: EvalResult) -> None:
+        """A validation's loss, perplexity and, when it was scored, BLEU-4."""
+        if not self.enabled:
+            return
+        values = {"eval/val_loss": float(result.loss), "eval/perplexity": float(result.perplexity)}
+        if result.bleu is not None:
+            values["eval/bleu4"] = float(result.bleu.score)
+        self.accelerator.log(values, step=step)
+
+    def end(self) -> None:
+        """Flush and close the trackers (a stopped or failed run's curves included).
+
+        This is the trackers' half of `accelerator.end_training()`, which also destroys the process group: the
+        Trainer may have been handed an Accelerator its caller goes on using, and on a rank that failed, other
+        ranks may still be inside a collective.
+        """
+        if not self.enabled:
+            return
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+        self.accelerator.trackers.clear()
