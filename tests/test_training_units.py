@@ -244,3 +244,30 @@ def test_a_model_file_written_before_the_architecture_field_loads_as_gpt2(tmp_pa
     (tmp_path / "model_config.json").write_text(json.dumps(fields))
     config = load_model_config(tmp_path)
     assert config.architecture == "gpt2" and GPT(config).pos_emb is not None
+
+
+def test_tokens_per_s_leaves_out_validation_and_saves(monkeypatch, caplog):
+    import types
+
+    from lowmem.train import log as log_module
+    from lowmem.train.callbacks import StepResult
+
+    now = [100.0]  # a clock the test moves by hand
+    monkeypatch.setattr(log_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    step_log = log_module.StepLog(types.SimpleNamespace(num_processes=1), total_steps=4, every=2)
+
+    def step(tokens: int, seconds: float) -> None:
+        now[0] += seconds
+        step_log.add(StepResult([], torch.tensor(2.0 * tokens), 1.0, True, 1e-3, tokens, tokens, tokens, tokens))
+
+    step(1000, 1.0)
+    with step_log.paused():  # a validation and a save: 8 s that are not training
+        now[0] += 8.0
+    step(1000, 1.0)
+    assert step_log.write(2, 0, 1e-3).tokens_per_s == pytest.approx(1000.0)
+    # The next window starts clean: no pause carried over.
+    step(3000, 1.0)
+    step(3000, 2.0)
+    figures = step_log.write(4, 0, 1e-3)
+    assert figures.tokens_per_s == pytest.approx(2000.0)
+    assert figures.loss == pytest.approx(2.0)

@@ -3,10 +3,12 @@ logging step."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,20 +87,33 @@ class LineFigures:
 class StepLog:
     """Sums over the optimizer steps since the last log line, on this rank, and the line itself when due.
 
-    Due every `every` steps and at the last step; the line's loss and tokens/s are over every rank.
+    Due every `every` steps and at the last step; the line's loss and tokens/s are over every rank. Time spent
+    in `paused()` (validation, checkpoint saves) is left out of tokens/s, so the figure is the training's rate
+    whether or not a validation fell between two lines.
     """
 
     def __init__(self, accelerator: Accelerator, total_steps: int, every: int) -> None:
         self.accelerator, self.total_steps, self.every = accelerator, total_steps, every
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Start a new window: the sums back to zero, the clock from now."""
         self.loss_sum: torch.Tensor | float = 0.0  # summed on the device: read only when a line is written
         self.target_tokens = 0
         self.input_tokens = 0
         self.grad_norm_sum = 0.0
         self.steps = 0
         self.started = time.perf_counter()
+        self.paused_seconds = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time spent inside out of the current line's tokens/s."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_seconds += time.perf_counter() - started
 
     def add(self, result: StepResult) -> None:
         self.loss_sum += result.loss_sum
@@ -118,7 +133,7 @@ class StepLog:
             self.accelerator, [float(self.loss_sum), self.target_tokens, self.input_tokens])
         rss = psutil.Process().memory_info().rss
         [rss_max] = all_reduce_max(self.accelerator, [rss])
-        elapsed = time.perf_counter() - self.started
+        elapsed = time.perf_counter() - self.started - self.paused_seconds
         figures = LineFigures(loss=float(loss_sum / max(target_tokens, 1)), learning_rate=float(lr),
                               grad_norm=float(self.grad_norm_sum / max(self.steps, 1)),
                               tokens_per_s=float(input_tokens / max(elapsed, 1e-9)), rss_mb=float(rss / MB))
@@ -127,5 +142,5 @@ class StepLog:
             "(max over ranks %.0f MB)", step, self.total_steps, epoch, figures.loss, figures.learning_rate,
             figures.grad_norm, f"{figures.tokens_per_s:,.0f}", figures.rss_mb, rss_max / MB,
         )
-        self._reset()
+        self.reset()
         return figures

@@ -283,10 +283,11 @@ class Trainer:
         due = self.checkpoints.due(step) or epoch_end or final
         save = due and self.checkpoints.last_saved_step != step
         # The last loop step is often due itself: the final call then saves nothing and validates nothing again.
-        if (save or self.validator.due(step)) and self.validated_step != step:
-            self.validate()
-        if save:
-            self.save(score=self.validator.last_score(self.config.best_metric))
+        with self.step_log.paused():
+            if (save or self.validator.due(step)) and self.validated_step != step:
+                self.validate()
+            if save:
+                self.save(score=self.validator.last_score(self.config.best_metric))
 
     def validate(self, with_bleu: bool = True) -> EvalResult:
         """Validate at the current step (every rank together); the result goes to the training curves too."""
@@ -375,6 +376,7 @@ class Trainer:
                              disable=not self.is_main, dynamic_ncols=True)
         for callback in self.callbacks:
             callback.on_train_start(self)
+        self.step_log.reset()  # the first line's tokens/s counts from here, not from the set-up and step 0's validation
 
     def end(self) -> None:
         """After the last step, or a failure: signal handlers back, progress bar closed, last memory record."""
