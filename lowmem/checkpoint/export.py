@@ -60,6 +60,11 @@ def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> 
                       "`python train_low_mem.py train`, or pass --checkpoint=PATH or --output_dir=RUN_FOLDER.")
 
 
+def tokenizer_folder(folder: Path, tokenizer_dir: str | Path) -> Path:
+    """Where a model folder's tokenizer is: the one exported with the model when it has one, else `tokenizer_dir`."""
+    return folder if (folder / TOKENIZER_FILE).is_file() else Path(tokenizer_dir)
+
+
 def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.device) -> tuple[GPT, Tokenizer]:
     """The model of an exported folder or a checkpoint, in eval mode, and its tokenizer.
 
@@ -68,5 +73,5 @@ def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.dev
     model = GPT(load_model_config(folder))
     load_weights(model, folder / WEIGHTS_FILE)
     model.to(device).eval()
-    tokenizer = Tokenizer.load(folder if (folder / TOKENIZER_FILE).is_file() else tokenizer_dir)
+    tokenizer = Tokenizer.load(tokenizer_folder(folder, tokenizer_dir))
     return model, tokenizer

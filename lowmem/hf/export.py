@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from lowmem.atomic_files import folder_built_aside
-from lowmem.checkpoint.export import find_model_folder
+from lowmem.checkpoint.export import find_model_folder, tokenizer_folder
 from lowmem.config import TrainConfig
 from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, Tokenizer
 from lowmem.errors import ConfigError
@@ -51,7 +51,7 @@ def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = Non
     folder = find_model_folder(config.output_dir, checkpoint)
     transformers = _import_transformers()
     model_config = load_model_config(folder)
-    tokenizer_dir = folder if (folder / TOKENIZER_FILE).is_file() else Path(config.tokenizer_dir)
+    tokenizer_dir = tokenizer_folder(folder, config.tokenizer_dir)
     tokenizer = Tokenizer.load(tokenizer_dir)
     if tokenizer.vocab_size != model_config.vocab_size:
         raise ConfigError(f"The tokenizer in '{tokenizer_dir}' has {tokenizer.vocab_size} pieces but the model in "
