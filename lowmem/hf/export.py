@@ -111,7 +111,14 @@ def _save_model(transformers: ModuleType, staged: Path, folder: Path, model_conf
     # strict: every parameter of the transformers model is set, and nothing of ours is left over.
     model.load_state_dict(hf_state_dict(load_file(str(folder / WEIGHTS_FILE)), model_config), strict=True)
     model.generation_config = transformers.GenerationConfig(**generation)
-    model.save_pretrained(staged)
+    bars = transformers.utils.logging
+    was_shown = bars.is_progress_bar_enabled()
+    bars.disable_progress_bar()  # its bar counts the shards of a one-file model; our own line says where it went
+    try:
+        model.save_pretrained(staged)
+    finally:
+        if was_shown:
+            bars.enable_progress_bar()
     # Keys the installed version did not write (rope_theta, which transformers 5 moves into rope_parameters)
     # are added for readers of other versions; what it wrote is kept as it is.
     config_file = staged / "config.json"
