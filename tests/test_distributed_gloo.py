@@ -191,3 +191,39 @@ def test_memory_savers_give_ddps_gradients_under_compile_and_under_fsdp2(tmp_pat
             assert result[variant].keys() == result["plain"].keys(), (rank, variant)
             for name, expected in result["plain"].items():
                 assert result[variant][name] == pytest.approx(expected, rel=1e-5, abs=1e-6), (rank, variant, name)
+
+
+# ----- a log line's figures over the ranks ----------------------------------------------------------------------
+def step_log_worker(rank: int, port: int, folder: Path) -> None:
+    """Two steps with this rank's own loss and token counts, then one log line; what its figures say."""
+    import types
+
+    from lowmem.train.callbacks import StepResult
+    from lowmem.train.log import StepLog
+
+    launcher_environment(rank, port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        ballast = bytearray((rank + 1) * 64 * 2**20)  # the ranks' RSS differ by 64 MB each
+        ballast[::4096] = b"\1" * len(ballast[::4096])  # touched: counted in RSS
+        step_log = StepLog(types.SimpleNamespace(num_processes=WORLD, device=torch.device("cpu")), 2, every=2)
+        tokens = 100 * (rank + 1)
+        for _ in range(2):
+            step_log.add(StepResult([], torch.tensor(float(rank + 1) * tokens), 1.0, True, 1e-3, tokens, tokens,
+                                    0.0, 0.0))
+        figures = step_log.write(2, 0, 1e-3)
+        (folder / f"rank{rank}.json").write_text(json.dumps(vars(figures)))
+        del ballast
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_log_lines_loss_and_memory_figures_are_over_every_rank(tmp_path):
+    results = run_ranks(step_log_worker, tmp_path)
+    # Token-weighted: (1·100 + 2·200 + 3·300) / (100 + 200 + 300).
+    assert all(result["loss"] == pytest.approx(1400 / 600) for result in results), results
+    own = [result["rss_mb"] for result in results]
+    assert own[2] - own[0] > 100, own  # the ballast shows
+    for result in results:
+        assert result["rss_max_mb"] == pytest.approx(max(own)), (own, result)
+        assert result["rss_sum_mb"] == pytest.approx(sum(own)), (own, result)

@@ -60,6 +60,8 @@ def test_a_tiny_run_writes_every_curve_at_the_steps_and_values_of_its_log(tmp_pa
         assert all(math.isfinite(value) for _, value in scalars[tag]), tag
     assert scalars["eval/val_loss"][-1][1] < scalars["eval/val_loss"][0][1]
     assert all(value > 0 for _, value in scalars["memory/rss_mb"])
+    # One process: the largest rank and the sum over ranks are its own RSS.
+    assert scalars["memory/rss_max_mb"] == scalars["memory/rss_mb"] == scalars["memory/rss_sum_mb"]
 
 
 def test_a_resumed_run_continues_the_curve_in_the_same_folder(tmp_path, monkeypatch):
@@ -73,7 +75,8 @@ def test_a_resumed_run_continues_the_curve_in_the_same_folder(tmp_path, monkeypa
                                      **tracker_arguments(config.report_to))
 
     def figures(loss: float) -> LineFigures:
-        return LineFigures(loss=loss, learning_rate=1e-3, grad_norm=1.0, tokens_per_s=100.0, rss_mb=300.0)
+        return LineFigures(loss=loss, learning_rate=1e-3, grad_norm=1.0, tokens_per_s=100.0, rss_mb=300.0,
+                           rss_max_mb=300.0, rss_sum_mb=300.0)
 
     tracking = Tracking(accelerator, config)
     for start, steps, resumed in ((0, (5, 10, 15), False), (10, (15, 20), True)):

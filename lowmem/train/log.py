@@ -82,6 +82,8 @@ class LineFigures:
     grad_norm: float  # mean over the steps since the last line, before clipping
     tokens_per_s: float  # real input tokens over every rank
     rss_mb: float  # this process's RSS
+    rss_max_mb: float  # the largest RSS of a rank: the process nearest to an out-of-memory kill
+    rss_sum_mb: float  # the ranks' RSS added up: on one host, what the training's processes hold together
 
 
 class StepLog:
@@ -129,18 +131,19 @@ class StepLog:
         """One readable line: loss over the window and all ranks, learning rate, tokens/s, grad norm, RSS.
 
         Returns the line's figures (every rank gets the same, except its own RSS)."""
-        loss_sum, target_tokens, input_tokens = all_reduce_sum(
-            self.accelerator, [float(self.loss_sum), self.target_tokens, self.input_tokens])
         rss = psutil.Process().memory_info().rss
+        loss_sum, target_tokens, input_tokens, rss_sum = all_reduce_sum(
+            self.accelerator, [float(self.loss_sum), self.target_tokens, self.input_tokens, rss])
         [rss_max] = all_reduce_max(self.accelerator, [rss])
         elapsed = time.perf_counter() - self.started - self.paused_seconds
         figures = LineFigures(loss=float(loss_sum / max(target_tokens, 1)), learning_rate=float(lr),
                               grad_norm=float(self.grad_norm_sum / max(self.steps, 1)),
-                              tokens_per_s=float(input_tokens / max(elapsed, 1e-9)), rss_mb=float(rss / MB))
+                              tokens_per_s=float(input_tokens / max(elapsed, 1e-9)), rss_mb=float(rss / MB),
+                              rss_max_mb=float(rss_max / MB), rss_sum_mb=float(rss_sum / MB))
         logger.info(
             "step %d/%d | epoch %d | loss %.4f | lr %.2e | grad_norm %.3f | tokens/s %s | rss %.0f MB "
             "(max over ranks %.0f MB)", step, self.total_steps, epoch, figures.loss, figures.learning_rate,
-            figures.grad_norm, f"{figures.tokens_per_s:,.0f}", figures.rss_mb, rss_max / MB,
+            figures.grad_norm, f"{figures.tokens_per_s:,.0f}", figures.rss_mb, figures.rss_max_mb,
         )
         self.reset()
         return figures

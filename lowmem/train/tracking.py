@@ -27,7 +27,8 @@ from lowmem.train.log import LineFigures
 from lowmem.train.setup import LOG_DIR
 
 # The tags, grouped as TensorBoard shows them: one per figure of a log line, one per figure of a validation.
-LINE_TAGS = ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_s", "memory/rss_mb")
+LINE_TAGS = ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_s", "memory/rss_mb",
+             "memory/rss_max_mb", "memory/rss_sum_mb")
 EVAL_TAGS = ("eval/val_loss", "eval/perplexity", "eval/bleu4")
 TAGS = LINE_TAGS + EVAL_TAGS
 
@@ -114,7 +115,8 @@ class Tracking:
         """The figures of a training log line, at its optimizer step."""
         if not self.enabled:
             return
-        values = (figures.loss, figures.learning_rate, figures.grad_norm, figures.tokens_per_s, figures.rss_mb)
+        values = (figures.loss, figures.learning_rate, figures.grad_norm, figures.tokens_per_s, figures.rss_mb,
+                  figures.rss_max_mb, figures.rss_sum_mb)
         self.accelerator.log({tag: float(value) for tag, value in zip(LINE_TAGS, values)}, step=step)
 
     def log_validation(self, step: int, result: EvalResult) -> None:
