@@ -29,6 +29,14 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def largest_row_group(files) -> int:
+    """The uncompressed size of the 1M-row file's largest row group, in bytes."""
+    from lowmem.data.sources import build_row_group_index
+
+    return int(build_row_group_index(files[1_000_000], ("prompt", "response")).uncompressed_bytes.max())
+
+
+@pytest.fixture(scope="module")
 def measured(files):
     return {
         "normal_1m": run_case("normal", [files[1_000_000]]),
@@ -46,16 +54,13 @@ def test_rss_is_flat_over_the_file(measured):
         assert growth < 100 * MB, (case, growth / MB)
 
 
-def test_ultra_low_mem_peaks_no_higher_than_normal(measured, files):
-    from lowmem.data.sources import build_row_group_index
-
+def test_ultra_low_mem_peaks_no_higher_than_normal(measured, largest_row_group):
     # Both modes hold the same tables; what differs is when Arrow's pool hands pages back, which moves the
     # peak a few MB either way. Measured in fresh processes on 2-core machines, 15 pairs: ultra minus normal
     # from -2.5 to +2.8 MB (mean +0.6, standard deviation 1.7), on a data share of about 72 MB. Four row groups
     # (6 MB here) stay above that noise and well below what one extra table per lane would cost (16 groups).
-    largest = int(build_row_group_index(files[1_000_000], ("prompt", "response")).uncompressed_bytes.max())
     extra = measured["ultra_1m"]["peak_rss"] - measured["normal_1m"]["peak_rss"]
-    assert extra <= 4 * largest, (extra / MB, largest / MB)
+    assert extra <= 4 * largest_row_group, (extra / MB, largest_row_group / MB)
 
 
 def test_doubling_the_rows_does_not_raise_the_peak(measured):
@@ -65,15 +70,12 @@ def test_doubling_the_rows_does_not_raise_the_peak(measured):
     assert large - small < 25 * MB, (large - small) / MB
 
 
-def test_lanes_cost_at_most_three_row_groups_each(measured, files):
-    from lowmem.data.sources import build_row_group_index
-
+def test_lanes_cost_at_most_three_row_groups_each(measured, largest_row_group):
     # The stated bound: one row group per lane, plus the window. A lane's group is permuted on arrival (a
     # second copy for a moment), and Arrow's allocator keeps some freed memory: measured, about two row
     # groups' worth per lane. 16 lanes (the default) against one.
-    largest = int(build_row_group_index(files[1_000_000], ("prompt", "response")).uncompressed_bytes.max())
     extra = measured["normal_1m"]["peak_rss"] - measured["one_lane_1m"]["peak_rss"]
-    assert extra < 3 * 16 * largest, (extra / MB, largest / MB)
+    assert extra < 3 * 16 * largest_row_group, (extra / MB, largest_row_group / MB)
     assert measured["one_lane_1m"]["rows"] == measured["normal_1m"]["rows"]
 
 

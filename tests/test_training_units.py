@@ -246,7 +246,7 @@ def test_a_model_file_written_before_the_architecture_field_loads_as_gpt2(tmp_pa
     assert config.architecture == "gpt2" and GPT(config).pos_emb is not None
 
 
-def test_tokens_per_s_leaves_out_validation_and_saves(monkeypatch, caplog):
+def test_tokens_per_s_leaves_out_validation_and_saves(monkeypatch):
     import types
 
     from lowmem.train import log as log_module

@@ -26,9 +26,12 @@ from lowmem.eval.validation import EvalResult
 from lowmem.train.log import LineFigures
 from lowmem.train.setup import LOG_DIR
 
-# The tags, grouped as TensorBoard shows them: one per figure of a log line, one per figure of a validation.
-LINE_TAGS = ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_s", "memory/rss_mb",
-             "memory/rss_max_mb", "memory/rss_sum_mb")
+# The tags, grouped as TensorBoard shows them: one per figure of a log line (with the field of `LineFigures` it
+# plots), one per figure of a validation.
+LINE_FIELDS = {"train/loss": "loss", "train/learning_rate": "learning_rate", "train/grad_norm": "grad_norm",
+               "train/tokens_per_s": "tokens_per_s", "memory/rss_mb": "rss_mb", "memory/rss_max_mb": "rss_max_mb",
+               "memory/rss_sum_mb": "rss_sum_mb"}
+LINE_TAGS = tuple(LINE_FIELDS)
 EVAL_TAGS = ("eval/val_loss", "eval/perplexity", "eval/bleu4")
 TAGS = LINE_TAGS + EVAL_TAGS
 
@@ -115,9 +118,7 @@ class Tracking:
         """The figures of a training log line, at its optimizer step."""
         if not self.enabled:
             return
-        values = (figures.loss, figures.learning_rate, figures.grad_norm, figures.tokens_per_s, figures.rss_mb,
-                  figures.rss_max_mb, figures.rss_sum_mb)
-        self.accelerator.log({tag: float(value) for tag, value in zip(LINE_TAGS, values)}, step=step)
+        self.accelerator.log({tag: float(getattr(figures, field)) for tag, field in LINE_FIELDS.items()}, step=step)
 
     def log_validation(self, step: int, result: EvalResult) -> None:
         """A validation's loss, perplexity and, when it was scored, BLEU-4."""
