@@ -10,6 +10,7 @@ in the tests, never by lowmem itself):
     LOWMEM_TEST_LEAK_MB_PER_STEP   keep this many megabytes per optimizer step (a planted leak)
     LOWMEM_TEST_NAN_AT_STEP        make optimizer step N's loss NaN ("N" on every rank, "N:R" on rank R only)
     LOWMEM_MEMORY_BUDGET_GB        the host budget each rank detects: one value, or one per local rank
+    LOWMEM_TEST_BASE_MB            the interpreter's memory the plan takes instead of measuring it
                                    ("8,32,32", to check that ranks seeing different memory run rank 0's settings)
 """
 
@@ -186,3 +187,14 @@ def override_memory_budget(environ: dict[str, str] = os.environ) -> None:
     rank = int(environ.get("LOCAL_RANK", environ.get("RANK", "0")))
     detected = int(values[min(rank, len(values) - 1)] * budget.GIB)
     budget.memory_budget_bytes = lambda: detected
+
+
+def override_base_memory(environ: dict[str, str] = os.environ) -> None:
+    """Make the memory plan take LOWMEM_TEST_BASE_MB as the interpreter's memory instead of measuring it, so that
+    a test can hand the process a budget that sits between the plan with and without memory savers."""
+    text = environ.get("LOWMEM_TEST_BASE_MB", "").strip()
+    if not text:
+        return
+    import lowmem.train.memory_fit as memory_fit
+
+    memory_fit.measure_base_bytes = lambda: int(float(text) * 2**20)

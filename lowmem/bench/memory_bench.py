@@ -24,6 +24,7 @@ from typing import Sequence
 DDP, FSDP = "ddp", "fsdp"
 STRATEGIES = (DDP, FSDP)
 _HIGH_WATER = re.compile(r"process high-water RSS: ([\d,/ ]+) MB \(sum ([\d,]+) MB\)")
+_PREDICTED = re.compile(r"predicted by the memory plan: ([\d,/ ]+) MB")
 _CEILING = re.compile(r"\| \(a\) batches in memory \(ceiling\) \| ([\d,]+) \|")
 
 
@@ -35,6 +36,7 @@ class MemoryCase:
     loss_chunk_tokens: int
     activation_checkpointing: bool
     high_water_mb: list[float] | None = None  # per process
+    predicted_mb: list[float] | None = None  # the memory plan's figure per process, training steps alone
     tokens_per_second: float = 0.0
     failure: str = ""  # the end of the output of a case that did not finish
 
@@ -67,13 +69,22 @@ def cases(strategies: Sequence[str], chunk_tokens: int, every_combination: bool 
             for checkpointing in (False, True) for chunk in (0, chunk_tokens)]
 
 
+def _per_process(text: str) -> list[float]:
+    return [float(value.replace(",", "")) for value in text.split("/")]
+
+
 def parse_bench_output(output: str) -> tuple[list[float], float] | None:
     """(high-water RSS per process in MB, ceiling tokens/s) from `bench_train`'s table, or None."""
     high_water, ceiling = _HIGH_WATER.search(output), _CEILING.search(output)
     if high_water is None or ceiling is None:
         return None
-    per_process = [float(value.replace(",", "")) for value in high_water.group(1).split("/")]
-    return per_process, float(ceiling.group(1).replace(",", ""))
+    return _per_process(high_water.group(1)), float(ceiling.group(1).replace(",", ""))
+
+
+def parse_predicted(output: str) -> list[float] | None:
+    """The memory plan's high-water per process in MB from `bench_train`'s output, or None."""
+    predicted = _PREDICTED.search(output)
+    return None if predicted is None else _per_process(predicted.group(1))
 
 
 def run_case(case: MemoryCase, processes: int, bench_args: list[str], env: dict[str, str]) -> MemoryCase:
@@ -90,19 +101,23 @@ def run_case(case: MemoryCase, processes: int, bench_args: list[str], env: dict[
         case.failure = "accelerate did not run the strategy asked for:\n" + done.stdout[:1000]
         return case
     case.high_water_mb, case.tokens_per_second = parsed
+    case.predicted_mb = parse_predicted(done.stdout)
     return case
 
 
 def format_memory_table(measured: list[MemoryCase]) -> str:
     """The table, one row per case; a failed case says so on its row."""
-    lines = ["| strategy | loss | activation checkpointing | high-water RSS per process MB | sum MB | tokens/s |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = ["| strategy | loss | activation checkpointing | high-water RSS per process MB | predicted MB | "
+             "sum MB | tokens/s |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for case in measured:
         if case.high_water_mb is None:
-            lines.append(f"{case.label} failed | - | - |")
+            lines.append(f"{case.label} failed | - | - | - |")
             continue
         per_process = " / ".join(f"{value:,.0f}" for value in case.high_water_mb)
-        lines.append(f"{case.label} {per_process} | {sum(case.high_water_mb):,.0f} | {case.tokens_per_second:,.0f} |")
+        predicted = " / ".join(f"{value:,.0f}" for value in case.predicted_mb) if case.predicted_mb else "-"
+        lines.append(f"{case.label} {per_process} | {predicted} | {sum(case.high_water_mb):,.0f} | "
+                     f"{case.tokens_per_second:,.0f} |")
     return "\n".join(lines)
 
 

@@ -153,6 +153,8 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
     from lowmem.config import validate_config
     from lowmem.train.setup import (build_model, ensure_tokenizer, make_loader, prepare_for_training,
                                     shared_memory_settings)
+    from lowmem.memory.plan import STEP, plan_memory
+    from lowmem.train.memory_fit import layout_of, measure_base_bytes, plan_inputs
     from lowmem.train.step import train_step
 
     validate_config(config)
@@ -171,6 +173,7 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         accumulation = config.gradient_accumulation_steps
         micro_batches = (skip_steps + steps) * accumulation
 
+        base = measure_base_bytes()  # the interpreter and libraries, as the plan takes them before the model
         data, data_rss = measure_data_phase(loader, micro_batches, tokenizer.pad_id)
         in_memory = list(_first(loader, micro_batches))  # the same batches the pipeline phase will see
 
@@ -190,8 +193,10 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         through_pipeline = (run_steps("pipeline", iter(loader), steps, skip_steps, step, accumulation,
                                       tokenizer.pad_id, on_gpu) if pipeline else None)
 
+    inputs, _ = plan_inputs(config, layout_of(accelerator), base, tokenizer)
+    predicted = plan_memory(inputs).high_water(accelerator.is_main_process, phases=(STEP,))
     per_rank = gather_object([{"data": data, "data_rss": data_rss, "ceiling": ceiling, "pipeline": through_pipeline,
-                               "high_water": own_high_water()}])
+                               "high_water": own_high_water(), "predicted": predicted}])
     if not accelerator.is_main_process:
         return ""
     device = torch.cuda.get_device_name() if on_gpu else machine_line()
@@ -251,6 +256,8 @@ def format_table(per_rank: list[dict[str, Any]], flops_per_token: int, peak_tflo
     lines.append("")
     total_high_water = sum(rank["high_water"] for rank in per_rank) / DECIMAL_MB
     ratio = f"(b)/(a) = {combined('pipeline')[0] / ceiling_rate:.3f}; " if "pipeline" in phases else ""
+    predicted = " / ".join(f"{rank['predicted'] / DECIMAL_MB:,.0f}" for rank in per_rank if rank.get("predicted"))
     lines.append(f"{ratio}RSS the data pipeline adds per process: {share} MB; "
-                 f"process high-water RSS: {high_water} MB (sum {total_high_water:,.0f} MB)")
+                 f"process high-water RSS: {high_water} MB (sum {total_high_water:,.0f} MB)"
+                 + (f"; predicted by the memory plan: {predicted} MB" if predicted else ""))
     return "\n".join(lines)

@@ -122,6 +122,13 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
 def newest_saved_config(run_dir: str | Path) -> dict[str, Any] | None:
     """The training config saved with the newest checkpoint of `run_dir` that has a readable trainer state,
     or None. For settings every checkpoint of a run shares (the model's architecture): nothing is verified."""
+    state = newest_trainer_state(run_dir)
+    return None if state is None else dict(state["config"])
+
+
+def newest_trainer_state(run_dir: str | Path) -> dict[str, Any] | None:
+    """The trainer state of the newest checkpoint of `run_dir` that has a readable one (with its config), or None.
+    For what every checkpoint of a run shares (the architecture, the memory savers): nothing is verified."""
     steps = []
     # checkpoint-N.old: a save replacing checkpoint-N was interrupted; CheckpointManager will rename it back.
     for folder in Path(run_dir).glob("checkpoint-*"):
@@ -130,7 +137,9 @@ def newest_saved_config(run_dir: str | Path) -> dict[str, Any] | None:
             steps.append((int(number), folder))
     for _, folder in sorted(steps, reverse=True):
         try:
-            return dict(read_trainer_state(folder)["config"])
+            state = read_trainer_state(folder)
+            dict(state["config"])
+            return state
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None

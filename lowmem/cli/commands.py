@@ -3,6 +3,7 @@ under `accelerate launch`.
 
 Commands:
     train       train a GPT on parquet rows (the demo data set by default)
+    plan        the memory plan of a train command: high-water per process by part, the savers it needs
     tokenizer   train the SentencePiece tokenizer on the training files
     evaluate    score a trained model on the test file: loss, perplexity, BLEU-4
     generate    answer a prompt (or each line typed) with a trained model
@@ -15,6 +16,7 @@ Commands:
     bench_memory the memory table: high-water RSS and tokens/s of DDP and FSDP with each memory saver
 
 `lowmem COMMAND --help` documents each one. The commands themselves live in `training` (train, tokenizer),
+`planning` (plan),
 `evaluation` (evaluate, generate, export) and `tools` (memlog, repack, bench_*).
 """
 
@@ -28,6 +30,7 @@ import fire
 
 from lowmem.cli.common import program_name
 from lowmem.cli.evaluation import evaluate, export, generate
+from lowmem.cli.planning import plan
 from lowmem.cli.tools import bench_data, bench_memory, bench_mixing, bench_train, memlog, repack
 from lowmem.cli.training import tokenizer, train, train_with
 from lowmem.errors import LowmemError
@@ -38,7 +41,7 @@ def _document_options() -> None:
     from lowmem.config import TrainConfig, describe_fields
 
     options = describe_fields(TrainConfig()).replace("\n", "\n        ")
-    for command in (train, tokenizer):
+    for command in (train, tokenizer, plan):
         # Before "Args:", where fire's help still shows it.
         head, args = command.__doc__.split("    Args:", 1)
         command.__doc__ = f"{head}    Options (TrainConfig defaults):\n        {options}\n\n    Args:{args}"
@@ -48,6 +51,7 @@ _document_options()
 
 COMMANDS = {
     "train": train,
+    "plan": plan,
     "tokenizer": tokenizer,
     "evaluate": evaluate,
     "generate": generate,
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
         commands = {**COMMANDS, "train": train_with(callbacks)} if callbacks else COMMANDS
         fire.Fire(commands, command=argv, name=program_name())
     except LowmemError as error:
-        print(f"error: {error}", file=sys.stderr)
+        if str(error):  # a rank that only follows the main process's decision has nothing to add
+            print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

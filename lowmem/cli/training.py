@@ -28,11 +28,12 @@ def train(use_large_config: bool = False, is_keep_training: bool = False, allow_
 
 def _train(use_large_config: bool, is_keep_training: bool, allow_config_change: bool, overrides: dict[str, Any],
            callbacks: Sequence[Any]) -> None:
+    from lowmem.config import given_fields
     from lowmem.train.trainer import run_training
 
     config = build_config(use_large_config, overrides)
     run_training(config, is_keep_training=is_keep_training, allow_config_change=allow_config_change,
-                 callbacks=callbacks)
+                 callbacks=callbacks, given=given_fields(config, overrides))
 
 
 def train_with(callbacks: Sequence[Any]) -> Callable[..., None]:

@@ -93,6 +93,13 @@ def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
     return dataclasses.replace(config, **changes)
 
 
+def given_fields(config: object, overrides: dict[str, Any]) -> frozenset[str]:
+    """The field names `overrides` set (`-` read as `_`, aliases resolved); unknown names are left out."""
+    fields, aliases = config_fields(config), config_aliases(config)
+    names = (aliases.get(name.replace("-", "_"), name.replace("-", "_")) for name in overrides)
+    return frozenset(name for name in names if name in fields)
+
+
 def describe_fields(config: object) -> str:
     """Every option with its value in `config` (its default, for a fresh one) and its help, one per line."""
     lines = []

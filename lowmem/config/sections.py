@@ -41,6 +41,11 @@ class MemoryConfig:
                                                above=0)
     memory_budget_gb: float = option(0.0, "host memory the run may use; 0 = min(physical RAM, cgroup limit)",
                                      minimum=0, hint="0 detects it")
+    memory_savers: str = option("auto", "auto: plan the memory before building the model and turn on the "
+                                "memory savers the budget needs (fixed mmap threshold, chunked loss, activation "
+                                "checkpointing, smaller micro-batches with the same global batch), or stop when "
+                                "nothing fits; off: run every setting as given", choices=("auto", "off"),
+                                hint="settings given explicitly are never changed")
     cleanup_steps: int = option(50, "optimizer steps between memory cleanups (gc, Arrow pool, malloc_trim, CUDA cache)",
                                 minimum=0)
     memory_log_steps: int = option(200, "optimizer steps between memory records in logs/memory_<run>_rank<r>.jsonl",

@@ -9,7 +9,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lowmem.data.stream import ParquetStream, Position
-from lowmem.errors import DataError
 
 Collate = Callable[[list[dict[str, str]]], Any]
 

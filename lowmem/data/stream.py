@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lowmem.data.elastic import EpochLayers, Layer, Position, close_layer

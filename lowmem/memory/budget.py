@@ -1,4 +1,4 @@
-"""The memory budget: the smaller of physical RAM and the cgroup (container) limit."""
+"""The memory budget: the smaller of physical RAM and the memory limit of this process's own cgroup."""
 
 from __future__ import annotations
 
@@ -7,37 +7,47 @@ from pathlib import Path
 
 import psutil
 
+from lowmem.memory.cgroup import CgroupLimit, own_cgroup_limit, parse_limit
 from lowmem.units import GIB
 
-# cgroup v2 exposes one file; v1 a different one. "max" (v2) or a huge number (v1) means no limit.
-_CGROUP_V2_LIMIT = Path("/sys/fs/cgroup/memory.max")
-_CGROUP_V1_LIMIT = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
-# v1 reports "unlimited" as a page-aligned value near 2**63; anything above 2**60 is treated as no limit.
-_UNLIMITED_ABOVE = 2**60
 
+def read_cgroup_limit_bytes(v2_path: Path | None = None, v1_path: Path | None = None) -> int | None:
+    """The cgroup memory limit in bytes, or None when there is none.
 
-def read_cgroup_limit_bytes(v2_path: Path = _CGROUP_V2_LIMIT, v1_path: Path = _CGROUP_V1_LIMIT) -> int | None:
-    """Return the cgroup memory limit in bytes, or None when there is none (or no cgroup files)."""
+    Without arguments: the tightest limit of this process's own cgroup and its ancestors (v2 memory.max and
+    memory.high, v1 memory.limit_in_bytes; see `lowmem.memory.cgroup`). With paths: the first of those two
+    limit files that holds a value ("max" or v1's near-2**63 value being no limit).
+    """
+    if v2_path is None and v1_path is None:
+        limit = own_cgroup_limit()
+        return None if limit is None else limit.bytes
     for path in (v2_path, v1_path):
+        if path is None:
+            continue
         try:
             text = path.read_text().strip()
         except OSError:
             continue
-        if text == "max":
-            return None
-        try:
-            value = int(text)
-        except ValueError:
-            continue
-        return None if value >= _UNLIMITED_ABOVE else value
+        if text == "max" or text.isdigit():
+            return parse_limit(text)
     return None
 
 
 def memory_budget_bytes() -> int:
-    """The host memory this machine may use: min(physical RAM, cgroup limit)."""
+    """The host memory this process may use: min(physical RAM, its cgroup's limit)."""
     physical = psutil.virtual_memory().total
     limit = read_cgroup_limit_bytes()
     return physical if limit is None else min(physical, limit)
+
+
+def budget_source(budget_gb: float = 0.0) -> str:
+    """Where the budget comes from, in words: --memory_budget_gb, a cgroup's limit, or the physical RAM."""
+    if budget_gb > 0:
+        return "--memory_budget_gb"
+    limit: CgroupLimit | None = own_cgroup_limit()
+    if limit is not None and limit.bytes < psutil.virtual_memory().total:
+        return limit.describe()
+    return "physical RAM"
 
 
 @dataclass(frozen=True)

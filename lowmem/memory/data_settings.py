@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lowmem.memory.budget import MemoryBudget
+from lowmem.memory.budget import MemoryBudget, budget_source
 from lowmem.units import GIB
 
 # DataLoader workers per process when memory allows: tokenizing in a worker overlaps with the model's step.
@@ -62,7 +62,8 @@ def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int, thresho
         workers = 1 if budget.per_process_bytes >= MIN_SHARE_FOR_A_WORKER_GIB * GIB else 0
     pin = on_gpu and not low
     reason = (
-        f"memory budget {budget.total_bytes / GIB:.1f} GiB for {budget.local_processes} process(es) "
+        f"memory budget {budget.total_bytes / GIB:.1f} GiB ({budget_source(budget_gb)}) for "
+        f"{budget.local_processes} process(es) "
         f"({budget.per_process_bytes / GIB:.1f} GiB each), {'below' if low else 'at or above'} the "
         f"{threshold_gb:g} GiB threshold; ultra_low_mem={ultra} ({'auto' if auto_ultra else 'set'}), "
         f"num_workers={workers} ({'auto' if num_workers < 0 else 'set'}), pin_memory={pin}"

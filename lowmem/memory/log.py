@@ -18,6 +18,7 @@ RECORD_FIELDS = (
     "time", "run", "rank", "world_size", "epoch", "step", "event",
     "rss", "uss", "workers", "workers_rss", "workers_uss", "sys_available", "budget",
     "cuda_allocated", "cuda_reserved", "cuda_peak", "arrow_bytes", "freed", "rss_high_water",
+    "predicted_high_water",
 )
 RUN_ID_FORMAT = "%Y%m%d-%H%M%S"  # local time: ids of later runs sort after earlier ones
 LOG_NAME = "memory_{run}_rank{rank}.jsonl"  # one file per rank per run
@@ -45,13 +46,16 @@ def parse_log_name(path: str | Path) -> tuple[str, int] | None:
 
 
 def make_record(snapshot: MemorySnapshot, *, run: str, rank: int, world_size: int, epoch: int, step: int,
-                event: str, budget: int, freed: int = 0, now: float | None = None) -> dict[str, Any]:
-    """One memory record (a dict with RECORD_FIELDS, in that order) from a snapshot and where training stands."""
+                event: str, budget: int, freed: int = 0, now: float | None = None,
+                predicted_high_water: int | None = None) -> dict[str, Any]:
+    """One memory record (a dict with RECORD_FIELDS, in that order) from a snapshot and where training stands;
+    `predicted_high_water` is the memory plan's figure for this process (None when there is no plan)."""
     if event not in EVENTS:
         raise ValueError(f"event must be one of {EVENTS}, not {event!r}")
     figures = snapshot.as_dict()
     context = {"time": time.time() if now is None else now, "run": run, "rank": rank, "world_size": world_size,
-               "epoch": epoch, "step": step, "event": event, "budget": budget, "freed": freed}
+               "epoch": epoch, "step": step, "event": event, "budget": budget, "freed": freed,
+               "predicted_high_water": predicted_high_water}
     return {field: context[field] if field in context else figures[field] for field in RECORD_FIELDS}
 
 
@@ -65,7 +69,9 @@ def format_line(record: dict[str, Any]) -> str:
              f"step {record.get('step')}"]
     rss, uss = record.get("rss"), record.get("uss")
     parts.append(f"rss {_mb(rss)}" + ("" if uss is None else f" (uss {_mb(uss)})")
-                 + ("" if record.get("rss_high_water") is None else f", peak so far {_mb(record['rss_high_water'])}"))
+                 + ("" if record.get("rss_high_water") is None else f", peak so far {_mb(record['rss_high_water'])}")
+                 + ("" if record.get("predicted_high_water") is None
+                    else f" (plan {_mb(record['predicted_high_water'])})"))
     if record.get("workers"):
         workers_uss = record.get("workers_uss")
         parts.append(f"{record['workers']} workers rss {_mb(record.get('workers_rss'))}"
@@ -90,9 +96,12 @@ class MemoryLogger:
     keeps what was written when a process dies, and only a host crash would lose more.
     """
 
-    def __init__(self, log_dir: str | Path, run_id: str, rank: int, world_size: int, budget_bytes: int) -> None:
-        """Open `<log_dir>/memory_<run_id>_rank<rank>.jsonl`; `budget_bytes` is this rank's share of the budget."""
+    def __init__(self, log_dir: str | Path, run_id: str, rank: int, world_size: int, budget_bytes: int,
+                 predicted_high_water: int | None = None) -> None:
+        """Open `<log_dir>/memory_<run_id>_rank<rank>.jsonl`; `budget_bytes` is this rank's share of the budget,
+        `predicted_high_water` the memory plan's figure for this rank (written into every record)."""
         self.run_id, self.rank, self.world_size, self.budget_bytes = run_id, rank, world_size, budget_bytes
+        self.predicted_high_water = predicted_high_water
         self.path = memory_log_path(log_dir, run_id, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
@@ -105,7 +114,8 @@ class MemoryLogger:
         allocation since the previous record rather than since the start (memlog takes the largest).
         """
         record = make_record(snapshot, run=self.run_id, rank=self.rank, world_size=self.world_size, epoch=epoch,
-                             step=step, event=event, budget=self.budget_bytes, freed=freed)
+                             step=step, event=event, budget=self.budget_bytes, freed=freed,
+                             predicted_high_water=self.predicted_high_water)
         if self._file is None:
             raise ValueError(f"The memory log {self.path} is closed.")
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")

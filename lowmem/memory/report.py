@@ -182,6 +182,7 @@ class RankSummary:
     start_rss: int
     peak_rss: int
     peak_rss_step: int
+    predicted_peak: int | None  # the memory plan's high-water for this rank (None in logs without a plan)
     end_rss: int
     fit_from_step: int | None  # first step of the trend fit (after warm-up)
     fit_records: int
@@ -286,7 +287,8 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
     return RankSummary(
         run=records[0].get("run"), rank=records[0].get("rank"), world_size=records[0].get("world_size"),
         records=len(records), first_step=first_step, last_step=last_step, start_rss=rss[0], peak_rss=highest[peak_index],
-        peak_rss_step=steps[peak_index], end_rss=rss[-1], fit_from_step=fit[0][0] if fit else None,
+        peak_rss_step=steps[peak_index], predicted_peak=(_values(records, "predicted_high_water") or [None])[-1],
+        end_rss=rss[-1], fit_from_step=fit[0][0] if fit else None,
         fit_records=len(fit), slope_mb_per_1k_steps=slope, slope_stderr_mb_per_1k_steps=stderr,
         recent_slope_mb_per_1k_steps=recent_slope,
         peak_gpu=_peak_gpu(records), min_sys_available=min(available) if available else None,
@@ -297,18 +299,27 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
 
 
 # ----- output ---------------------------------------------------------------------------------------------
-TABLE_COLUMNS = ("rank", "records", "steps", "start RSS", "peak RSS", "end RSS", "growth MB/1k steps",
-                 "peak GPU", "min sys available", "cleanup freed")
+TABLE_COLUMNS = ("rank", "records", "steps", "start RSS", "peak RSS", "planned peak", "end RSS",
+                 "growth MB/1k steps", "peak GPU", "min sys available", "cleanup freed")
 
 
 def _mb(value: int | None) -> str:
     return "n/a" if value is None else f"{value / MB:,.0f} MB"
 
 
+def _planned(summary: RankSummary) -> str:
+    """The plan's high-water and how far the measured peak is from it ("930 MB (-2%)")."""
+    if not summary.predicted_peak:
+        return "n/a"
+    error = (summary.peak_rss - summary.predicted_peak) / summary.predicted_peak
+    return f"{_mb(summary.predicted_peak)} ({error:+.0%})"
+
+
 def _row(summary: RankSummary) -> list[str]:
     slope = "n/a" if summary.slope_mb_per_1k_steps is None else f"{summary.slope_mb_per_1k_steps:+,.1f}"
     return [str(summary.rank), str(summary.records), f"{summary.first_step:,}-{summary.last_step:,}",
-            _mb(summary.start_rss), _mb(summary.peak_rss), _mb(summary.end_rss), slope, _mb(summary.peak_gpu),
+            _mb(summary.start_rss), _mb(summary.peak_rss), _planned(summary), _mb(summary.end_rss), slope,
+            _mb(summary.peak_gpu),
             _mb(summary.min_sys_available), _mb(summary.freed_total)]
 
 

@@ -150,14 +150,17 @@ def steps_per_epoch(loader: StreamLoader, config: TrainConfig) -> int:
     return steps
 
 
-def make_memory_monitor(config: TrainConfig, accelerator: Accelerator, settings: MemorySettings) -> MemoryMonitor:
+def make_memory_monitor(config: TrainConfig, accelerator: Accelerator, settings: MemorySettings,
+                        predicted_high_water: int | None = None) -> MemoryMonitor:
     """Cleanups, memory records and the watchdog for this rank, on the budget share rank 0 decided.
 
-    The run id (a timestamp) is chosen by rank 0, so that every rank's memory log carries the same one.
+    The run id (a timestamp) is chosen by rank 0, so that every rank's memory log carries the same one; every
+    record carries the memory plan's prediction for this rank's high-water beside the measured one.
     """
     run_id = broadcast_from_main(accelerator, new_run_id)
     share = settings.per_process_bytes
-    memory_logger = MemoryLogger(LOG_DIR, run_id, accelerator.process_index, accelerator.num_processes, share)
+    memory_logger = MemoryLogger(LOG_DIR, run_id, accelerator.process_index, accelerator.num_processes, share,
+                                 predicted_high_water=predicted_high_water)
     watchdog = MemoryWatchdog(share, fraction=config.memory_watchdog_fraction)
     return MemoryMonitor(memory_logger, watchdog, on_gpu=accelerator.device.type == "cuda",
                          cleanup_steps=config.cleanup_steps, memory_log_steps=config.memory_log_steps)

@@ -18,11 +18,12 @@ A checkpoint is the model, the optimizer and the dict of the stateful parts (`Tr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -38,6 +39,7 @@ from lowmem.data.collate import TokenizingCollate
 from lowmem.distributed.accelerator import create_accelerator
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
+from lowmem.distributed.peers import PeerWatch
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.errors import DataError
 from lowmem.eval.commands import answer
@@ -45,6 +47,7 @@ from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
 from lowmem.train.callbacks import Callback, StepResult
 from lowmem.train.log import StepLog, setup_training_log
+from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
 from lowmem.train.rescale import merged_data_state, processes_changed, readers_changed, rescale_line
 from lowmem.train.schedule import get_lr, stretched_step, total_steps
 from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader, settle_architecture,
@@ -104,10 +107,12 @@ class Trainer:
         config: the training configuration (validated here).
         accelerator: the run's Accelerator (default: one on the GPUs if there are any, else the CPU).
         callbacks: hooks run on every rank at fixed points (see `lowmem.train.callbacks`).
+        memory: the memory plan and savers `run_training` settled (`settle_memory`); without it the config runs
+            as given, and its plan is only logged.
     """
 
     def __init__(self, config: TrainConfig, accelerator: Accelerator | None = None,
-                 callbacks: Sequence[Callback] = ()) -> None:
+                 callbacks: Sequence[Callback] = (), memory: MemoryDecision | None = None) -> None:
         validate_config(config)
         # Unset here (not through run_training) means a new run's: checkpoints always record a concrete value.
         config = settle_architecture(config, is_keep_training=False)
@@ -120,6 +125,11 @@ class Trainer:
         self.validated_step: int | None = None  # the step of the last full validation (BLEU-4 included)
         set_seed(config.seed)
         self.started = time.perf_counter()
+        if memory is None:
+            _, memory = settle_memory(dataclasses.replace(config, memory_savers="off"), self.accelerator, explicit=())
+            log_decision(memory)
+        self.memory_decision = memory
+        self.peers = PeerWatch.gather(self.accelerator, plan_line=memory.summary())
         self.tokenizer = ensure_tokenizer(config, self.accelerator)
         settings = shared_memory_settings(config, self.accelerator)
         logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
@@ -138,14 +148,16 @@ class Trainer:
             mode=METRIC_MODES[config.best_metric], is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,
             all_ok=self._all_ok, save_every=config.save_steps)
         self.data, self.rng = LoaderPosition(loader), RngState()
-        self.memory = make_memory_monitor(config, self.accelerator, settings)
+        self.memory = make_memory_monitor(config, self.accelerator, settings,
+                                          predicted_high_water=memory.predicted_high_water(self.is_main))
         self.validator = Validator(config, self.tokenizer, self.accelerator)
         self.step_log = StepLog(self.accelerator, self.total_steps, config.logging_steps)
         self.stopper = GracefulStop()
         self.checkpoint = TrainingCheckpoint(
             self.model, self.optimizer, self.accelerator, shared={"train": self.state, "checkpoints": self.checkpoints},
             per_rank={"rng": self.rng, "data": self.data, "memory": self.memory}, config=config,
-            run_facts={"world_size": self.accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers)})
+            run_facts={"world_size": self.accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers),
+                       SAVED_KEY: memory.saved_record()})
         self.resumed_from: Path | None = None
         self.epoch_ended = False
         self.lr = float("nan")  # the current step's learning rate (set by `begin`, then by every step)
@@ -169,6 +181,10 @@ class Trainer:
                         self.end_epoch()
                 if not self.stopper.requested:
                     self.validate_and_save_when_due(final=True)
+            except Exception as error:
+                # Still inside the signal handlers: the launcher's SIGTERM to the survivors cannot cut this short.
+                self.peers.check(error)  # a rank of this machine died: one line instead of a traceback
+                raise
             finally:
                 self.end()
             return self.finish()
@@ -449,14 +465,19 @@ class Trainer:
 
 
 def run_training(config: TrainConfig, is_keep_training: bool = False, allow_config_change: bool = False,
-                 callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+                 callbacks: Sequence[Callback] = (), given: Collection[str] | None = None) -> dict[str, Any]:
     """Train as `config` says, with the training log set up; what `lowmem train` runs.
+
+    Before anything is written, the memory is planned and, with `memory_savers="auto"`, the savers the budget
+    needs are turned on (`lowmem.train.memory_fit`); a run that fits nowhere stops there.
 
     Args:
         config: a TrainConfig (or a preset of it), validated here.
         is_keep_training: continue from the latest complete checkpoint in `config.output_dir`.
         allow_config_change: resume even when settings that decide the data order, batches or schedule changed.
         callbacks: hooks run on every rank (see `lowmem.train.callbacks`).
+        given: the fields set on the command line; with the fields that differ from the config class's defaults,
+            these are the settings the memory savers never change.
     """
     validate_config(config)
     check_data_files(config)
@@ -465,11 +486,14 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                      config.process_group_timeout_minutes, **tracker_arguments(config.report_to))
+    config, memory = settle_memory(config, accelerator, explicit_fields(config, given), is_keep_training,
+                                   allow_config_change)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
+    log_decision(memory)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     lock = lock_run_folder(accelerator, config.output_dir, "training")
     try:
-        trainer = Trainer(config, accelerator, callbacks)
+        trainer = Trainer(config, accelerator, callbacks, memory=memory)
         if is_keep_training:
             trainer.resume(allow_config_change)
         return {**trainer.fit(), "log_file": str(log_path)}

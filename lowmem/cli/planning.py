@@ -1,0 +1,58 @@
+"""The `plan` command: the memory plan of a `train` command, before anything is launched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowmem.cli.common import build_config
+
+
+def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str = "", device: str = "",
+         gpu_memory_gb: float = 0.0, is_keep_training: bool = False, **overrides: Any) -> None:
+    """Print the memory plan of `train` with the same flags: each process's high-water by part, this machine's
+    total against its budget, and the memory savers `train` would turn on (or why nothing fits).
+
+    Nothing is launched or written; the interpreter's own memory is measured here, the batches from a sample
+    of the training rows. Exit code 2 when nothing fits.
+
+    Args:
+        use_large_config: start from TrainConfigPretrainLarge, as `train --use_large_config=True`.
+        num_processes: processes on this machine, as `accelerate launch --num_processes`.
+        strategy: ddp (the default for several processes), fsdp (configs/accelerate/fsdp.yaml) or deepspeed
+            (configs/accelerate/deepspeed_zero2_offload.yaml); single for one process.
+        device: cpu or cuda (default: cuda when a GPU is visible).
+        gpu_memory_gb: one GPU's memory (default: read from the GPU when there is one).
+        is_keep_training: plan the resume of the run in output_dir (its memory savers are kept).
+        overrides: any config field, as for `train`.
+    """
+    import accelerate  # noqa: F401 - measured with the interpreter, as a training process has it
+    import torch
+
+    from lowmem.config import given_fields, validate_config
+    from lowmem.errors import ConfigError
+    from lowmem.memory.plan import DDP, DEEPSPEED, FSDP, SINGLE, STRATEGIES
+    from lowmem.train.memory_fit import RunLayout, decide, explicit_fields
+
+    config = build_config(use_large_config, overrides)
+    validate_config(config)
+    if num_processes < 1:
+        raise ConfigError(f"--num_processes must be at least 1 (it is {num_processes}).")
+    strategy = strategy or (DDP if num_processes > 1 else SINGLE)
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)} (it is {strategy!r}).")
+    if strategy in (FSDP, DEEPSPEED, DDP) and num_processes == 1:
+        strategy = SINGLE if strategy == DDP else strategy
+    on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    if device not in ("", "cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda (it is {device!r}).")
+    gpu_bytes = int(gpu_memory_gb * 2**30)
+    if on_gpu and not gpu_bytes and torch.cuda.is_available():
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    layout = RunLayout(strategy=strategy, processes=num_processes, world_size=num_processes,
+                       device="cuda" if on_gpu else "cpu", bf16=config.bf16 and on_gpu,
+                       deepspeed_offload=strategy == DEEPSPEED, launcher=num_processes > 1, gpu_bytes=gpu_bytes)
+    decision = decide(config, layout, explicit_fields(config, given_fields(config, overrides)), is_keep_training)
+    for line in decision.lines + decision.warnings:
+        print(line)
+    if decision.error is not None:
+        raise ConfigError(decision.error)

@@ -1,0 +1,109 @@
+"""How large the training batches will be, from a small sample of the rows, before training starts.
+
+The memory plan needs the largest micro-batch a run will see, in positions (sequences x width, padding
+included): that sets the activations. Packed rows make it a matter of the data, so a sample of rows from a
+few row groups spread over the files is tokenized and grouped into micro-batches exactly as
+`TokenizingCollate` would (same packing, same width rounding), and the largest is taken. Without a
+tokenizer yet, a row's tokens are counted as its characters plus the layout's specials: SentencePiece pieces
+hold one character or more, so that is an upper bound.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from lowmem.data.collate import PAD_TO_MULTIPLE_OF, pack_rows
+from lowmem.data.reader import open_parquet
+from lowmem.data.sources import FileSpec, RowGroupIndex, build_row_group_index
+from lowmem.memory.cleanup import release_arrow_memory
+
+SAMPLE_ROW_GROUPS = 8  # spread evenly over the data
+SAMPLE_ROWS_PER_GROUP = 1024
+SAMPLE_BATCHES = 256
+_LAYOUT_SPECIALS = 3  # [bos] prompt [sep] response [eos]
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """Row lengths (tokens, or characters as an upper bound) of a sample of the training rows."""
+
+    lengths: tuple[int, ...]
+    max_seq_len: int
+    pack: bool
+    estimated: bool  # counted from characters (no tokenizer)
+    seed: int = 0
+
+    def largest_positions(self, rows: int, batches: int = SAMPLE_BATCHES) -> int:
+        """The largest micro-batch of `rows` rows among `batches` drawn from the sample, in positions."""
+        if not self.lengths:
+            return rows * self.max_seq_len
+        generator = random.Random(self.seed)
+        largest = 0
+        for _ in range(batches):
+            lengths = [min(generator.choice(self.lengths), self.max_seq_len + 1) - 1 for _ in range(rows)]
+            largest = max(largest, micro_batch_positions(lengths, self.max_seq_len, self.pack))
+        return largest
+
+    @property
+    def mean_row_tokens(self) -> float:
+        return float(np.mean(self.lengths)) if self.lengths else float(self.max_seq_len)
+
+
+def micro_batch_positions(lengths: Sequence[int], max_seq_len: int, pack: bool) -> int:
+    """Sequences x width of the batch `TokenizingCollate` makes of rows with these input lengths."""
+    bins = pack_rows(lengths, max_seq_len) if pack else [[row] for row in range(len(lengths))]
+    filled = max(sum(lengths[row] for row in rows_in_bin) for rows_in_bin in bins)
+    width = min(max_seq_len, -(-filled // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF)
+    return len(bins) * width
+
+
+def _sample_rows(index: RowGroupIndex) -> list[tuple[str, str]]:
+    """(prompt, response) of up to SAMPLE_ROWS_PER_GROUP rows from each of a few row groups spread over the data."""
+    picks = np.unique(np.linspace(0, index.num_row_groups - 1, num=min(SAMPLE_ROW_GROUPS, index.num_row_groups))
+                      .round().astype(int))
+    rows: list[tuple[str, str]] = []
+    try:
+        for group in picks:
+            file_id = int(index.file_id[group])
+            file = index.files[file_id]
+            handle = open_parquet(file.path, index.metadata[file_id], file.filesystem)
+            try:
+                batch = next(handle.iter_batches(batch_size=SAMPLE_ROWS_PER_GROUP, columns=list(index.columns),
+                                                 row_groups=[int(index.group_in_file[group])]), None)
+            finally:
+                handle.close()
+            if batch is None:
+                continue
+            columns = [batch.column(name).to_pylist() for name in index.columns]
+            rows.extend((prompt or "", response or "") for prompt, response in zip(*columns))
+    except (pa.ArrowException, OSError):
+        return rows  # the stream reports unreadable data with its own message; the plan makes do with less
+    finally:
+        release_arrow_memory()
+    return rows
+
+
+def sample_batch_sizes(files: FileSpec, columns: Sequence[str], max_seq_len: int, pack: bool,
+                       tokenizer: Any | None = None, seed: int = 0) -> BatchSizes:
+    """Row lengths of a sample of the training rows, tokenized (or counted from characters without a tokenizer)."""
+    rows = _sample_rows(build_row_group_index(files, columns))
+    if tokenizer is not None and rows:
+        pairs = tokenizer.encode_pair_batch([prompt for prompt, _ in rows], [response for _, response in rows])
+        lengths = tuple(len(ids) for ids, _ in pairs)
+    else:
+        lengths = tuple(len(prompt) + len(response) + _LAYOUT_SPECIALS for prompt, response in rows)
+    return BatchSizes(lengths, max_seq_len, pack, estimated=tokenizer is None, seed=seed)
+
+
+def data_pipeline_bytes(files: FileSpec, columns: Sequence[str], groups_at_once: int, buffer_rows: int) -> int:
+    """What one reader holds: `groups_at_once` of the largest row groups decoded, and the shuffle buffer's rows
+    as Python strings (about twice their UTF-8 bytes with the objects around them)."""
+    index = build_row_group_index(files, columns)
+    largest = int(index.uncompressed_bytes.max()) if index.num_row_groups else 0
+    per_row = float(index.uncompressed_bytes.sum()) / max(index.num_rows, 1)
+    return int(min(groups_at_once, index.num_row_groups) * largest * 1.5 + 2 * buffer_rows * per_row) + 8 * 2**20

@@ -1,0 +1,157 @@
+"""Memory savers chosen to fit the budget: the cheapest levers first, until the plan fits.
+
+`choose_savers` starts from the run's settings and, while the plan does not fit, turns on the next lever
+the user did not set, in order of cost:
+
+    1. malloc_mmap_threshold_mb=1   CPU only: freed step memory goes back to the system instead of staying in
+                                    glibc's heap (page faults each step; measured free on the large config)
+    2. loss_chunk_tokens=2048       the loss a chunk at a time, no whole logits (no extra compute)
+    3. activation_checkpointing     keep each block's input only and recompute the block (a third more compute)
+    4. a smaller micro-batch        halve batch_size_per_gpu and double gradient_accumulation_steps, as often as
+                                    needed: the rows of each optimizer step, and so the run's results, stay the same
+                                    (smaller matmuls are less efficient on a GPU)
+
+A field the user set explicitly is never changed. When nothing fits, `no_fit_message` says by how much and
+what would: fewer processes, FSDP, a smaller micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Collection
+
+from lowmem.memory.plan import (DDP, FSDP, PLAN_MARGIN, SINGLE, MemoryPlan, PlanInputs, plan_memory,
+                                with_inputs)
+from lowmem.units import MB, gib_text
+
+DEFAULT_CHUNK_TOKENS = 2048
+FIXED_MMAP_THRESHOLD_MB = 1.0
+# The config fields a lever may change.
+LEVER_FIELDS = ("malloc_mmap_threshold_mb", "loss_chunk_tokens", "activation_checkpointing", "batch_size_per_gpu",
+                "gradient_accumulation_steps")
+
+
+@dataclass
+class SaverChoice:
+    """What `choose_savers` decided: the config changes, why, and the plans before and after."""
+
+    before: MemoryPlan
+    plan: MemoryPlan
+    budget_bytes: int
+    changes: dict[str, object] = field(default_factory=dict)  # config field → value
+    steps: list[str] = field(default_factory=list)  # one phrase per lever turned on
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits(self.budget_bytes)
+
+    def line(self) -> str:
+        """One log line: what was turned on and why, or that nothing was needed."""
+        before, after = self.before.machine_total, self.plan.machine_total
+        budget = f"{gib_text(self.budget_bytes)} budget"
+        if not self.steps:
+            return (f"Memory savers: none needed (predicted {before / MB:,.0f} MB for this machine, within the "
+                    f"{budget} less {PLAN_MARGIN:.0%}).")
+        return (f"Memory savers turned on to fit the {budget}: {'; '.join(self.steps)} (predicted {before / MB:,.0f} "
+                f"MB for this machine → {after / MB:,.0f} MB). Settings given explicitly are kept; "
+                "--memory_savers=off keeps every setting as given.")
+
+
+def _divisor_below(rows: int) -> int:
+    """The largest divisor of `rows` that is at most half of it (1 for a prime)."""
+    for candidate in range(rows // 2, 0, -1):
+        if rows % candidate == 0:
+            return candidate
+    return 1
+
+
+def choose_savers(inputs: PlanInputs, budget_bytes: int, explicit: Collection[str],
+                  positions_for_rows: Callable[[int], int]) -> SaverChoice:
+    """Turn on the cheapest levers the user left unset until the plan of `inputs` fits `budget_bytes`.
+
+    Args:
+        inputs: the run as configured.
+        budget_bytes: this machine's budget.
+        explicit: config fields the user set (never changed).
+        positions_for_rows: the largest micro-batch's positions for a micro-batch of so many rows (a smaller
+            micro-batch packs its rows differently).
+    """
+    choice = SaverChoice(before=plan_memory(inputs), plan=plan_memory(inputs), budget_bytes=budget_bytes)
+
+    def apply(phrase: str, config_changes: dict[str, object], **plan_changes: object) -> None:
+        nonlocal inputs
+        inputs = with_inputs(inputs, **plan_changes)
+        choice.plan = plan_memory(inputs)
+        choice.changes.update(config_changes)
+        choice.steps.append(phrase)
+
+    if choice.fits:
+        return choice
+    if not inputs.on_gpu and inputs.malloc_mmap_threshold_mb <= 0 and "malloc_mmap_threshold_mb" not in explicit:
+        apply("freed memory returned to the system (--malloc_mmap_threshold_mb=1)",
+              {"malloc_mmap_threshold_mb": FIXED_MMAP_THRESHOLD_MB}, malloc_mmap_threshold_mb=FIXED_MMAP_THRESHOLD_MB)
+    if not choice.fits and not inputs.loss_chunk_tokens and "loss_chunk_tokens" not in explicit:
+        apply(f"the loss in chunks (--loss_chunk_tokens={DEFAULT_CHUNK_TOKENS})",
+              {"loss_chunk_tokens": DEFAULT_CHUNK_TOKENS}, loss_chunk_tokens=DEFAULT_CHUNK_TOKENS)
+    if not choice.fits and not inputs.activation_checkpointing and "activation_checkpointing" not in explicit:
+        apply("activation checkpointing (--activation_checkpointing=True, about a third more compute)",
+              {"activation_checkpointing": True}, activation_checkpointing=True)
+    batch_fixed = {"batch_size_per_gpu", "gradient_accumulation_steps"} & set(explicit)
+    while not choice.fits and not batch_fixed and inputs.micro_batch_rows > 1:
+        rows = _divisor_below(inputs.micro_batch_rows)
+        accumulation = inputs.gradient_accumulation_steps * inputs.micro_batch_rows // rows
+        phrase = (f"micro-batches of {rows} rows x {accumulation} (--batch_size_per_gpu={rows} "
+                  f"--gradient_accumulation_steps={accumulation}: the same rows per optimizer step)")
+        if choice.steps and choice.steps[-1].startswith("micro-batches of"):
+            choice.steps.pop()  # one phrase for the final micro-batch, however many halvings it took
+        # Validation batches and generation batches have batch_size_per_gpu rows too.
+        apply(phrase, {"batch_size_per_gpu": rows, "gradient_accumulation_steps": accumulation},
+              micro_batch_rows=rows, gradient_accumulation_steps=accumulation,
+              micro_batch_positions=positions_for_rows(rows), eval_positions=rows * inputs.sequence_width,
+              generation_rows=rows if inputs.generation_rows else 0)
+    return choice
+
+
+def no_fit_message(choice: SaverChoice, explicit: Collection[str], launch_hint: str,
+                   positions_for_rows: Callable[[int], int]) -> str:
+    """One paragraph for a run that fits nowhere: the plan, the shortfall, and what would fit."""
+    plan, inputs = choice.plan, choice.plan.inputs
+    usable = choice.budget_bytes * (1 - PLAN_MARGIN)
+    where = "this machine"
+    shortfall = plan.machine_total - usable
+    if plan.machine_total <= usable and plan.device:
+        where, shortfall = "each GPU", plan.device_peak - inputs.gpu_bytes * (1 - PLAN_MARGIN)
+    text = (f"The memory plan does not fit: {where} needs about {(shortfall + usable) / MB:,.0f} MB where "
+            f"{usable / MB:,.0f} MB can be used ({gib_text(choice.budget_bytes)} budget less "
+            f"{PLAN_MARGIN:.0%}), {shortfall / MB:,.0f} MB short")
+    text += (f", even with {'; '.join(choice.steps)}." if choice.steps else ".")
+    fixes = []
+    smallest = with_inputs(inputs, micro_batch_rows=1, micro_batch_positions=positions_for_rows(1),
+                           eval_positions=inputs.sequence_width, generation_rows=min(1, inputs.generation_rows),
+                           activation_checkpointing=True,
+                           malloc_mmap_threshold_mb=inputs.malloc_mmap_threshold_mb or FIXED_MMAP_THRESHOLD_MB)
+    for processes in range(inputs.processes - 1, 0, -1):
+        fewer = with_inputs(smallest, processes=processes,
+                            world_size=max(1, inputs.world_size - inputs.processes + processes),
+                            strategy=inputs.strategy if processes > 1 or inputs.strategy != DDP else SINGLE)
+        if plan_memory(fewer).fits(choice.budget_bytes):
+            fixes.append(f"{processes} process(es) on this machine (--num_processes {processes})")
+            break
+    if inputs.strategy != FSDP and inputs.processes > 1:
+        if plan_memory(with_inputs(smallest, strategy=FSDP)).fits(choice.budget_bytes):
+            fixes.append(f"FSDP, which shards the model states over the processes: {launch_hint}")
+    fixed = [name for name in ("batch_size_per_gpu", "gradient_accumulation_steps", "activation_checkpointing",
+                               "malloc_mmap_threshold_mb", "loss_chunk_tokens") if name in explicit]
+    if fixed:
+        fixes.append("leave " + ", ".join(f"--{name}" for name in fixed) + " unset so that the memory savers may "
+                     "change them")
+    if inputs.micro_batch_rows > 1 and "batch_size_per_gpu" in explicit:
+        fixes.append("a smaller --batch_size_per_gpu with a larger --gradient_accumulation_steps")
+    if fixes:
+        text += " Would fit: " + "; or ".join(fixes) + "."
+    else:
+        text += (" Nothing tried here fits: a smaller model (--n_layer, --n_embd), a shorter --max_seq_len or a "
+                 "machine with more memory is needed.")
+    return (text + " --memory_budget_gb=GB sets the budget when the detected one is wrong; --memory_savers=off "
+            "trains as configured, at the risk of the OOM killer. `lowmem plan` with the same flags prints the "
+            "plan part by part.")

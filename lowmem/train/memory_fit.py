@@ -1,0 +1,268 @@
+"""Fitting a run to its memory budget before anything is built: the plan, the savers it needs, the resume.
+
+`settle_memory` runs right after the Accelerator exists and before any file is written (logs, lock,
+tokenizer): rank 0 measures what it can (its own RSS, a sample of the training rows, the footers), plans
+(`lowmem.memory.plan`), turns on the memory savers the plan needs (`lowmem.memory.levers`) and broadcasts
+the decision, so every rank runs with the same settings. With nothing that fits, every rank stops with one
+paragraph (exit code 2) and nothing on disk.
+
+The savers chosen are part of the run: they are saved with every checkpoint, and `--is_keep_training=True`
+applies the same ones again (the batches, and so the resume, stay exact), saying so when the budget changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Collection
+
+import psutil
+import torch
+
+from lowmem.checkpoint.contents import newest_trainer_state
+from lowmem.config import TrainConfig
+from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
+from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from lowmem.errors import ConfigError, LowmemError
+from lowmem.memory.budget import budget_source
+from lowmem.memory.data_settings import decide_memory_settings
+from lowmem.memory.levers import LEVER_FIELDS, SaverChoice, choose_savers, no_fit_message
+from lowmem.memory.plan import (DDP, DEEPSPEED, FSDP, SINGLE, MemoryPlan, ModelShape, PlanInputs, format_plan,
+                                plan_memory)
+from lowmem.units import GIB, gib_text
+
+logger = logging.getLogger(__name__)
+
+# Where a checkpoint's trainer state keeps the savers the run chose (with the budget they were chosen for).
+SAVED_KEY = "memory_savers"
+FSDP_LAUNCH = ("accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes {processes} "
+               "train_low_mem.py train ...")
+
+
+def explicit_fields(config: TrainConfig, given: Collection[str] | None = None) -> frozenset[str]:
+    """The fields a user set: those named on the command line (`given`), and any that differ from the
+    defaults of the config's class (a preset's defaults count as defaults)."""
+    defaults = type(config)()
+    differing = {item.name for item in dataclasses.fields(config)
+                 if getattr(config, item.name) != getattr(defaults, item.name)}
+    return frozenset(differing | set(given or ()))
+
+
+def model_shape(config: TrainConfig, vocab_size: int) -> ModelShape:
+    """The GPT's sizes and parameter counts, from a model built on the meta device (no memory, no time)."""
+    from lowmem.model import GPT
+    from lowmem.train.setup import model_config_for
+
+    with torch.device("meta"):
+        model = GPT(model_config_for(config, vocab_size))
+    gpt = model.config
+    return ModelShape(n_layer=gpt.n_layer, n_embd=gpt.n_embd, n_head=gpt.n_head, mlp_hidden=gpt.mlp_hidden,
+                      padded_vocab=gpt.padded_vocab_size, max_seq_len=gpt.max_seq_len, architecture=gpt.architecture,
+                      params=model.num_params(), block_params=sum(p.numel() for p in model.blocks[0].parameters()))
+
+
+def measure_base_bytes() -> int:
+    """This process's RSS now: the interpreter and libraries, before the model exists."""
+    return psutil.Process().memory_info().rss
+
+
+def existing_tokenizer(config: TrainConfig) -> Tokenizer | None:
+    """The tokenizer in `tokenizer_dir`, or None when none has been trained there yet."""
+    if not (Path(config.tokenizer_dir) / TOKENIZER_FILE).is_file():
+        return None
+    try:
+        return Tokenizer.load(config.tokenizer_dir)
+    except LowmemError:
+        return None
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """How the run is spread: the strategy, the processes, the device."""
+
+    strategy: str  # single, ddp, fsdp or deepspeed
+    processes: int  # on this machine
+    world_size: int
+    device: str  # cpu or cuda
+    bf16: bool = False
+    deepspeed_offload: bool = False
+    launcher: bool = False
+    gpu_bytes: int = 0
+
+
+def layout_of(accelerator: Any) -> RunLayout:
+    """The layout an Accelerator was launched with."""
+    from lowmem.distributed.accelerator import offloads_optimizer
+    from lowmem.distributed.collectives import local_processes
+    from lowmem.distributed.launcher_watch import started_by_a_launcher
+    from lowmem.distributed.strategy import DEEPSPEED as ACCELERATE_DEEPSPEED, FSDP as ACCELERATE_FSDP, strategy
+
+    kind = strategy(accelerator)
+    name = {ACCELERATE_FSDP: FSDP, ACCELERATE_DEEPSPEED: DEEPSPEED}.get(kind, DDP if accelerator.num_processes > 1
+                                                                      else SINGLE)
+    on_gpu = accelerator.device.type == "cuda"
+    gpu_bytes = torch.cuda.get_device_properties(accelerator.device).total_memory if on_gpu else 0
+    return RunLayout(strategy=name, processes=local_processes(accelerator), world_size=accelerator.num_processes,
+                     device=accelerator.device.type, bf16=accelerator.mixed_precision == "bf16",
+                     deepspeed_offload=offloads_optimizer(accelerator), launcher=started_by_a_launcher(),
+                     gpu_bytes=gpu_bytes)
+
+
+def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None = None,
+                tokenizer: Tokenizer | None = None) -> tuple[PlanInputs, Callable[[int], int]]:
+    """The plan's inputs for `config` run as `layout`, and the largest micro-batch's positions for any number
+    of rows (the levers need it for smaller micro-batches)."""
+    columns = (config.prompt_column, config.response_column)
+    sizes: BatchSizes = sample_batch_sizes(config.train_file, columns, config.max_seq_len, config.pack_rows,
+                                           tokenizer=tokenizer, seed=config.seed)
+    cache: dict[int, int] = {}
+
+    def positions_for_rows(rows: int) -> int:
+        if rows not in cache:
+            cache[rows] = sizes.largest_positions(rows)
+        return cache[rows]
+
+    vocab = tokenizer.vocab_size if tokenizer is not None else config.vocab_size
+    settings = decide_memory_settings(config.ultra_low_mem, config.dataloader_num_workers,
+                                      config.ultra_low_mem_threshold_gb, local_processes=layout.processes,
+                                      on_gpu=layout.device == "cuda", budget_gb=config.memory_budget_gb)
+    generation_rows = config.batch_size_per_gpu if config.eval_bleu_samples else 0
+    inputs = PlanInputs(
+        model=model_shape(config, vocab),
+        micro_batch_positions=positions_for_rows(config.batch_size_per_gpu),
+        sequence_width=config.max_seq_len, masked_attention=config.pack_rows,
+        micro_batch_rows=config.batch_size_per_gpu, gradient_accumulation_steps=config.gradient_accumulation_steps,
+        loss_chunk_tokens=config.loss_chunk_tokens, activation_checkpointing=config.activation_checkpointing,
+        malloc_mmap_threshold_mb=config.malloc_mmap_threshold_mb, strategy=layout.strategy,
+        deepspeed_offload=layout.deepspeed_offload, processes=layout.processes, world_size=layout.world_size,
+        device=layout.device, bf16=layout.bf16, workers=settings.num_workers,
+        base_bytes=measure_base_bytes() if base_bytes is None else base_bytes,
+        data_bytes=data_pipeline_bytes(config.train_file, columns, config.dataloader_mix_row_groups,
+                                       config.dataloader_buffer_size),
+        eval_positions=config.batch_size_per_gpu * config.max_seq_len,
+        generation_rows=generation_rows, generation_positions=config.max_seq_len,
+        launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,
+    )
+    return inputs, positions_for_rows
+
+
+@dataclass
+class MemoryDecision:
+    """What rank 0 decided, for every rank: the config changes, the plan, the lines to log, or why to stop."""
+
+    changes: dict[str, Any] = field(default_factory=dict)
+    plan: MemoryPlan | None = None
+    budget_bytes: int = 0
+    lines: list[str] = field(default_factory=list)  # logged at start, after the training log exists
+    warnings: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def predicted_high_water(self, main: bool) -> int | None:
+        return None if self.plan is None else self.plan.high_water(main)
+
+    def summary(self) -> str:
+        """One sentence with the plan's figures, for messages about memory."""
+        if self.plan is None:
+            return ""
+        main, total = self.plan.high_water(True), self.plan.machine_total
+        return (f"The memory plan predicted {main / 2**20:,.0f} MB per process and {total / 2**20:,.0f} MB for this "
+                f"machine against a {gib_text(self.budget_bytes)} budget (`lowmem plan` with the same flags "
+                "shows it part by part).")
+
+    def saved_record(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the decision, so that a resume makes the same one."""
+        return {"changes": self.changes, "budget": self.budget_bytes,
+                "predicted_high_water": self.predicted_high_water(True)}
+
+
+def _saved_choice(config: TrainConfig) -> dict[str, Any] | None:
+    state = newest_trainer_state(config.output_dir)
+    return None if state is None else state.get(SAVED_KEY)
+
+
+def decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], is_keep_training: bool = False,
+           allow_config_change: bool = False, base_bytes: int | None = None) -> MemoryDecision:
+    """Plan the run and choose its memory savers (rank 0's work in `settle_memory`); errors come back as data."""
+    try:
+        return _decide(config, layout, explicit, is_keep_training, allow_config_change, base_bytes)
+    except LowmemError as error:
+        return MemoryDecision(error=str(error))
+
+
+def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], is_keep_training: bool,
+            allow_config_change: bool, base_bytes: int | None) -> MemoryDecision:
+    budget = int(config.memory_budget_gb * GIB) if config.memory_budget_gb > 0 else None
+    if budget is None:
+        from lowmem.memory.budget import memory_budget_bytes
+
+        budget = memory_budget_bytes()
+    source = budget_source(config.memory_budget_gb)
+    decision = MemoryDecision(budget_bytes=budget)
+    saved = _saved_choice(config) if is_keep_training and not allow_config_change else None
+    if config.memory_savers == "auto" and saved is not None:
+        # A resumed run keeps the savers it chose, whatever this host's budget: the batches stay the same.
+        decision.changes = {name: value for name, value in saved.get("changes", {}).items()
+                            if name in LEVER_FIELDS and name not in explicit}
+        config = dataclasses.replace(config, **decision.changes)
+    inputs, positions_for_rows = plan_inputs(config, layout, base_bytes, existing_tokenizer(config))
+    if config.memory_savers == "off" or saved is not None:
+        decision.plan = plan_memory(inputs)
+        if saved is not None:
+            decision.lines.append(_resume_line(saved, decision, budget))
+        if not decision.plan.fits(budget):
+            decision.warnings.append(
+                f"The memory plan predicts {decision.plan.machine_total / 2**20:,.0f} MB for this machine, more than "
+                f"the {gib_text(budget)} budget ({source}) less 10%: the run may be OOM-killed."
+                + (" --memory_savers=auto chooses savers that fit." if config.memory_savers == "off" else
+                   " Resume with --allow_config_change=True to choose the memory savers again for this budget."))
+    else:
+        choice: SaverChoice = choose_savers(inputs, budget, explicit, positions_for_rows)
+        decision.plan, decision.changes = choice.plan, choice.changes
+        if choice.fits:
+            decision.lines.append(choice.line())
+        else:
+            launch = FSDP_LAUNCH.format(processes=inputs.processes)
+            decision.error = no_fit_message(choice, explicit, launch, positions_for_rows)
+    decision.lines.insert(0, format_plan(decision.plan, budget, source))
+    return decision
+
+
+def _resume_line(saved: dict[str, Any], decision: MemoryDecision, budget: int) -> str:
+    """What the resume keeps of the run's memory savers, and what changed with the budget."""
+    changes = ", ".join(f"--{name}={value}" for name, value in saved.get("changes", {}).items()) or "none"
+    old = int(saved.get("budget") or 0)
+    text = f"Memory savers of the run kept for an exact resume: {changes}"
+    if old and abs(old - budget) >= 2**20:
+        text += (f". They were chosen for a {gib_text(old)} budget; this host gives {gib_text(budget)} "
+                 "(--allow_config_change=True chooses them again, and the batches may then differ)")
+    return text + "."
+
+
+def settle_memory(config: TrainConfig, accelerator: Any, explicit: Collection[str], is_keep_training: bool = False,
+                  allow_config_change: bool = False) -> tuple[TrainConfig, MemoryDecision]:
+    """Rank 0 plans and chooses the memory savers; every rank gets the same decision and config.
+
+    Raises ConfigError (on every rank; only the main process's says why) when nothing fits.
+    """
+    from lowmem.distributed.collectives import broadcast_from_main
+
+    layout = layout_of(accelerator)
+    decision = broadcast_from_main(accelerator, lambda: decide(config, layout, explicit, is_keep_training,
+                                                                allow_config_change))
+    if decision.error is not None:
+        raise ConfigError(decision.error if accelerator.is_main_process else "")
+    if decision.changes:
+        config = dataclasses.replace(config, **decision.changes)
+        accelerator.gradient_accumulation_steps = config.gradient_accumulation_steps
+    return config, decision
+
+
+def log_decision(decision: MemoryDecision) -> None:
+    """The plan's table and the savers' line, once (main process), and any warning."""
+    for line in decision.lines:
+        logger.info(line)
+    for warning in decision.warnings:
+        logger.warning(warning)
+

@@ -1,0 +1,149 @@
+"""The memory plan at work in `train` and `plan`: savers chosen to fit a budget, the same global batch, an exact
+resume that keeps the choice, and a run that fits nowhere stopped before anything is written.
+
+The harness fixes the plan's measured interpreter memory (LOWMEM_TEST_BASE_MB), so that the budget each test
+hands the process sits where the test wants it: between the plan with and without the savers.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from training_helpers import run_command, traced_losses, write_chat_rows
+
+from lowmem.cli.common import build_config
+from lowmem.config import given_fields
+from lowmem.train.memory_fit import RunLayout, decide, explicit_fields
+from lowmem.units import MB
+
+BASE_MB = 300
+ENV = {"LOWMEM_TEST_BASE_MB": str(BASE_MB)}
+
+
+def overrides(folder: Path, *extra: str) -> list[str]:
+    """A model whose activations matter beside a 300 MB interpreter; batch_size_per_gpu and accumulation are left
+    at their defaults (32 x 1), which the savers may change."""
+    return [f"--train_file={folder / 'train.parquet'}", f"--validation_file={folder / 'valid.parquet'}",
+            f"--test_file={folder / 'valid.parquet'}", f"--tokenizer_dir={folder / 'tok'}",
+            f"--output_dir={folder / 'run'}", "--vocab_size=400", "--n_layer=4", "--n_head=4", "--n_embd=128",
+            "--max_seq_len=64", "--loss_chunk_tokens=0", "--dataloader_buffer_size=50", "--logging_steps=1",
+            "--warmup_steps=2", "--sample_max_new_tokens=8", "--eval_bleu_samples=8", "--eval_max_new_tokens=8",
+            "--epochs=1", "--save_steps=5", "--keep_latest_n_ckp=1", "--dropout=0.1", *extra]
+
+
+def as_config(args: list[str]):
+    values = {}
+    for arg in args:
+        name, _, text = arg[2:].partition("=")
+        try:
+            values[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            values[name] = text
+    return build_config(False, values), values
+
+
+def choice_at(args: list[str], budget_gb: float):
+    config, values = as_config([*args, f"--memory_budget_gb={budget_gb}"])
+    return decide(config, RunLayout("single", 1, 1, "cpu"), explicit_fields(config, given_fields(config, values)),
+                  base_bytes=BASE_MB * MB)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("fit-data")
+    write_chat_rows(folder / "train.parquet", 900, seed=1)
+    write_chat_rows(folder / "valid.parquet", 60, seed=2)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def halving_budget(data) -> float:
+    """The largest budget (GB) at which the savers must halve the micro-batch, and still fit."""
+    args = overrides(data)
+    for hundredths in range(60, 25, -1):
+        decision = choice_at(args, hundredths / 100)
+        if decision.error is None and "batch_size_per_gpu" in decision.changes:
+            return hundredths / 100
+    pytest.fail("no budget makes the savers halve the micro-batch")
+
+
+def copy_data(data: Path, folder: Path) -> None:
+    for name in ("train.parquet", "valid.parquet"):
+        (folder / name).write_bytes((data / name).read_bytes())
+
+
+def saved_state(folder: Path) -> dict:
+    checkpoint = max((folder / "run").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+def test_small_budget_turns_savers_on_keeps_the_global_batch_and_resumes_exactly(tmp_path, data, halving_budget):
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    for folder in (reference, stopped):
+        folder.mkdir()
+        copy_data(data, folder)
+    budget = f"--memory_budget_gb={halving_budget}"
+    whole = run_command(["train", *overrides(reference, budget)], cwd=reference,
+                        env={**ENV, "LOWMEM_TRACE_DIR": str(reference / "trace")})
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "Memory savers turned on" in whole.stderr and "the same rows per optimizer step" in whole.stderr
+    config = saved_state(reference)["config"]
+    assert config["batch_size_per_gpu"] < 32
+    assert config["batch_size_per_gpu"] * config["gradient_accumulation_steps"] == 32  # the global batch
+    assert config["activation_checkpointing"] is True
+    assert saved_state(reference)["memory_savers"]["changes"]["batch_size_per_gpu"] == config["batch_size_per_gpu"]
+
+    first = run_command(["train", *overrides(stopped, budget)], cwd=stopped,
+                        env={**ENV, "LOWMEM_STOP_AFTER_STEP": "7"})
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Resumed on a "host" with more memory: the savers chosen for the run are kept, and the log says so.
+    resumed = run_command(["train", *overrides(stopped, "--memory_budget_gb=64", "--is_keep_training=True")],
+                          cwd=stopped, env={**ENV, "LOWMEM_TRACE_DIR": str(stopped / "trace")})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Memory savers of the run kept for an exact resume" in resumed.stderr
+    assert f"chosen for a {halving_budget:.2f} GiB budget; this host gives 64.0 GiB" in resumed.stderr
+    assert "Resumed from" in resumed.stderr and "(changed:" not in resumed.stderr
+    expected, got = traced_losses(reference / "trace"), traced_losses(stopped / "trace")
+    assert min(got) > 7 and got == {step: expected[step] for step in got}
+
+
+def test_savers_off_runs_the_settings_as_given(tmp_path, data, halving_budget):
+    copy_data(data, tmp_path)
+    done = run_command(["train", *overrides(tmp_path, f"--memory_budget_gb={halving_budget}", "--memory_savers=off",
+                                            "--max_steps=2")], cwd=tmp_path, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Memory savers turned on" not in done.stderr and "may be OOM-killed" in done.stderr
+    config = saved_state(tmp_path)["config"]
+    assert (config["batch_size_per_gpu"], config["activation_checkpointing"]) == (32, False)
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*"))
+
+
+def test_a_budget_nothing_fits_stops_before_anything_is_built(tmp_path, data):
+    copy_data(data, tmp_path)
+    before = listing(tmp_path)
+    done = run_command(["train", *overrides(tmp_path, "--memory_budget_gb=0.2")], cwd=tmp_path, env=ENV)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "does not fit" in error[0] and "MB short" in error[0]
+    assert listing(tmp_path) == before, "no log, lock, tokenizer or run folder was left behind"
+
+
+def test_the_plan_command_prints_the_table_and_keeps_explicit_settings(tmp_path, data, halving_budget):
+    copy_data(data, tmp_path)
+    args = overrides(tmp_path, f"--memory_budget_gb={halving_budget}")
+    done = run_command(["plan", *args], cwd=tmp_path, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Memory plan:" in done.stdout and "high-water per process" in done.stdout and ": fits" in done.stdout
+    assert "activation checkpointing (--activation_checkpointing=True" in done.stdout
+    kept = run_command(["plan", *args, "--activation_checkpointing=False"], cwd=tmp_path, env=ENV)
+    assert "--activation_checkpointing=True" not in kept.stdout
+    assert not (tmp_path / "run").exists() and not (tmp_path / "tok").exists()
+    nowhere = run_command(["plan", *overrides(tmp_path, "--memory_budget_gb=0.2")], cwd=tmp_path, env=ENV)
+    assert nowhere.returncode == 2 and "does not fit" in nowhere.stderr and "Memory plan:" in nowhere.stdout
