@@ -147,3 +147,22 @@ def test_the_plan_command_prints_the_table_and_keeps_explicit_settings(tmp_path,
     assert not (tmp_path / "run").exists() and not (tmp_path / "tok").exists()
     nowhere = run_command(["plan", *overrides(tmp_path, "--memory_budget_gb=0.2")], cwd=tmp_path, env=ENV)
     assert nowhere.returncode == 2 and "does not fit" in nowhere.stderr and "Memory plan:" in nowhere.stdout
+
+
+def test_a_smaller_micro_batch_with_more_accumulation_trains_the_same_run(tmp_path, data):
+    """What the micro-batch lever promises: the same rows per optimizer step give the same losses (to float
+    rounding), since the loss is the mean over every token of the step and packed rows attend only to themselves."""
+    losses = []
+    for rows, accumulation in ((32, 1), (8, 4)):
+        folder = tmp_path / f"{rows}x{accumulation}"
+        folder.mkdir()
+        copy_data(data, folder)
+        done = run_command(["train", *overrides(folder, "--dropout=0.0", "--max_steps=6", "--memory_savers=off",
+                                                f"--tokenizer_dir={tmp_path / 'tok'}",
+                                                f"--batch_size_per_gpu={rows}",
+                                                f"--gradient_accumulation_steps={accumulation}")],
+                           cwd=folder, env={**ENV, "LOWMEM_TRACE_DIR": str(folder / "trace")})
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(traced_losses(folder / "trace"))
+    assert losses[0].keys() == losses[1].keys() and len(losses[0]) == 6
+    assert all(abs(losses[0][step] - losses[1][step]) < 1e-4 for step in losses[0]), losses

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from lowmem.data.collate import PAD_TO_MULTIPLE_OF, pack_rows
 from lowmem.data.reader import open_parquet
-from lowmem.data.sources import FileSpec, RowGroupIndex, build_row_group_index
+from lowmem.data.sources import RowGroupIndex
 from lowmem.memory.cleanup import release_arrow_memory
 
 SAMPLE_ROW_GROUPS = 8  # spread evenly over the data
@@ -88,10 +88,10 @@ def _sample_rows(index: RowGroupIndex) -> list[tuple[str, str]]:
     return rows
 
 
-def sample_batch_sizes(files: FileSpec, columns: Sequence[str], max_seq_len: int, pack: bool,
-                       tokenizer: Any | None = None, seed: int = 0) -> BatchSizes:
-    """Row lengths of a sample of the training rows, tokenized (or counted from characters without a tokenizer)."""
-    rows = _sample_rows(build_row_group_index(files, columns))
+def sample_batch_sizes(index: RowGroupIndex, max_seq_len: int, pack: bool, tokenizer: Any | None = None,
+                       seed: int = 0) -> BatchSizes:
+    """Row lengths of a sample of the indexed rows, tokenized (or counted from characters without a tokenizer)."""
+    rows = _sample_rows(index)
     if tokenizer is not None and rows:
         pairs = tokenizer.encode_pair_batch([prompt for prompt, _ in rows], [response for _, response in rows])
         lengths = tuple(len(ids) for ids, _ in pairs)
@@ -100,10 +100,9 @@ def sample_batch_sizes(files: FileSpec, columns: Sequence[str], max_seq_len: int
     return BatchSizes(lengths, max_seq_len, pack, estimated=tokenizer is None, seed=seed)
 
 
-def data_pipeline_bytes(files: FileSpec, columns: Sequence[str], groups_at_once: int, buffer_rows: int) -> int:
+def data_pipeline_bytes(index: RowGroupIndex, groups_at_once: int, buffer_rows: int) -> int:
     """What one reader holds: `groups_at_once` of the largest row groups decoded, and the shuffle buffer's rows
     as Python strings (about twice their UTF-8 bytes with the objects around them)."""
-    index = build_row_group_index(files, columns)
     largest = int(index.uncompressed_bytes.max()) if index.num_row_groups else 0
     per_row = float(index.uncompressed_bytes.sum()) / max(index.num_rows, 1)
     return int(min(groups_at_once, index.num_row_groups) * largest * 1.5 + 2 * buffer_rows * per_row) + 8 * 2**20

@@ -24,6 +24,7 @@ import torch
 from lowmem.checkpoint.contents import newest_trainer_state
 from lowmem.config import TrainConfig
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
+from lowmem.data.sources import build_row_group_index
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from lowmem.errors import ConfigError, LowmemError
 from lowmem.memory.budget import budget_source
@@ -114,9 +115,9 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
                 tokenizer: Tokenizer | None = None) -> tuple[PlanInputs, Callable[[int], int]]:
     """The plan's inputs for `config` run as `layout`, and the largest micro-batch's positions for any number
     of rows (the levers need it for smaller micro-batches)."""
-    columns = (config.prompt_column, config.response_column)
-    sizes: BatchSizes = sample_batch_sizes(config.train_file, columns, config.max_seq_len, config.pack_rows,
-                                           tokenizer=tokenizer, seed=config.seed)
+    index = build_row_group_index(config.train_file, (config.prompt_column, config.response_column))
+    sizes: BatchSizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer,
+                                           seed=config.seed)
     cache: dict[int, int] = {}
 
     def positions_for_rows(rows: int) -> int:
@@ -139,8 +140,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         deepspeed_offload=layout.deepspeed_offload, processes=layout.processes, world_size=layout.world_size,
         device=layout.device, bf16=layout.bf16, workers=settings.num_workers,
         base_bytes=measure_base_bytes() if base_bytes is None else base_bytes,
-        data_bytes=data_pipeline_bytes(config.train_file, columns, config.dataloader_mix_row_groups,
-                                       config.dataloader_buffer_size),
+        data_bytes=data_pipeline_bytes(index, config.dataloader_mix_row_groups, config.dataloader_buffer_size),
         eval_positions=config.batch_size_per_gpu * config.max_seq_len,
         generation_rows=generation_rows, generation_positions=config.max_seq_len,
         launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,
