@@ -7,7 +7,7 @@ in the tests, never by lowmem itself):
     LOWMEM_STOP_AFTER_STEP         stop after this optimizer step exactly as a signal arriving during it would
     LOWMEM_TEST_STEP_SECONDS       sleep this long after every optimizer step (time to send a signal mid-epoch)
     LOWMEM_TEST_SAVE_SECONDS       sleep this long inside every checkpoint write (time to kill during a save)
-    LOWMEM_TEST_LEAK_MB_PER_STEP   keep this many megabytes per optimizer step (a planted leak)
+    LOWMEM_TEST_LEAK_MB_PER_STEP   keep this many megabytes per optimizer step (a planted leak; "M:R" on rank R only)
     LOWMEM_TEST_NAN_AT_STEP        make optimizer step N's loss NaN ("N" on every rank, "N:R" on rank R only)
     LOWMEM_MEMORY_BUDGET_GB        the host budget each rank detects: one value, or one per local rank
     LOWMEM_TEST_BASE_MB            the interpreter's memory the plan takes instead of measuring it
@@ -126,11 +126,13 @@ class SlowSaves(Callback):
 class PlantedLeak(Callback):
     """Keeps `megabytes` more memory after every optimizer step, every page touched so that it counts in RSS."""
 
-    def __init__(self, megabytes: float) -> None:
-        self.megabytes = megabytes
+    def __init__(self, megabytes: float, rank: int | None = None) -> None:
+        self.megabytes, self.rank = megabytes, rank
         self.kept: list[bytearray] = []
 
     def on_step_end(self, trainer: Any, result: StepResult) -> None:
+        if self.rank is not None and trainer.accelerator.process_index != self.rank:
+            return
         block = bytearray(int(self.megabytes * 1024 * 1024))
         block[::4096] = b"\x01" * len(block[::4096])
         self.kept.append(block)
@@ -162,8 +164,9 @@ def callbacks_from_environment(environ: dict[str, str] = os.environ) -> list[Cal
     callbacks: list[Callback] = []
     if environ.get("LOWMEM_TRACE_DIR"):
         callbacks.append(TrainingTrace(environ["LOWMEM_TRACE_DIR"]))
-    if float(environ.get("LOWMEM_TEST_LEAK_MB_PER_STEP", "0") or 0) > 0:
-        callbacks.append(PlantedLeak(float(environ["LOWMEM_TEST_LEAK_MB_PER_STEP"])))
+    leak, _, leak_rank = environ.get("LOWMEM_TEST_LEAK_MB_PER_STEP", "").partition(":")
+    if float(leak or 0) > 0:
+        callbacks.append(PlantedLeak(float(leak), int(leak_rank) if leak_rank else None))
     if float(environ.get("LOWMEM_TEST_STEP_SECONDS", "0") or 0) > 0:
         callbacks.append(SlowSteps(float(environ["LOWMEM_TEST_STEP_SECONDS"])))
     if float(environ.get("LOWMEM_TEST_SAVE_SECONDS", "0") or 0) > 0:

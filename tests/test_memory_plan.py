@@ -237,7 +237,9 @@ def test_model_states_per_strategy():
     assert part(fsdp, "gradients").bytes == 4 * P // 3
     # The embedding (tied to the head) gathered whole with its gradient, three blocks of weights and gradients.
     assert part(fsdp, "gathered weights and gradients").bytes == 4 * (2 * LARGE.root_params + 3 * LARGE.block_params)
-    assert part(fsdp, "whole replica for evaluation").bytes == 8 * P
+    # The replica, and beside it the larger of the evaluation and the gathered weights it is loaded from.
+    assert part(fsdp, "whole replica for evaluation").bytes == 4 * P
+    assert part(fsdp, "evaluation").bytes >= 4 * P
 
 
 def test_activations_with_and_without_checkpointing():
@@ -264,10 +266,12 @@ def test_high_water_is_what_is_held_plus_the_largest_phase():
     assert plan.largest_phase() == STEP
     assert plan.high_water() == resident + step
     assert plan.machine_total == 3 * plan.high_water() + 260 * MB  # three processes and the launcher
-    # Without a fixed mmap threshold glibc keeps 60% of the step on top.
+    # Without a fixed mmap threshold glibc keeps 65% of what a step allocates, checkpointing or not.
     heap = plan_memory(large_inputs(malloc_mmap_threshold_mb=0.0))
     activations_and_loss = part(heap, "activations").bytes + part(heap, "loss and logits").bytes
-    assert part(heap, "freed memory the C heap keeps").bytes == int(0.6 * activations_and_loss)
+    assert part(heap, "freed memory the C heap keeps").bytes == int(0.65 * activations_and_loss)
+    recomputed = plan_memory(large_inputs(malloc_mmap_threshold_mb=0.0, activation_checkpointing=True))
+    assert part(recomputed, "freed memory the C heap keeps").bytes == part(heap, "freed memory the C heap keeps").bytes
 
 
 def test_a_gpu_plan_keeps_the_model_on_the_device():

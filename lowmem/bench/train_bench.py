@@ -192,9 +192,9 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         del in_memory
         through_pipeline = (run_steps("pipeline", iter(loader), steps, skip_steps, step, accumulation,
                                       tokenizer.pad_id, on_gpu) if pipeline else None)
-
-    inputs, _ = plan_inputs(config, layout_of(accelerator), base, tokenizer)
-    predicted = plan_memory(inputs).high_water(accelerator.is_main_process, phases=(STEP,))
+        # The plan samples the data file, which must still exist when rows were generated.
+        inputs, _ = plan_inputs(config, layout_of(accelerator), base, tokenizer)
+        predicted = plan_memory(inputs).high_water(accelerator.is_main_process, phases=(STEP,))
     per_rank = gather_object([{"data": data, "data_rss": data_rss, "ceiling": ceiling, "pipeline": through_pipeline,
                                "high_water": own_high_water(), "predicted": predicted}])
     if not accelerator.is_main_process:

@@ -39,7 +39,8 @@ class MemoryConfig:
     ultra_low_mem: Optional[bool] = option(None, "reopen files per row group; None decides from the memory budget")
     ultra_low_mem_threshold_gb: float = option(15.0, "below this host memory, ultra-low-mem mode and no workers",
                                                above=0)
-    memory_budget_gb: float = option(0.0, "host memory the run may use; 0 = min(physical RAM, cgroup limit)",
+    memory_budget_gb: float = option(0.0, "host memory the run may use; 0 = min(physical RAM, the tightest limit of "
+                                     "this process's own cgroup)",
                                      minimum=0, hint="0 detects it")
     memory_savers: str = option("auto", "auto: plan the memory before building the model and turn on the "
                                 "memory savers the budget needs (fixed mmap threshold, chunked loss, activation "

@@ -108,7 +108,7 @@ def choose_savers(inputs: PlanInputs, budget_bytes: int, explicit: Collection[st
         apply(phrase, {"batch_size_per_gpu": rows, "gradient_accumulation_steps": accumulation},
               micro_batch_rows=rows, gradient_accumulation_steps=accumulation,
               micro_batch_positions=positions_for_rows(rows), eval_positions=rows * inputs.sequence_width,
-              generation_rows=rows if inputs.generation_rows else 0)
+              generation_rows=min(rows, inputs.generation_rows))
     return choice
 
 

@@ -36,15 +36,17 @@ STRATEGIES = (SINGLE, DDP, FSDP, DEEPSPEED)
 
 # ----- calibration ---------------------------------------------------------------------------------------
 # Without a fixed mmap threshold glibc serves a step's tensors from its heap and keeps what is freed: the
-# high-water settles above the step's live peak. Measured on the large config (1 process, 15 steps): 6,382 MB
-# against 5,121 MB with --malloc_mmap_threshold_mb=1 for the same batches, 0.6 of the step's transient.
-HEAP_RETENTION = 0.6
+# high-water settles above the step's live peak, by a share of what the step allocates in all (the whole
+# activations, even when checkpointing recomputes them a block at a time and never holds them together).
+# Measured on the large config, 3 processes, 6 steps: DDP 6,474-6,609 MB, FSDP 5,684-5,999 MB, FSDP with
+# checkpointing 3,655-3,781 MB; with --malloc_mmap_threshold_mb=1 none of it is kept.
+HEAP_RETENTION = 0.65
 # What a fixed threshold leaves: small tensors still come from the heap, and the backward pass holds a
 # block's gradients beside the saved activations.
 STEP_OVERHEAD = 0.05
 # A DataLoader worker: a forked interpreter whose own pages (USS) grow to its Python objects, the tokenizer
-# and one shuffle buffer (measured +238 MB on the demo).
-WORKER_BYTES = 240 * MB
+# and one shuffle buffer (measured 188 MB of USS on the demo).
+WORKER_BYTES = 200 * MB
 # The `accelerate launch` process itself (measured 0.26 GB beside 3 workers).
 LAUNCHER_BYTES = 260 * MB
 # Reasoned, not measured (no GPU has run this project yet): the host memory of a process that has loaded the
@@ -280,13 +282,16 @@ def _validation(inputs: PlanInputs, where: str) -> list[PlanPart]:
     forward = inputs.eval_positions * (6 * C + hidden) * FLOAT32 + 2 * chunk * V * FLOAT32
     cache = (L * 2 * inputs.generation_rows * inputs.generation_positions * C * FLOAT32
              + 4 * inputs.generation_rows * V * FLOAT32)
-    parts = [PlanPart("evaluation", int(max(forward, cache)),
-                      "key/value cache of a generation batch" if cache > forward else "a no-grad forward pass",
-                      VALIDATION)]
-    if inputs.strategy == FSDP:
-        parts.append(PlanPart("whole replica for evaluation", 2 * FLOAT32 * model.params,
-                              f"gathered weights and the replica: 8 B x {_millions(model.params)}", VALIDATION))
-    return parts
+    evaluation = max(forward, cache)
+    basis = "key/value cache of a generation batch" if cache > forward else "a no-grad forward pass"
+    if inputs.strategy != FSDP:
+        return [PlanPart("evaluation", int(evaluation), basis, VALIDATION)]
+    # FSDP evaluates a whole replica, built from weights gathered in full and freed once it is loaded.
+    weights = FLOAT32 * model.params
+    if weights > evaluation:
+        evaluation, basis = weights, f"the gathered weights while the replica loads: 4 B x {_millions(model.params)}"
+    return [PlanPart("whole replica for evaluation", weights, f"4 B x {_millions(model.params)}", VALIDATION),
+            PlanPart("evaluation", int(evaluation), basis, VALIDATION)]
 
 
 def _save_copy(inputs: PlanInputs) -> list[PlanPart]:
@@ -303,8 +308,10 @@ def _heap(parts: list[PlanPart], inputs: PlanInputs) -> list[PlanPart]:
     step = sum(part.bytes for part in parts if part.phase == STEP and part.name in ("activations", "loss and logits"))
     if inputs.malloc_mmap_threshold_mb > 0:
         return [PlanPart("allocator overhead", int(STEP_OVERHEAD * step), f"{STEP_OVERHEAD:.0%} of the step", STEP)]
-    return [PlanPart("freed memory the C heap keeps", int(HEAP_RETENTION * step),
-                     f"{HEAP_RETENTION:.0%} of the step (no fixed mmap threshold)", STEP)]
+    # What the step allocates in all: checkpointing recomputes every block's activations in the backward pass.
+    allocated = sum(part.bytes for part in _step(replace(inputs, activation_checkpointing=False), 1.0))
+    return [PlanPart("freed memory the C heap keeps", int(HEAP_RETENTION * allocated),
+                     f"{HEAP_RETENTION:.0%} of what a step allocates (no fixed mmap threshold)", STEP)]
 
 
 def plan_memory(inputs: PlanInputs) -> MemoryPlan:

@@ -129,7 +129,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
     settings = decide_memory_settings(config.ultra_low_mem, config.dataloader_num_workers,
                                       config.ultra_low_mem_threshold_gb, local_processes=layout.processes,
                                       on_gpu=layout.device == "cuda", budget_gb=config.memory_budget_gb)
-    generation_rows = config.batch_size_per_gpu if config.eval_bleu_samples else 0
+    generation_rows = _generation_rows(config, layout.world_size)
     inputs = PlanInputs(
         model=model_shape(config, vocab),
         micro_batch_positions=positions_for_rows(config.batch_size_per_gpu),
@@ -146,6 +146,18 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,
     )
     return inputs, positions_for_rows
+
+
+def _generation_rows(config: TrainConfig, world_size: int) -> int:
+    """Rows of a rank's generation batch for BLEU-4: its share of the scored prompts, at most a batch."""
+    samples = config.eval_bleu_samples
+    if samples < 0:
+        try:
+            samples = build_row_group_index(config.validation_file,
+                                            (config.prompt_column, config.response_column)).num_rows
+        except LowmemError:
+            samples = config.batch_size_per_gpu * world_size
+    return min(config.batch_size_per_gpu, -(-samples // world_size))
 
 
 @dataclass
