@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 # Where a checkpoint's trainer state keeps the savers the run chose (with the budget they were chosen for).
 SAVED_KEY = "memory_savers"
 FSDP_LAUNCH = ("accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes {processes} "
-               "train_low_mem.py train ...")
+               "train_low_mem.py train (with the same flags)")
 
 
 def explicit_fields(config: TrainConfig, given: Collection[str] | None = None) -> frozenset[str]:
