@@ -159,7 +159,7 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
 
     validate_config(config)
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
-                                     config.process_group_timeout_minutes)
+                                     config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu)
     on_gpu = accelerator.device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="lowmem-bench-train-") as folder:
         if rows > 0:

@@ -14,10 +14,12 @@ Commands:
     bench_mixing how many row groups a batch mixes, against memory and speed, for each mix_row_groups
     bench_train benchmark training steps through the pipeline against in-memory batches
     bench_memory the memory table: high-water RSS and tokens/s of DDP and FSDP with each memory saver
+    gpu_check   every GPU path in one command, stage by stage (--device=cpu: the same, reduced, on the CPU)
+    gpu_bundle  the wheels and script that run gpu_check on a GPU machine without network
 
 `lowmem COMMAND --help` documents each one. The commands themselves live in `training` (train, tokenizer),
 `planning` (plan),
-`evaluation` (evaluate, generate, export) and `tools` (memlog, repack, bench_*).
+`evaluation` (evaluate, generate, export), `tools` (memlog, repack, bench_*) and `gpu` (gpu_check, gpu_bundle).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import fire
 
 from lowmem.cli.common import program_name
 from lowmem.cli.evaluation import evaluate, export, generate
+from lowmem.cli.gpu import gpu_bundle, gpu_check
 from lowmem.cli.planning import plan
 from lowmem.cli.tools import bench_data, bench_memory, bench_mixing, bench_train, memlog, repack
 from lowmem.cli.training import tokenizer, train, train_with
@@ -62,6 +65,8 @@ COMMANDS = {
     "bench_mixing": bench_mixing,
     "bench_train": bench_train,
     "bench_memory": bench_memory,
+    "gpu_check": gpu_check,
+    "gpu_bundle": gpu_bundle,
 }
 
 

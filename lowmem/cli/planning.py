@@ -49,7 +49,7 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     if on_gpu and not gpu_bytes and torch.cuda.is_available():
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
     layout = RunLayout(strategy=strategy, processes=num_processes, world_size=num_processes,
-                       device="cuda" if on_gpu else "cpu", bf16=config.bf16 and on_gpu,
+                       device="cuda" if on_gpu else "cpu", bf16=config.bf16 and (on_gpu or config.bf16_on_cpu),
                        deepspeed_offload=strategy == DEEPSPEED, launcher=num_processes > 1, gpu_bytes=gpu_bytes)
     decision = decide(config, layout, explicit_fields(config, given_fields(config, overrides)), is_keep_training)
     for line in decision.lines + decision.warnings:

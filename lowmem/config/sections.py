@@ -118,7 +118,9 @@ class OptimConfig:
                                hint="the usual values are 0.9 and 0.95", resume=EXACT)
     grad_clip: float = option(1.0, "clip the gradient norm to this (0 = no clipping)", minimum=0,
                               hint="0 turns clipping off", resume=EXACT)
-    bf16: bool = option(True, "bf16 autocast on GPUs that support it (the CPU always runs float32)")
+    bf16: bool = option(True, "bf16 autocast on GPUs that support it (the CPU runs float32 unless bf16_on_cpu)")
+    bf16_on_cpu: bool = option(False, "with bf16, bf16 autocast on the CPU too: the GPU's precision without a GPU "
+                               "(slower than float32 on most CPUs)")
     compile: bool = option(False, "torch.compile the model (faster steps on GPU after a slow first few; "
                            "checkpoints load either way)")
     compile_backend: str = option("inductor", 'torch.compile backend ("eager" only traces the model: for debugging)')

@@ -38,6 +38,15 @@ def bf16_supported(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+def bf16_for(device: torch.device, bf16: bool, bf16_on_cpu: bool = False) -> bool:
+    """Whether this process computes under bf16 autocast: the config's `bf16` on a GPU that computes bf16
+    natively (`bf16_supported`), and on the CPU only when asked for with `bf16_on_cpu` (to run the GPU's
+    precision where there is no GPU: CPU autocast is correct but rarely faster)."""
+    if not bf16:
+        return False
+    return bf16_on_cpu if device.type == "cpu" else bf16_supported(device)
+
+
 def requested_processes() -> int:
     """How many processes the launcher was asked for, over all machines.
 
@@ -144,7 +153,8 @@ def offload_optimizer_threads(accelerator: Accelerator) -> None:
 
 
 def create_accelerator(gradient_accumulation_steps: int, bf16: bool, process_group_timeout_minutes: float,
-                       log_with: str | None = None, project_dir: str | None = None) -> Accelerator:
+                       log_with: str | None = None, project_dir: str | None = None,
+                       bf16_on_cpu: bool = False) -> Accelerator:
     """An Accelerator on the GPUs if there are any, else on the CPU (gloo between processes).
 
     The process group comes first (accelerate's PartialState, which also sets this process's GPU), so that
@@ -159,6 +169,7 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool, process_gro
             (NCCL's default is 10 minutes; a first run's tokenizer training on rank 0 can take longer).
         log_with: Accelerate's tracker for the training curves ("tensorboard", "wandb"), or None.
         project_dir: the trackers' logging folder (see `lowmem.train.tracking.tracker_arguments`).
+        bf16_on_cpu: with `bf16`, bf16 autocast on the CPU as well (see `bf16_for`).
     """
     on_cpu = not torch.cuda.is_available()
     cpu = on_cpu or parse_flag_from_env("ACCELERATE_USE_CPU")  # as AcceleratorState would decide it
@@ -166,7 +177,7 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool, process_gro
     # Passed to PartialState directly: InitProcessGroupKwargs.to_kwargs() drops a timeout equal to NCCL's
     # default, which would leave gloo at its own 30 minutes. The handler tells Accelerate the same.
     state = PartialState(cpu=cpu, timeout=timeout)
-    mixed_precision = "bf16" if bf16 and bf16_supported(state.device) else "no"
+    mixed_precision = "bf16" if bf16_for(state.device, bf16, bf16_on_cpu) else "no"
     fsdp_plugin = fsdp_plugin_for(mixed_precision)
     # DDP's gradients as views into its all-reduce buckets: without it every gradient is held twice, once in
     # the parameter and once in the bucket (4 bytes per parameter more on each process, 438 MB on the large

@@ -32,7 +32,8 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
     repeated as the answer, and the next sample's reference as the answer (text of the right form and
     length, on another subject).
     """
-    accelerator = create_accelerator(1, config.bf16, config.process_group_timeout_minutes)
+    accelerator = create_accelerator(1, config.bf16, config.process_group_timeout_minutes,
+                                     bf16_on_cpu=config.bf16_on_cpu)
     lock = lock_run_folder(accelerator, config.output_dir, "evaluation")  # it writes eval/ into the run folder
     try:
         return _evaluate_locked(config, accelerator, checkpoint, test_file, bleu_samples)
@@ -54,7 +55,8 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
                       max_seq_len=model.config.max_seq_len, columns=(config.prompt_column, config.response_column),
                       bleu_samples=bleu_samples, max_new_tokens=config.eval_max_new_tokens,
                       response_only=config.loss_on_response_only,
-                      no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16)
+                      no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
+                      bf16_on_cpu=config.bf16_on_cpu)
     references = [t["reference"] for t in result.triples]
     baseline = bleu4([t["prompt"] for t in result.triples], references)
     other_reference = bleu4(references[1:] + references[:1], references)
@@ -82,17 +84,19 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
 
 
 def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, seed: int | None = None, bf16: bool = False) -> str:
+           top_k: int | None = None, top_p: float | None = None, seed: int | None = None, bf16: bool = False,
+           bf16_on_cpu: bool = False) -> str:
     """The model's answer to one prompt: greedy with temperature 0, sampled otherwise.
 
-    With `bf16`, generation runs under bf16 autocast on a GPU with native bf16 (see `inference_autocast`).
+    With `bf16`, generation runs under bf16 autocast on a GPU with native bf16, and on the CPU with
+    `bf16_on_cpu` too (see `inference_autocast`).
     """
     device = next(model.parameters()).device
     ids, _ = tokenizer.encode_pair(prompt, None)
     room = max(1, model.config.max_seq_len - max_new_tokens)
     idx = torch.tensor([ids[-room:]], dtype=torch.long, device=device)  # (1, T)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    with inference_autocast(device, bf16):
+    with inference_autocast(device, bf16, bf16_on_cpu):
         out = model.generate(idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              eos_id=tokenizer.eos_id, greedy=temperature == 0, generator=generator)
     return tokenizer.decode(out[0, idx.size(1):].tolist())
@@ -107,7 +111,7 @@ def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint:
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, device)
     enable_tf32(device.type == "cuda")
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   bf16=config.bf16)
+                   bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu)
     if prompt is not None:
         print(answer(model, tokenizer, str(prompt), **options), file=stdout)
         return

@@ -126,17 +126,17 @@ def generate_answers(model: GPT, tokenizer: Tokenizer, prompts: Sequence[str], m
 def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelerator, *, batch_size: int,
              max_seq_len: int, columns: Sequence[str] = DEFAULT_COLUMNS, bleu_samples: int = 0,
              max_new_tokens: int = 128, max_batches: int = 0, response_only: bool = False,
-             no_repeat_ngram_size: int = 0, bf16: bool = False) -> EvalResult:
+             no_repeat_ngram_size: int = 0, bf16: bool = False, bf16_on_cpu: bool = False) -> EvalResult:
     """Loss and perplexity over `files`, and BLEU-4 of greedy answers to their first `bleu_samples` prompts.
 
     Every rank scores its own contiguous share of the rows; sums are all-reduced and generations gathered,
     so each sample counts exactly once whatever the number of ranks. `bleu_samples` < 0 scores every row;
     0 skips BLEU. With `bf16`, the model runs under bf16 autocast on a GPU with native bf16 (the loss is
-    still computed in float32); the CPU stays in float32.
+    still computed in float32); the CPU stays in float32 unless `bf16_on_cpu`.
     """
     collate = TokenizingCollate(tokenizer, max_seq_len, columns, response_only)
     loader = StreamLoader(_stream(files, columns, accelerator), batch_size=batch_size, collate_fn=collate)
-    with inference_autocast(accelerator.device, bf16):
+    with inference_autocast(accelerator.device, bf16, bf16_on_cpu):
         loss, rows, tokens = evaluate_loss(model, loader, accelerator, max_batches)
     result = EvalResult(loss=loss, loss_rows=rows, loss_tokens=tokens)
     if bleu_samples == 0:
@@ -145,7 +145,7 @@ def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelera
     rows_here = list(_stream(files, columns, accelerator, max_rows=None if bleu_samples < 0 else bleu_samples))
     prompts = [row[prompt_column] for row in rows_here]
     was_training = model.training
-    with inference_autocast(accelerator.device, bf16):
+    with inference_autocast(accelerator.device, bf16, bf16_on_cpu):
         answers = generate_answers(model, tokenizer, prompts, max_new_tokens, accelerator.device, batch_size,
                                    no_repeat_ngram_size)
     model.train(was_training)

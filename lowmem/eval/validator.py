@@ -40,7 +40,8 @@ class Validator:
                               bleu_samples=config.eval_bleu_samples if with_bleu else 0,
                               max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
                               response_only=config.loss_on_response_only,
-                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16)
+                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
+                              bf16_on_cpu=config.bf16_on_cpu)
         logger.info("Validation at step %d: %s", step, result.describe())
         self.last = result
         return result

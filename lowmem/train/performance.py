@@ -11,7 +11,7 @@ from typing import Any, ContextManager
 import torch
 
 from lowmem.config import OptimConfig
-from lowmem.distributed.accelerator import bf16_supported
+from lowmem.distributed.accelerator import bf16_for
 from lowmem.memory.data_settings import MemorySettings
 
 logger = logging.getLogger(__name__)
@@ -75,18 +75,19 @@ def bound_compile_workers(settings: MemorySettings) -> int | None:
     return LOW_MEMORY_COMPILE_THREADS
 
 
-def inference_autocast(device: torch.device, bf16: bool = True) -> ContextManager[Any]:
-    """bf16 autocast for evaluation and generation on a GPU with native bf16, else a no-op.
+def inference_autocast(device: torch.device, bf16: bool = True, bf16_on_cpu: bool = False) -> ContextManager[Any]:
+    """bf16 autocast for evaluation and generation where training runs under it (`bf16_for`), else a no-op.
 
     Training gets its autocast from accelerate's wrapped forward. The evaluate and generate commands load a
     plain model, and `GPT.generate` does not go through forward at all: without this they would run in
-    float32 (slower matmuls, a float32 key/value cache). The CPU stays in float32, as in training (see
-    `bf16_supported`).
+    float32 (slower matmuls, a float32 key/value cache). The CPU stays in float32, as in training, unless
+    `bf16_on_cpu`.
 
     Args:
         device: where the model runs.
         bf16: the config's `bf16`; False keeps float32 everywhere.
+        bf16_on_cpu: the config's `bf16_on_cpu`.
     """
-    if not bf16 or not bf16_supported(device):
+    if not bf16_for(device, bf16, bf16_on_cpu):
         return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

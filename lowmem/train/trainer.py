@@ -119,6 +119,7 @@ class Trainer:
         self.config, self.callbacks = config, list(callbacks)
         self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                                              config.process_group_timeout_minutes,
+                                                             bf16_on_cpu=config.bf16_on_cpu,
                                                              **tracker_arguments(config.report_to))
         self.is_main = self.accelerator.is_main_process
         self.tracking = Tracking(self.accelerator, config)  # first: it checks the accelerator has the trackers
@@ -458,7 +459,7 @@ class Trainer:
         prompt = first[config.prompt_column]
         # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
         sampled = answer(final_model, self.tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
-                         seed=config.seed, bf16=config.bf16)
+                         seed=config.seed, bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu)
         logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", prompt, sampled,
                     first[config.response_column])
         return {"prompt": prompt, "answer": sampled}
@@ -485,7 +486,8 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     config = settle_architecture(config, is_keep_training)
     stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
-                                     config.process_group_timeout_minutes, **tracker_arguments(config.report_to))
+                                     config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
+                                     **tracker_arguments(config.report_to))
     config, memory = settle_memory(config, accelerator, explicit_fields(config, given), is_keep_training,
                                    allow_config_change)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
