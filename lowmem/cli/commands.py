@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import fire
 
-from lowmem.cli.common import program_name
+from lowmem.cli.common import program_name, strict_flags
 from lowmem.cli.evaluation import evaluate, export, generate
 from lowmem.cli.gpu import gpu_bundle, gpu_check
 from lowmem.cli.planning import plan
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
         argv = [argv[0], "--", "--help"]
     try:
         commands = {**COMMANDS, "train": train_with(callbacks)} if callbacks else COMMANDS
-        fire.Fire(commands, command=argv, name=program_name())
+        fire.Fire({name: strict_flags(command) for name, command in commands.items()}, command=argv,
+                  name=program_name())
     except LowmemError as error:
         if str(error):  # a rank that only follows the main process's decision has nothing to add
             print(f"error: {error}", file=sys.stderr)

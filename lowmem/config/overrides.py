@@ -16,6 +16,24 @@ from lowmem.config.option import spec_of
 from lowmem.errors import ConfigError
 
 _AUTO = ("auto", "none", "")
+# What a yes/no option accepts on the command line, in any case; anything else is an error, not "true".
+TRUE_WORDS = ("true", "1", "yes")
+FALSE_WORDS = ("false", "0", "no")
+
+
+def parse_bool(name: str, value: Any, optional: bool = False) -> bool:
+    """A command-line yes/no value: True/False, 1/0, or the words true/false, 1/0, yes/no (any case).
+
+    Raises ConfigError for anything else, so that `--is_keep_training=flase` is caught instead of meaning True.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
+    expected = "True or False (also 1/0, yes/no, in any case)" + (", or None for automatic" if optional else "")
+    raise ConfigError(f"--{name}={value!r} is not valid: {name} takes {expected}.")
 ConfigT = TypeVar("ConfigT")
 
 
@@ -38,11 +56,7 @@ def _coerce(name: str, value: Any, declared: Any) -> Any:
     if optional and (value is None or (isinstance(value, str) and value.strip().lower() in _AUTO)):
         return None
     if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        expected = "True or False" + (" (or None for automatic)" if optional else "")
+        return parse_bool(name, value, optional)
     elif base is int:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return int(value)
