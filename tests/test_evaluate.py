@@ -102,6 +102,17 @@ def test_evaluate_scores_every_test_sample_exactly_once(trained, tmp_path, proce
     assert summary["baseline_other_reference_bleu4"] == pytest.approx(shifted.score)
 
 
+def test_evaluate_without_bleu_reports_the_loss(trained):
+    folder, train, valid, test, _ = trained
+    done = run_command(["evaluate", *tiny_overrides(folder, train, valid), f"--test_file={test}", "--bleu_samples=0",
+                        f"--output_dir={folder / 'run'}"], cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((folder / "run" / "eval" / "test_summary.json").read_text())
+    assert summary["samples"] == 67 and summary["loss"] > 0 and summary["perplexity"] > 1
+    assert summary["bleu_samples"] == 0 and summary["bleu4"] is None
+    assert (folder / "run" / "eval" / "test_generations.jsonl").read_text() == ""
+
+
 def test_generate_answers_a_prompt_and_reads_prompts_until_an_empty_line(trained):
     folder, train, valid, _, _ = trained
     done = run_command(["generate", "--prompt=题9-1：春风明月", *tiny_overrides(folder, train, valid),

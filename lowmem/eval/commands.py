@@ -12,7 +12,7 @@ import torch
 
 from lowmem.atomic_files import file_built_aside, write_json_atomic
 from lowmem.distributed.accelerator import create_accelerator
-from lowmem.eval.validation import bleu4, evaluate
+from lowmem.eval.validation import EvalResult, bleu4, evaluate
 from lowmem.model import GPT
 from lowmem.checkpoint.export import find_model_folder, load_model_folder
 from lowmem.checkpoint.run_lock import lock_run_folder
@@ -57,19 +57,8 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
                       response_only=config.loss_on_response_only,
                       no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
                       bf16_on_cpu=config.bf16_on_cpu)
-    references = [t["reference"] for t in result.triples]
-    baseline = bleu4([t["prompt"] for t in result.triples], references)
-    other_reference = bleu4(references[1:] + references[:1], references)
-    summary = {
-        "model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
-        "loss": result.loss, "perplexity": result.perplexity,
-        "bleu4": result.bleu.score, "bleu_samples": result.bleu.samples, "bleu_signature": result.bleu.signature,
-        "decoding": result.decoding,
-        "bleu_precisions": result.bleu.precisions, "bleu_brevity_penalty": result.bleu.brevity_penalty,
-        "baseline_repeat_prompt_bleu4": baseline.score, "baseline_repeat_prompt_precisions": baseline.precisions,
-        "baseline_other_reference_bleu4": other_reference.score,
-        "baseline_other_reference_precisions": other_reference.precisions,
-    }
+    summary = {"model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
+               "loss": result.loss, "perplexity": result.perplexity, **_bleu_figures(result)}
     if accelerator.is_main_process:
         out_dir = Path(config.output_dir) / "eval"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +70,24 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
             for triple in result.triples:
                 out.write(json.dumps(triple, ensure_ascii=False) + "\n")
     return summary
+
+
+def _bleu_figures(result: EvalResult) -> dict[str, Any]:
+    """BLEU-4 of the generations and of two baselines that know nothing of the task (the prompt repeated as
+    the answer; the next sample's reference as the answer); None throughout when no prompt was answered
+    (--bleu_samples=0: the loss alone)."""
+    if result.bleu is None or not result.triples:
+        return {"bleu4": None, "bleu_samples": 0, "baseline_repeat_prompt_bleu4": None,
+                "baseline_other_reference_bleu4": None}
+    references = [t["reference"] for t in result.triples]
+    baseline = bleu4([t["prompt"] for t in result.triples], references)
+    other_reference = bleu4(references[1:] + references[:1], references)
+    return {"bleu4": result.bleu.score, "bleu_samples": result.bleu.samples, "bleu_signature": result.bleu.signature,
+            "decoding": result.decoding,
+            "bleu_precisions": result.bleu.precisions, "bleu_brevity_penalty": result.bleu.brevity_penalty,
+            "baseline_repeat_prompt_bleu4": baseline.score, "baseline_repeat_prompt_precisions": baseline.precisions,
+            "baseline_other_reference_bleu4": other_reference.score,
+            "baseline_other_reference_precisions": other_reference.precisions}
 
 
 def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0,
