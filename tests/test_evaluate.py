@@ -113,6 +113,17 @@ def test_evaluate_without_bleu_reports_the_loss(trained):
     assert (folder / "run" / "eval" / "test_generations.jsonl").read_text() == ""
 
 
+def test_without_bleu_the_best_checkpoint_is_chosen_by_validation_loss_and_said(tmp_path):
+    train = write_chat_rows(tmp_path / "train.parquet", 300, seed=1)
+    valid = write_chat_rows(tmp_path / "valid.parquet", 20, seed=2)
+    done = run_command(["train", *tiny_overrides(tmp_path, train, valid), "--eval_bleu_samples=0", "--save_steps=10",
+                        "--max_steps=20"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--eval_bleu_samples=0 computes no BLEU-4 to rank checkpoints by" in done.stderr
+    assert "Best checkpoint by val_loss" in done.stderr
+    assert (tmp_path / "run" / "best" / "model.safetensors").is_file()
+
+
 def test_generate_answers_a_prompt_and_reads_prompts_until_an_empty_line(trained):
     folder, train, valid, _, _ = trained
     done = run_command(["generate", "--prompt=题9-1：春风明月", *tiny_overrides(folder, train, valid),

@@ -47,6 +47,18 @@ def settle_architecture(config: TrainConfig, is_keep_training: bool) -> TrainCon
     return dataclasses.replace(config, architecture={**VALUES_BEFORE_THE_FIELD, **saved}["architecture"])
 
 
+def settle_best_metric(config: TrainConfig) -> TrainConfig:
+    """`config` with a checkpoint ranking it can compute: without BLEU (--eval_bleu_samples=0), ranking by
+    bleu4 would keep no best checkpoint and write no best/, so the validation loss ranks them instead, said
+    in one line."""
+    if config.best_metric != "bleu4" or config.eval_bleu_samples != 0:
+        return config
+    logger.warning("--eval_bleu_samples=0 computes no BLEU-4 to rank checkpoints by: best/ and the best "
+                   "checkpoints are chosen by validation loss (--best_metric=val_loss says so; "
+                   "--eval_bleu_samples=N ranks by BLEU-4 again).")
+    return dataclasses.replace(config, best_metric="val_loss")
+
+
 def model_config_for(config: TrainConfig, vocab_size: int) -> GPTConfig:
     """The GPT sizes a training config asks for (its architecture settled, see `settle_architecture`)."""
     return GPTConfig(vocab_size=vocab_size, max_seq_len=config.max_seq_len, n_layer=config.n_layer,

@@ -50,8 +50,8 @@ from lowmem.train.log import StepLog, setup_training_log
 from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
 from lowmem.train.rescale import merged_data_state, processes_changed, readers_changed, rescale_line
 from lowmem.train.schedule import get_lr, stretched_step, total_steps
-from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader, settle_architecture,
-                                make_memory_monitor, shared_memory_settings, steps_per_epoch)
+from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader, make_memory_monitor,
+                                settle_architecture, settle_best_metric, shared_memory_settings, steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
 from lowmem.train.step import Batch, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
@@ -115,7 +115,7 @@ class Trainer:
                  callbacks: Sequence[Callback] = (), memory: MemoryDecision | None = None) -> None:
         validate_config(config)
         # Unset here (not through run_training) means a new run's: checkpoints always record a concrete value.
-        config = settle_architecture(config, is_keep_training=False)
+        config = settle_best_metric(settle_architecture(config, is_keep_training=False))
         self.config, self.callbacks = config, list(callbacks)
         self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                                              config.process_group_timeout_minutes,
