@@ -91,12 +91,18 @@ def test_default_data_paths_fall_back_to_the_packaged_demo_data(tmp_path, monkey
     large = with_demo_data(TrainConfigPretrainLarge())
     assert type(large) is TrainConfigPretrainLarge and Path(large.train_file) == DEMO_DATA_DIR / "train.parquet"
 
-    # The user's own files at the default paths win, and paths they chose are never replaced.
+    # Data of the user's own (a path given, or files at the default paths) means no demo file at all: paths
+    # they chose are never replaced, and the others stay as they are, to be named if missing.
+    given = with_demo_data(apply_overrides(TrainConfig(), {"train_file": "mine.parquet"}))
+    assert given.train_file == "mine.parquet" and given.validation_file == "data/valid.parquet"
+    assert given.test_file == "data/test.parquet"
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.parquet").write_bytes(b"")
     mine = with_demo_data(apply_overrides(TrainConfig(), {"validation_file": "elsewhere.parquet"}))
     assert mine.train_file == "data/train.parquet" and mine.validation_file == "elsewhere.parquet"
-    assert Path(mine.test_file) == DEMO_DATA_DIR / "test.parquet"
+    assert mine.test_file == "data/test.parquet"
+    at_default_paths = with_demo_data(TrainConfig())  # data/train.parquet only: no demo validation rows
+    assert at_default_paths.validation_file == "data/valid.parquet"
 
 
 def test_an_odd_head_width_is_refused_for_llama_before_anything_starts():

@@ -52,6 +52,6 @@ def check_data_files(config: DataConfig, names: tuple[str, ...] = ("train_file",
         raise ConfigError(
             f"The {name.replace('_', ' ')} '{path}' does not exist (looked in '{os.getcwd()}'). Put your parquet "
             f"files (string columns '{config.prompt_column}' and '{config.response_column}') there, or pass "
-            f"--{name}=PATH (a file, a directory or a glob). Leave --{name} at its default to use the demo data "
-            "set that ships with lowmem."
+            f"--{name}=PATH (a file, a directory or a glob). The demo data set that ships with lowmem stands in only "
+            "when no data path is given at all."
         )
