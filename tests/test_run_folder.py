@@ -66,3 +66,24 @@ def test_an_output_dir_that_is_a_file_fails_before_training(tmp_path):
     assert "is a file, not a folder" in done.stderr
     assert not (tmp_path / "tok").exists(), "nothing was built: not even the tokenizer"
     assert not_a_folder.read_text() == "a file"
+
+
+def test_a_new_run_into_a_folder_with_checkpoints_is_refused_unless_told_to_overwrite(tmp_path):
+    chat_data = resume_chat_data(tmp_path)
+    args = ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=4", "--save_steps=2", "--eval_bleu_samples=2"]
+    first = run_command(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "run"
+    kept = [entry for entry in listing(run) if entry[0] != LOCK_NAME]  # the lock records each run that takes it
+    assert {"checkpoint-2", "checkpoint-4", "final"} <= {path.split("/")[0] for path, _ in kept}
+
+    again = run_command(args, cwd=tmp_path)
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert "holds an earlier run" in again.stderr and "--is_keep_training=True" in again.stderr
+    assert "--overwrite=True" in again.stderr
+    assert [entry for entry in listing(run) if entry[0] != LOCK_NAME] == kept, "a refused run touches nothing"
+
+    fresh = run_command([*args, "--overwrite=True"], cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "--overwrite=True: the earlier run's" in fresh.stderr
+    assert "Resumed from" not in fresh.stderr

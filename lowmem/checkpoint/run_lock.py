@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
+import shutil
 import socket
 import sys
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from accelerate import Accelerator
 
 from lowmem.distributed.collectives import broadcast_from_main
 from lowmem.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lowmem.lock"
 
@@ -45,6 +49,62 @@ def check_output_dir(folder: str | Path, option: str = "--output_dir") -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{option}={folder} cannot be written: {existing} is not writable by this user. Choose "
                           f"another {option}, or give this user write access to {existing}.")
+
+
+# What a run leaves in its folder that a new run would mix with: checkpoints, their manifest, the exported models.
+RUN_CONTENTS = ("checkpoint-*", "checkpoints.json", "final", "best")
+
+
+def previous_run(folder: str | Path) -> list[Path]:
+    """The checkpoints, manifest and exported models an earlier run left in `folder` (empty when none)."""
+    path = Path(folder)
+    if not path.is_dir():
+        return []
+    return sorted({found for pattern in RUN_CONTENTS for found in path.glob(pattern)})
+
+
+def check_fresh_run(folder: str | Path, overwrite: bool) -> None:
+    """Refuse a new run into a folder that holds an earlier run's checkpoints, unless told to overwrite them:
+    a new run would otherwise replace its final/, and a later resume would pick the older run's newest
+    checkpoint while retention deleted the new run's."""
+    found = previous_run(folder)
+    if not found or overwrite:
+        return
+    names = ", ".join(path.name for path in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    raise ConfigError(f"{folder} holds an earlier run ({names}). --is_keep_training=True continues it; "
+                      "--overwrite=True starts a new run there and deletes those first; or choose another "
+                      "--output_dir.")
+
+
+def start_fresh_run(accelerator: Accelerator, folder: str, overwrite: bool) -> None:
+    """For a new run (not a resume), under the folder's lock: refuse a folder with an earlier run's checkpoints
+    (`check_fresh_run`), or with `overwrite` delete them first, said in one line. Every rank raises the same
+    error; the main process alone touches the folder."""
+    def check_or_clear() -> str:
+        try:
+            check_fresh_run(folder, overwrite)
+        except ConfigError as error:
+            return str(error)
+        removed = clear_previous_run(folder) if overwrite else []
+        if removed:
+            logger.info("--overwrite=True: the earlier run's %s deleted from %s.", ", ".join(removed), folder)
+        return ""
+
+    problem = broadcast_from_main(accelerator, check_or_clear)
+    if problem:
+        raise ConfigError(problem)
+
+
+def clear_previous_run(folder: str | Path) -> list[str]:
+    """Delete an earlier run's checkpoints, manifest and exported models from `folder` (`--overwrite=True`);
+    return their names. The manifest goes first, so that a run stopped midway never points at half a folder."""
+    found = previous_run(folder)
+    for path in sorted(found, key=lambda item: item.name != "checkpoints.json"):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return [path.name for path in found]
 
 
 @dataclass

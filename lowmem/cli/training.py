@@ -9,7 +9,7 @@ from lowmem.cli.common import build_config
 
 
 def train(use_large_config: bool = False, is_keep_training: bool = False, allow_config_change: bool = False,
-          **overrides: Any) -> None:
+          overwrite: bool = False, **overrides: Any) -> None:
     """Train a GPT on the training file's prompt/response rows (the packaged demo data set by default).
 
     Run it alone for one process, or under `accelerate launch --num_processes N` for N (on a machine
@@ -21,19 +21,21 @@ def train(use_large_config: bool = False, is_keep_training: bool = False, allow_
         is_keep_training: continue from the latest complete checkpoint of the run folder (output_dir).
         allow_config_change: with is_keep_training, continue even though settings that decide the data order,
             batches or learning-rate schedule changed since the checkpoint (the run is then not exact).
+        overwrite: start a new run in an output_dir that holds an earlier run's checkpoints, deleting them
+            first (without it, such a run is refused: --is_keep_training=True continues the earlier one).
         overrides: any config field, as --<field>=<value>; the options above list them with their defaults.
     """
-    _train(use_large_config, is_keep_training, allow_config_change, overrides, callbacks=())
+    _train(use_large_config, is_keep_training, allow_config_change, overrides, callbacks=(), overwrite=overwrite)
 
 
 def _train(use_large_config: bool, is_keep_training: bool, allow_config_change: bool, overrides: dict[str, Any],
-           callbacks: Sequence[Any]) -> None:
+           callbacks: Sequence[Any], overwrite: bool = False) -> None:
     from lowmem.config import given_fields
     from lowmem.train.trainer import run_training
 
     config = build_config(use_large_config, overrides)
     run_training(config, is_keep_training=is_keep_training, allow_config_change=allow_config_change,
-                 callbacks=callbacks, given=given_fields(config, overrides))
+                 callbacks=callbacks, given=given_fields(config, overrides), overwrite=overwrite)
 
 
 def train_with(callbacks: Sequence[Any]) -> Callable[..., None]:
@@ -41,8 +43,8 @@ def train_with(callbacks: Sequence[Any]) -> Callable[..., None]:
 
     @functools.wraps(train)
     def train_command(use_large_config: bool = False, is_keep_training: bool = False,
-                      allow_config_change: bool = False, **overrides: Any) -> None:
-        _train(use_large_config, is_keep_training, allow_config_change, overrides, callbacks)
+                      allow_config_change: bool = False, overwrite: bool = False, **overrides: Any) -> None:
+        _train(use_large_config, is_keep_training, allow_config_change, overrides, callbacks, overwrite)
 
     return train_command
 

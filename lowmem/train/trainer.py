@@ -32,7 +32,7 @@ from tqdm import tqdm
 from lowmem.checkpoint.contents import TrainingCheckpoint, check_resume, read_trainer_state
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
-from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder
+from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder, start_fresh_run
 from lowmem.config import TrainConfig, check_data_files, validate_config
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
@@ -466,7 +466,8 @@ class Trainer:
 
 
 def run_training(config: TrainConfig, is_keep_training: bool = False, allow_config_change: bool = False,
-                 callbacks: Sequence[Callback] = (), given: Collection[str] | None = None) -> dict[str, Any]:
+                 callbacks: Sequence[Callback] = (), given: Collection[str] | None = None,
+                 overwrite: bool = False) -> dict[str, Any]:
     """Train as `config` says, with the training log set up; what `lowmem train` runs.
 
     Before anything is written, the memory is planned and, with `memory_savers="auto"`, the savers the budget
@@ -479,6 +480,8 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         callbacks: hooks run on every rank (see `lowmem.train.callbacks`).
         given: the fields set on the command line; with the fields that differ from the config class's defaults,
             these are the settings the memory savers never change.
+        overwrite: a new run (not `is_keep_training`) into a folder that holds an earlier run's checkpoints
+            deletes them first; without it such a run is refused.
     """
     validate_config(config)
     check_data_files(config)
@@ -495,6 +498,8 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     lock = lock_run_folder(accelerator, config.output_dir, "training")
     try:
+        if not is_keep_training:
+            start_fresh_run(accelerator, config.output_dir, overwrite)
         trainer = Trainer(config, accelerator, callbacks, memory=memory)
         if is_keep_training:
             trainer.resume(allow_config_change)
