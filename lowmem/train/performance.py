@@ -11,7 +11,7 @@ from typing import Any, ContextManager
 import torch
 
 from lowmem.config import OptimConfig
-from lowmem.distributed.accelerator import bf16_for
+from lowmem.distributed.accelerator import bf16_supported
 from lowmem.memory.data_settings import MemorySettings
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ def inference_autocast(device: torch.device, bf16: bool = True, bf16_on_cpu: boo
         bf16: the config's `bf16`; False keeps float32 everywhere.
         bf16_on_cpu: the config's `bf16_on_cpu`.
     """
-    if not bf16_for(device, bf16, bf16_on_cpu):
+    # As `lowmem.distributed.accelerator.bf16_for` decides it for training.
+    if not bf16 or not (bf16_on_cpu if device.type == "cpu" else bf16_supported(device)):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
