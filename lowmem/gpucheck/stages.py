@@ -32,8 +32,6 @@ DEEPSPEED_CONFIG = Path("configs") / "accelerate" / "deepspeed_zero2_offload.yam
 # carried over a hundred steps, stay far below 2% of the loss, while a resume that lost or repeated data, or
 # restored the wrong state, moves it by more.
 RESUME_TOLERANCE = {"cpu": 1e-6, "cuda": 2e-2}
-# The test hook: the stage named here fails at once (to check that later stages still run and report).
-BREAK_VARIABLE = "LOWMEM_GPU_CHECK_BREAK"
 
 
 @dataclass(frozen=True)
@@ -88,11 +86,6 @@ class CheckSettings:
 Stage = Callable[[CheckSettings], dict[str, Any]]
 
 
-def broken_on_purpose(name: str) -> None:
-    if os.environ.get(BREAK_VARIABLE) == name:
-        raise StageFailed(f"made to fail by {BREAK_VARIABLE}={name}")
-
-
 # ----- 1. environment -----------------------------------------------------------------------------------------
 def environment(settings: CheckSettings) -> dict[str, Any]:
     """Versions, the GPUs and their bf16, the host's RAM and its cgroup's limit."""
@@ -103,7 +96,6 @@ def environment(settings: CheckSettings) -> dict[str, Any]:
     from lowmem.distributed.accelerator import bf16_supported
     from lowmem.memory.budget import budget_source, read_cgroup_limit_bytes
 
-    broken_on_purpose("environment")
     gpus = [{"name": torch.cuda.get_device_name(index),
              "memory_gb": round(torch.cuda.get_device_properties(index).total_memory / 2**30, 1),
              "capability": ".".join(map(str, torch.cuda.get_device_capability(index))),
@@ -124,7 +116,6 @@ def environment(settings: CheckSettings) -> dict[str, Any]:
 def train(settings: CheckSettings) -> dict[str, Any]:
     """The demo config in bf16: an uninterrupted run, and one killed after a save and resumed, whose later
     losses must match the uninterrupted run's."""
-    broken_on_purpose("train")
     deadline = Deadline(settings.stage_seconds)
     folder = settings.folder / "train"
     args = ["train", "--output_dir=run", f"--max_steps={settings.train_steps}",
@@ -168,7 +159,6 @@ def train(settings: CheckSettings) -> dict[str, Any]:
 def bench(settings: CheckSettings) -> dict[str, Any]:
     """`bench_train` (the large config on a GPU), eager and compiled: tokens/s, MFU, data wait, peak GPU
     memory and each process's host high-water with the CUDA runtime loaded."""
-    broken_on_purpose("bench")
     deadline = Deadline(settings.stage_seconds)
     if settings.on_cpu:
         # Reduced: a few steps of the small model; "eager" only traces the model, which checks the compiled
@@ -208,7 +198,6 @@ def parse_bench_table(text: str) -> dict[str, Any]:
 def parallel(settings: CheckSettings) -> dict[str, Any]:
     """As many processes as GPUs under DDP, FSDP2 (and DeepSpeed ZeRO-2 offload where it imports): a few
     steps, a save, a SIGKILL, a resume that ends the run."""
-    broken_on_purpose("parallel")
     deadline = Deadline(settings.stage_seconds)
     processes = settings.processes
     common = ["--num_processes", str(processes), "--main_process_port", "0"]
@@ -269,7 +258,6 @@ def memory_log(settings: CheckSettings) -> dict[str, Any]:
     from lowmem.errors import LowmemError
     from lowmem.memory.report import find_run, read_run, summarize
 
-    broken_on_purpose("memory_log")
     logs = settings.folder / "train" / "reference" / "logs"
     try:
         records_by_rank, notes = read_run(find_run(None, logs))
