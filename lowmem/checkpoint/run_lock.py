@@ -63,31 +63,23 @@ def previous_run(folder: str | Path) -> list[Path]:
     return sorted({found for pattern in RUN_CONTENTS for found in path.glob(pattern)})
 
 
-def check_fresh_run(folder: str | Path, overwrite: bool) -> None:
-    """Refuse a new run into a folder that holds an earlier run's checkpoints, unless told to overwrite them:
-    a new run would otherwise replace its final/, and a later resume would pick the older run's newest
-    checkpoint while retention deleted the new run's."""
-    found = previous_run(folder)
-    if not found or overwrite:
-        return
-    names = ", ".join(path.name for path in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-    raise ConfigError(f"{folder} holds an earlier run ({names}). --is_keep_training=True continues it; "
-                      "--overwrite=True starts a new run there and deletes those first; or choose another "
-                      "--output_dir.")
-
-
 def start_fresh_run(accelerator: Accelerator, folder: str, overwrite: bool) -> None:
-    """For a new run (not a resume), under the folder's lock: refuse a folder with an earlier run's checkpoints
-    (`check_fresh_run`), or with `overwrite` delete them first, said in one line. Every rank raises the same
-    error; the main process alone touches the folder."""
+    """For a new run (not a resume), under the folder's lock: refuse a folder that holds an earlier run's
+    checkpoints (the new run would replace its final/, and a later resume would pick the older run's newest
+    checkpoint while retention deleted the new run's), or with `overwrite` delete them first, said in one line.
+    Every rank raises the same error; the main process alone touches the folder."""
     def check_or_clear() -> str:
-        try:
-            check_fresh_run(folder, overwrite)
-        except ConfigError as error:
-            return str(error)
-        removed = clear_previous_run(folder) if overwrite else []
-        if removed:
-            logger.info("--overwrite=True: the earlier run's %s deleted from %s.", ", ".join(removed), folder)
+        found = previous_run(folder)
+        if found and not overwrite:
+            names = ", ".join(path.name for path in found[:4]) + (f" and {len(found) - 4} more"
+                                                                  if len(found) > 4 else "")
+            return (f"{folder} holds an earlier run ({names}). --is_keep_training=True continues it; "
+                    "--overwrite=True starts a new run there and deletes those first; or choose another "
+                    "--output_dir.")
+        if found:
+            _delete(found)
+            logger.info("--overwrite=True: the earlier run's %s deleted from %s.",
+                        ", ".join(path.name for path in found), folder)
         return ""
 
     problem = broadcast_from_main(accelerator, check_or_clear)
@@ -95,16 +87,14 @@ def start_fresh_run(accelerator: Accelerator, folder: str, overwrite: bool) -> N
         raise ConfigError(problem)
 
 
-def clear_previous_run(folder: str | Path) -> list[str]:
-    """Delete an earlier run's checkpoints, manifest and exported models from `folder` (`--overwrite=True`);
-    return their names. The manifest goes first, so that a run stopped midway never points at half a folder."""
-    found = previous_run(folder)
+def _delete(found: list[Path]) -> None:
+    """Delete an earlier run's files and folders, the manifest first, so that a run stopped midway never points
+    at half a folder."""
     for path in sorted(found, key=lambda item: item.name != "checkpoints.json"):
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    return [path.name for path in found]
 
 
 @dataclass

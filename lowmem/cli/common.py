@@ -28,6 +28,11 @@ def program_name() -> str:
     return name if name and name not in ("-c", "-m", "__main__.py") else "lowmem"
 
 
+def comma_separated(value: Any) -> list[str]:
+    """A flag's list of names: fire hands `--stages=a,b` over as a tuple and `--stages=a` as a string."""
+    return [name.strip() for name in (value.split(",") if isinstance(value, str) else value) if name.strip()]
+
+
 def strict_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     """`command` with its own yes/no parameters (`--use_large_config`, `--is_keep_training`, ...) read as the
     config's are (`parse_bool`): fire alone takes any text as true, so `--is_keep_training=false` resumed."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from lowmem.cli.common import comma_separated
+
 
 def gpu_check(device: str = "", folder: str = "gpu_check", results: str = "", stages: str = "",
               stage_minutes: float = 8.0) -> None:
@@ -39,7 +41,7 @@ def gpu_check(device: str = "", folder: str = "gpu_check", results: str = "", st
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"--device={device!r}: choose cuda or cpu.")
-    names = [name.strip() for name in (stages.split(",") if isinstance(stages, str) else stages) if name.strip()]
+    names = comma_separated(stages)
     settings = CheckSettings(device=device, folder=Path(folder).resolve(),
                              gpus=torch.cuda.device_count() if device == "cuda" else 0,
                              stage_seconds=stage_minutes * 60)
@@ -63,7 +65,5 @@ def gpu_bundle(out: str = "gpu_bundle", packages: str = "fire") -> None:
     """
     from lowmem.gpucheck.bundle import build_bundle
 
-    names = [name.strip() for name in (packages.split(",") if isinstance(packages, str) else packages)
-             if name.strip()]
-    bundle = build_bundle(Path(out), names)
+    bundle = build_bundle(Path(out), comma_separated(packages))
     print(bundle.describe())

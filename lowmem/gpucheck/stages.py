@@ -201,24 +201,17 @@ def parallel(settings: CheckSettings) -> dict[str, Any]:
     deadline = Deadline(settings.stage_seconds)
     processes = settings.processes
     common = ["--num_processes", str(processes), "--main_process_port", "0"]
+    deepspeed_skipped = _deepspeed_skip_reason(settings)
     launchers: dict[str, list[str] | None] = {
         "ddp": [*(["--multi_gpu"] if processes > 1 else []), *common],
         "fsdp": [*FSDP_FLAGS, *common, "--mixed_precision", "no" if settings.on_cpu else "bf16"],
-        "deepspeed": _deepspeed_launcher(settings, common),
+        "deepspeed": None if deepspeed_skipped else ["--config_file", str(DEEPSPEED_CONFIG.resolve()), *common],
     }
     figures: dict[str, Any] = {"processes": processes}
     for name, launcher in launchers.items():
-        if launcher is None:
-            figures[name] = "skipped: " + _deepspeed_skip_reason(settings)
-            continue
-        figures[name] = _kill_and_resume(settings, name, launcher, deadline)
+        figures[name] = ("skipped: " + deepspeed_skipped if launcher is None
+                         else _kill_and_resume(settings, name, launcher, deadline))
     return figures
-
-
-def _deepspeed_launcher(settings: CheckSettings, common: list[str]) -> list[str] | None:
-    if _deepspeed_skip_reason(settings):
-        return None
-    return ["--config_file", str(DEEPSPEED_CONFIG.resolve()), *common]
 
 
 def _deepspeed_skip_reason(settings: CheckSettings) -> str:
@@ -237,7 +230,7 @@ def _kill_and_resume(settings: CheckSettings, name: str, launcher: list[str], de
     folder = _fresh(settings.folder / "parallel" / name)
     steps, save = 6, 3
     args = ["train", "--output_dir=run", f"--max_steps={steps}", f"--save_steps={save}", "--logging_steps=1",
-            "--eval_steps=0", *settings.model_flags(), *([] if settings.on_cpu else settings.precision_flags())]
+            "--eval_steps=0", *settings.model_flags()]  # float32 on the CPU, the GPU's default (bf16) there
     killed_log = run_and_kill_after(lowmem_command(args, launcher), folder, settings.env(), deadline, save + 1)
     strategy = next((line.split("Parallelism: ", 1)[1].strip() for line in killed_log.splitlines()
                      if "Parallelism: " in line), "")
