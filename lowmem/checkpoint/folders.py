@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from lowmem.atomic_files import fsync_read_only, replace_folder, write_json_atomic
 from lowmem.errors import CheckpointError, ConfigError
+from lowmem.program import command_line
 from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
@@ -273,6 +274,30 @@ class CheckpointManager:
             logger.warning("Checkpoint %s is damaged and will not be used: %s. Falling back to an earlier one.",
                            found.path, "; ".join(problems))
         return None
+
+    def start_from(self, checkpoint: str | Path) -> Path:
+        """Resume from this checkpoint instead of the newest (main process): it must be one of this run folder's
+        intact checkpoints. Newer checkpoints are moved into `superseded-<time>/` beside them, never deleted: a
+        later resume would otherwise take the newest, from the line of training this one replaces."""
+        folder = Path(checkpoint)
+        if folder.resolve().parent != self.run_dir.resolve() or not _FINAL.fullmatch(folder.name):
+            raise ConfigError(f"--resume_from_checkpoint={checkpoint} is not a checkpoint-<step> folder of the run "
+                              f"folder {self.run_dir}.")
+        problems = verify_checkpoint(folder)
+        if problems:
+            raise ConfigError(f"--resume_from_checkpoint={checkpoint} cannot be resumed from: {'; '.join(problems)}. "
+                              f"Choose another checkpoint-<step> folder of {self.run_dir}.")
+        newer = [found for found in self._scan() if found.step > _step_of(folder)]
+        if newer and self.is_main:
+            aside = self.run_dir / f"superseded-{datetime.now():%Y%m%d-%H%M%S}"
+            aside.mkdir()
+            for found in newer:
+                found.path.rename(aside / found.path.name)
+                self._scores.pop(found.step, None)
+            logger.info("Resuming from %s: the newer %s moved to %s.", folder.name,
+                        ", ".join(found.path.name for found in newer), aside)
+            self._refresh_manifest()
+        return self.run_dir / folder.name
 
     # ----- scores and manifest --------------------------------------------------------------------------
     def _load_scores(self) -> None:
@@ -573,7 +598,8 @@ class CheckpointManager:
             free = -1
         free_text = f"{free / MB:.1f} MB are free there now" if free >= 0 else "free space is unknown"
         previous = self._complete()
-        resume = (f"then resume with --is_keep_training=True (it continues from {previous[-1].path.name})"
+        resume = (f"then resume with `{command_line('train ... --is_keep_training=True')}` (your flags, and that "
+                  f"one: it continues from {previous[-1].path.name})"
                   if previous else "then start again")
         if error.errno in _SPACE_ERRNOS:
             needed = max(written, self._previous_size())

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import fire
 
-from lowmem.cli.common import program_name, strict_flags
+from lowmem.cli.common import ConfigPrinted, program_name, strict_flags
 from lowmem.cli.evaluation import evaluate, export, generate
 from lowmem.cli.gpu import gpu_bundle, gpu_check
 from lowmem.cli.planning import plan
@@ -39,18 +39,39 @@ from lowmem.cli.training import tokenizer, train, train_with
 from lowmem.errors import LowmemError
 
 
-def _document_options() -> None:
-    """Append every config field, with its default and help, to the help of the commands that take them."""
+_HELP_TEXTS = {command: command.__doc__ for command in (train, tokenizer, plan)}
+
+
+def document_options(preset: type | None = None) -> None:
+    """Append the config sources and every config field, with its value in `preset` (TrainConfig by default) and
+    its help, to the help of the commands that take them."""
     from lowmem.config import TrainConfig, describe_fields
+    from lowmem.config.sources import SOURCE_FLAGS
 
-    options = describe_fields(TrainConfig()).replace("\n", "\n        ")
-    for command in (train, tokenizer, plan):
+    preset = preset or TrainConfig
+    sources = "\n".join(f"--{name}: {text}" for name, text in SOURCE_FLAGS.items())
+    options = f"{sources}\n{describe_fields(preset())}".replace("\n", "\n        ")
+    for command, text in _HELP_TEXTS.items():
         # Before "Args:", where fire's help still shows it.
-        head, args = command.__doc__.split("    Args:", 1)
-        command.__doc__ = f"{head}    Options (TrainConfig defaults):\n        {options}\n\n    Args:{args}"
+        head, args = text.split("    Args:", 1)
+        command.__doc__ = f"{head}    Options ({preset.__name__} defaults):\n        {options}\n\n    Args:{args}"
 
 
-_document_options()
+def _preset_asked(argv: list[str]) -> type | None:
+    """The preset a command line names (`--preset=large`, `--use_large_config=True`), for its --help; None when
+    it names none or names it wrongly (the command itself then says what is wrong)."""
+    from lowmem.config.overrides import parse_bool
+    from lowmem.config.sources import choose_preset
+
+    values = dict(arg[2:].split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+    try:
+        return choose_preset(parse_bool("use_large_config", values.get("use_large_config", False)),
+                             values.get("preset"))
+    except LowmemError:
+        return None
+
+
+document_options()
 
 COMMANDS = {
     "train": train,
@@ -81,12 +102,15 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
                         datefmt="%H:%M:%S")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and any(arg in ("--help", "-h") for arg in argv[1:]):
+        document_options(_preset_asked(argv[1:]))  # `train --preset=large --help` shows the preset's values
         # Commands that take **overrides would read --help as an option: ask fire for the help itself.
         argv = [argv[0], "--", "--help"]
     try:
         commands = {**COMMANDS, "train": train_with(callbacks)} if callbacks else COMMANDS
         fire.Fire({name: strict_flags(command) for name, command in commands.items()}, command=argv,
                   name=program_name())
+    except ConfigPrinted:
+        return 0
     except LowmemError as error:
         if str(error):  # a rank that only follows the main process's decision has nothing to add
             print(f"error: {error}", file=sys.stderr)

@@ -2,24 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import json
 import os
 import sys
 from typing import Any, Callable
 
-from lowmem.config import TrainConfig, TrainConfigPretrainLarge, apply_overrides, with_demo_data
+from lowmem.config import TrainConfig, apply_overrides, given_fields, with_demo_data, with_run_folders
 from lowmem.config.overrides import parse_bool
+from lowmem.config.sources import choose_preset, read_config_file
+
+
+class ConfigPrinted(Exception):
+    """`--print_config` printed the resolved config: the command stops there, successfully."""
+
+
+def resolve_config(use_large_config: bool, overrides: dict[str, Any],
+                   demo_data: bool = True) -> tuple[TrainConfig, frozenset[str]]:
+    """The config a command runs with, and the fields the user set (in a file or as flags).
+
+    From lowest to highest: the preset (`--preset`, or `--use_large_config=True`), the `--config` file, the
+    flags. With `demo_data`, data paths left at their defaults point at the packaged demo data set when none of
+    them exists (commands that read no data pass False); data of the user's own with the default run folder gets
+    a run folder and tokenizer of its own (`with_run_folders`). `--print_config` prints the result as JSON and
+    raises ConfigPrinted.
+    """
+    flags = dict(overrides)
+    preset = flags.pop("preset", None)
+    config_file = flags.pop("config", None)
+    print_config = parse_bool("print_config", flags.pop("print_config", False))
+    file_values = read_config_file(config_file) if config_file else {}
+    preset = file_values.pop("preset", None) if preset is None else preset
+    config = apply_overrides(choose_preset(use_large_config, preset)(), file_values)
+    config = apply_overrides(config, flags)
+    given = given_fields(config, file_values) | given_fields(config, flags)
+    if demo_data:
+        config = with_run_folders(with_demo_data(config), given)
+    if print_config:
+        print(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
+        raise ConfigPrinted()
+    return config, given
 
 
 def build_config(use_large_config: bool, overrides: dict[str, Any], demo_data: bool = True) -> TrainConfig:
-    """The preset (TrainConfig, or TrainConfigPretrainLarge) with the command line's overrides applied.
-
-    With `demo_data`, data paths left at their defaults are pointed at the packaged demo data set when they
-    do not exist in the current folder (commands that read no data pass False, and say nothing about it).
-    """
-    config = apply_overrides(TrainConfigPretrainLarge() if use_large_config else TrainConfig(), overrides)
-    return with_demo_data(config) if demo_data else config
+    """The config a command runs with (`resolve_config`, without the fields the user set)."""
+    return resolve_config(use_large_config, overrides, demo_data)[0]
 
 
 def program_name() -> str:

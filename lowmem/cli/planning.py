@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowmem.cli.common import build_config
+from lowmem.cli.common import resolve_config
 
 
 def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str = "", device: str = "",
@@ -28,12 +28,12 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     import accelerate  # noqa: F401 - measured with the interpreter, as a training process has it
     import torch
 
-    from lowmem.config import given_fields, validate_config
+    from lowmem.config import validate_config
     from lowmem.errors import ConfigError
     from lowmem.memory.plan import DDP, DEEPSPEED, FSDP, SINGLE, STRATEGIES
     from lowmem.train.memory_fit import RunLayout, decide, explicit_fields
 
-    config = build_config(use_large_config, overrides)
+    config, given = resolve_config(use_large_config, overrides)
     validate_config(config)
     if num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1 (it is {num_processes}).")
@@ -51,7 +51,7 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     layout = RunLayout(strategy=strategy, processes=num_processes, world_size=num_processes,
                        device="cuda" if on_gpu else "cpu", bf16=config.bf16 and (on_gpu or config.bf16_on_cpu),
                        deepspeed_offload=strategy == DEEPSPEED, launcher=num_processes > 1, gpu_bytes=gpu_bytes)
-    decision = decide(config, layout, explicit_fields(config, given_fields(config, overrides)), is_keep_training)
+    decision = decide(config, layout, explicit_fields(config, given), is_keep_training)
     for line in decision.lines + decision.warnings:
         print(line)
     if decision.error is not None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Collection, Sequence
 
-from lowmem.cli.common import build_config
+from lowmem.cli.common import build_config, resolve_config
+from lowmem.config import TrainConfig
+from lowmem.errors import ConfigError
 
 
 def train(use_large_config: bool = False, is_keep_training: bool = False, allow_config_change: bool = False,
-          overwrite: bool = False, **overrides: Any) -> None:
+          overwrite: bool = False, resume_from_checkpoint: str | None = None, **overrides: Any) -> None:
     """Train a GPT on the training file's prompt/response rows (the packaged demo data set by default).
 
     Run it alone for one process, or under `accelerate launch --num_processes N` for N (on a machine
@@ -23,19 +27,48 @@ def train(use_large_config: bool = False, is_keep_training: bool = False, allow_
             batches or learning-rate schedule changed since the checkpoint (the run is then not exact).
         overwrite: start a new run in an output_dir that holds an earlier run's checkpoints, deleting them
             first (without it, such a run is refused: --is_keep_training=True continues the earlier one).
+        resume_from_checkpoint: continue from this checkpoint-<step> folder instead of the run's newest (its
+            parent is the run folder; newer checkpoints are moved aside into superseded-<time>/, not deleted).
         overrides: any config field, as --<field>=<value>; the options above list them with their defaults.
     """
-    _train(use_large_config, is_keep_training, allow_config_change, overrides, callbacks=(), overwrite=overwrite)
+    _train(use_large_config, is_keep_training, allow_config_change, overrides, callbacks=(), overwrite=overwrite,
+           resume_from_checkpoint=resume_from_checkpoint)
+
+
+def resume_target(config: TrainConfig, given: Collection[str], checkpoint: str) -> TrainConfig:
+    """`config` with the run folder of `checkpoint` (its parent), after checking that it is an intact checkpoint
+    and that a given --output_dir agrees; the tokenizer is the checkpoint's unless --tokenizer_dir is given."""
+    from lowmem.checkpoint.folders import verify_checkpoint
+
+    folder = Path(str(checkpoint))
+    if not folder.is_dir():
+        raise ConfigError(f"--resume_from_checkpoint={checkpoint}: no such folder. Pass one of the run folder's "
+                          "checkpoint-<step> folders.")
+    run_dir = folder.resolve().parent
+    if "output_dir" in given and Path(config.output_dir).resolve() != run_dir:
+        raise ConfigError(f"--resume_from_checkpoint={checkpoint} belongs to the run folder {run_dir}, but "
+                          f"--output_dir={config.output_dir}: leave --output_dir out, or pass a checkpoint of it.")
+    problems = verify_checkpoint(folder)
+    if problems:
+        raise ConfigError(f"--resume_from_checkpoint={checkpoint} cannot be resumed from: {'; '.join(problems)}. "
+                          "Choose another checkpoint-<step> folder.")
+    from lowmem.checkpoint.contents import read_trainer_state
+
+    saved_tokenizer = read_trainer_state(folder).get("config", {}).get("tokenizer_dir")
+    tokenizer_dir = config.tokenizer_dir if "tokenizer_dir" in given or not saved_tokenizer else saved_tokenizer
+    return dataclasses.replace(config, output_dir=str(folder.parent), tokenizer_dir=tokenizer_dir)
 
 
 def _train(use_large_config: bool, is_keep_training: bool, allow_config_change: bool, overrides: dict[str, Any],
-           callbacks: Sequence[Any], overwrite: bool = False) -> None:
-    from lowmem.config import given_fields
+           callbacks: Sequence[Any], overwrite: bool = False, resume_from_checkpoint: str | None = None) -> None:
     from lowmem.train.trainer import run_training
 
-    config = build_config(use_large_config, overrides)
+    config, given = resolve_config(use_large_config, overrides)
+    if resume_from_checkpoint:
+        config, is_keep_training = resume_target(config, given, resume_from_checkpoint), True
     run_training(config, is_keep_training=is_keep_training, allow_config_change=allow_config_change,
-                 callbacks=callbacks, given=given_fields(config, overrides), overwrite=overwrite)
+                 callbacks=callbacks, given=given, overwrite=overwrite,
+                 resume_from=str(resume_from_checkpoint) if resume_from_checkpoint else None)
 
 
 def train_with(callbacks: Sequence[Any]) -> Callable[..., None]:
@@ -43,8 +76,10 @@ def train_with(callbacks: Sequence[Any]) -> Callable[..., None]:
 
     @functools.wraps(train)
     def train_command(use_large_config: bool = False, is_keep_training: bool = False,
-                      allow_config_change: bool = False, overwrite: bool = False, **overrides: Any) -> None:
-        _train(use_large_config, is_keep_training, allow_config_change, overrides, callbacks, overwrite)
+                      allow_config_change: bool = False, overwrite: bool = False,
+                      resume_from_checkpoint: str | None = None, **overrides: Any) -> None:
+        _train(use_large_config, is_keep_training, allow_config_change, overrides, callbacks, overwrite,
+               resume_from_checkpoint)
 
     return train_command
 

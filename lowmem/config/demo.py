@@ -1,5 +1,5 @@
 """The demo data set that ships inside the package, used when no data is given at all: every data path at its
-default, and none of them present in the current folder.
+default, and none of them present in the current folder; and the run folder of data that is not the demo's.
 
 `lowmem train` run from any folder then trains on the demo rows, while a user who gives any data of their own
 (a path on the command line, or files at data/train.parquet, the default paths relative to the current
@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import TypeVar
+from typing import Collection, TypeVar
 
 from lowmem.config.sections import DataConfig
 
@@ -24,6 +24,7 @@ DEMO_DATA_DIR = Path(__file__).resolve().parents[1] / "demo_data"
 DEMO_FILES = {"train_file": "train.parquet", "validation_file": "valid.parquet", "test_file": "test.parquet"}
 
 DataConfigT = TypeVar("DataConfigT", bound=DataConfig)
+ConfigT = TypeVar("ConfigT")
 
 
 def with_demo_data(config: DataConfigT) -> DataConfigT:
@@ -40,4 +41,49 @@ def with_demo_data(config: DataConfigT) -> DataConfigT:
         return config
     logger.info("%s not found in %s: using the demo data set that ships with lowmem, in %s.",
                 ", ".join(getattr(config, name) for name in changes), os.getcwd(), DEMO_DATA_DIR)
+    return dataclasses.replace(config, **changes)
+
+
+# TrainConfig's run and tokenizer folders: the demo's. Data of the user's own gets folders of its own instead.
+DEMO_OUTPUT_DIR = "model_save/demo"
+DEMO_TOKENIZER_DIR = "model_save/tokenizer"
+
+
+def uses_demo_data(config: DataConfig) -> bool:
+    """Whether `config` trains on the packaged demo data set."""
+    return Path(config.train_file).resolve().parent == DEMO_DATA_DIR
+
+
+def data_name(train_file: str) -> str:
+    """A folder name for a run on `train_file`: the file's stem, or the folder's name for a folder or a glob."""
+    path = Path(str(train_file).rstrip("/"))
+    while any(char in path.name for char in "*?[") and path.parent != path:
+        path = path.parent
+    return (path.stem if path.suffix else path.name) or "run"
+
+
+def _earlier_run_on(train_file: str) -> bool:
+    """Whether the demo's run folder holds checkpoints of a run on `train_file` (made before data of one's own
+    got a folder of its own): that run goes on there."""
+    from lowmem.checkpoint.contents import newest_saved_config
+
+    saved = newest_saved_config(DEMO_OUTPUT_DIR) if Path(DEMO_OUTPUT_DIR).is_dir() else None
+    return saved is not None and saved.get("train_file") == train_file
+
+
+def with_run_folders(config: ConfigT, given: Collection[str]) -> ConfigT:
+    """`config` with folders of its own for data that is not the demo's: output_dir and tokenizer_dir left at the
+    demo's (`model_save/demo`, `model_save/tokenizer`) become `model_save/<data name>` and
+    `<output_dir>/tokenizer`, said in one line, so that a run on other data never resumes, overwrites or shares
+    the tokenizer of the demo's run. Unchanged when the demo's folder already holds a run on the same file."""
+    if uses_demo_data(config) or "output_dir" in given or config.output_dir != DEMO_OUTPUT_DIR:
+        return config
+    if _earlier_run_on(config.train_file):
+        logger.info("%s holds an earlier run on %s: it goes on there.", DEMO_OUTPUT_DIR, config.train_file)
+        return config
+    changes = {"output_dir": f"model_save/{data_name(config.train_file)}"}
+    if "tokenizer_dir" not in given and config.tokenizer_dir == DEMO_TOKENIZER_DIR:
+        changes["tokenizer_dir"] = f"{changes['output_dir']}/tokenizer"
+    logger.info("Run folder for %s: %s (--output_dir=PATH chooses another).", config.train_file,
+                ", ".join(f"{name} {value}" for name, value in changes.items()))
     return dataclasses.replace(config, **changes)

@@ -45,6 +45,7 @@ from lowmem.errors import DataError
 from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
+from lowmem.program import command_line
 from lowmem.train.callbacks import Callback, StepResult
 from lowmem.train.log import StepLog, setup_training_log
 from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
@@ -341,13 +342,18 @@ class Trainer:
         return self.checkpoints.save(self.state.step, write, score=score,
                                      info={"epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen})
 
-    def resume(self, allow_config_change: bool = False) -> Path | None:
-        """Continue from the latest complete checkpoint in the run folder, if there is one; returns it.
+    def resume(self, allow_config_change: bool = False, start_from: str | Path | None = None) -> Path | None:
+        """Continue from the latest complete checkpoint in the run folder (or from `start_from`, one of its
+        checkpoints, the newer ones set aside), if there is one; returns it.
 
         Settings that decide the data order, batches or schedule must match the checkpoint's unless
         `allow_config_change`; then a data position that no longer fits restarts the epoch.
         """
-        folder = broadcast_from_main(self.accelerator, self.checkpoints.latest_complete)
+        if start_from is not None:
+            folder = broadcast_from_main(self.accelerator, lambda: str(self.checkpoints.start_from(start_from)))
+            folder = Path(folder)
+        else:
+            folder = broadcast_from_main(self.accelerator, self.checkpoints.latest_complete)
         if folder is None:
             logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
             return None
@@ -424,8 +430,9 @@ class Trainer:
         together: under FSDP the model is gathered."""
         summary = self.summary()
         if self.stopper.requested:
-            logger.info("Stopped by %s at step %d; the checkpoint is saved. Continue with --is_keep_training=True.",
-                        self.stopper.requested_by, self.state.step)
+            logger.info("Stopped by %s at step %d; the checkpoint is saved. Continue with `%s` (your flags, and "
+                        "that one).", self.stopper.requested_by, self.state.step,
+                        command_line("train ... --is_keep_training=True"))
             self.accelerator.wait_for_everyone()
             return summary
         with model_for_eval(self.model, self.accelerator) as final_model:
@@ -467,7 +474,7 @@ class Trainer:
 
 def run_training(config: TrainConfig, is_keep_training: bool = False, allow_config_change: bool = False,
                  callbacks: Sequence[Callback] = (), given: Collection[str] | None = None,
-                 overwrite: bool = False) -> dict[str, Any]:
+                 overwrite: bool = False, resume_from: str | Path | None = None) -> dict[str, Any]:
     """Train as `config` says, with the training log set up; what `lowmem train` runs.
 
     Before anything is written, the memory is planned and, with `memory_savers="auto"`, the savers the budget
@@ -482,6 +489,8 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
             these are the settings the memory savers never change.
         overwrite: a new run (not `is_keep_training`) into a folder that holds an earlier run's checkpoints
             deletes them first; without it such a run is refused.
+        resume_from: with `is_keep_training`, the checkpoint folder of `config.output_dir` to continue from
+            instead of the newest (the newer ones are moved aside, not deleted).
     """
     validate_config(config)
     check_data_files(config)
@@ -502,7 +511,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
             start_fresh_run(accelerator, config.output_dir, overwrite)
         trainer = Trainer(config, accelerator, callbacks, memory=memory)
         if is_keep_training:
-            trainer.resume(allow_config_change)
+            trainer.resume(allow_config_change, start_from=resume_from)
         return {**trainer.fit(), "log_file": str(log_path)}
     finally:
         if lock is not None:

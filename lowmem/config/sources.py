@@ -1,0 +1,81 @@
+"""Where a command's config comes from, lowest first: a preset (`--preset=large`, or `--use_large_config=True`),
+a config file (`--config=FILE`: YAML, TOML or JSON, the same field names as the flags), then the flags.
+
+A run's own `train_config.json` (in its final/ and best/ folders) is such a file, so a run can be repeated with
+`--config=model_save/demo/final/train_config.json`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from lowmem.config.overrides import config_aliases, config_fields
+from lowmem.config.train_config import PRESETS, TrainConfig, TrainConfigPretrainLarge
+from lowmem.errors import ConfigError
+
+DEFAULT_PRESET = "default"
+# The preset name → its config class; `--use_large_config=True` is `--preset=large`.
+PRESET_CLASSES: dict[str, type[TrainConfig]] = {DEFAULT_PRESET: TrainConfig, "large": TrainConfigPretrainLarge}
+# The flags that choose where the config comes from rather than setting a field (`--help` lists them).
+SOURCE_FLAGS = {
+    "preset": f"start from a named set of defaults: {', '.join(PRESET_CLASSES)} (large = --use_large_config=True)",
+    "config": "a YAML, TOML or JSON file of config fields (the flags' names); flags given as well win over it",
+    "print_config": "print the resolved config (preset, file and flags applied) as JSON, and exit",
+}
+assert set(PRESETS) <= set(PRESET_CLASSES), "every preset has its class"
+
+
+def choose_preset(use_large_config: bool, preset: str | None) -> type[TrainConfig]:
+    """The config class `--preset` (or `--use_large_config`) names; the two must not disagree."""
+    if preset is None or str(preset).strip() == "":
+        return TrainConfigPretrainLarge if use_large_config else TrainConfig
+    name = str(preset).strip().lower()
+    if name not in PRESET_CLASSES:
+        raise ConfigError(f"--preset={preset!r} is not a preset: choose one of {', '.join(PRESET_CLASSES)}.")
+    if use_large_config and name != "large":
+        raise ConfigError(f"--use_large_config=True and --preset={name} ask for two presets: give only one of them.")
+    return PRESET_CLASSES[name]
+
+
+def _parse(path: Path, text: str) -> Any:
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(text)
+    if suffix == ".toml":
+        return tomllib.loads(text)
+    return json.loads(text)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The fields a config file sets (YAML by its .yaml/.yml suffix, TOML by .toml, else JSON), checked by name.
+
+    A `preset` key names the preset to start from, as `--preset` does. Unknown names are an error that lists
+    them and the file, before anything starts.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config={path}: no such file. Pass a YAML, TOML or JSON file of config fields, for "
+                          "example a run's final/train_config.json.")
+    try:
+        values = _parse(path, path.read_text(encoding="utf-8"))
+    except Exception as error:  # noqa: BLE001 - every parser's error means the same to the user
+        raise ConfigError(f"--config={path} could not be read as {path.suffix.lstrip('.') or 'JSON'}: {error}. "
+                          "Fix the file (YAML for .yaml/.yml, TOML for .toml, JSON otherwise).") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config={path} must hold a mapping of field names to values, such as "
+                          '{"n_layer": 8, "output_dir": "model_save/mine"}.')
+    known = {*config_fields(TrainConfig), *config_aliases(TrainConfig()), "preset"}
+    unknown = sorted(name for name in values if str(name).replace("-", "_") not in known)
+    if unknown:
+        what = "is not a config field" if len(unknown) == 1 else "are not config fields"
+        close = difflib.get_close_matches(unknown[0].replace("-", "_"), sorted(known), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"--config={path} sets {', '.join(unknown)}, which {what}{hint}. `lowmem train --help` "
+                          "lists the fields; rename or remove them.")
+    return {str(name): value for name, value in values.items()}
