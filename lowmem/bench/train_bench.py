@@ -165,7 +165,7 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         if rows > 0:
             data_file = broadcast_from_main(accelerator, lambda: str(generate_file(Path(folder) / "rows.parquet", rows)))
         config = dataclasses.replace(config, train_file=data_file or config.train_file)
-        tokenizer = ensure_tokenizer(config, accelerator)
+        tokenizer, _ = ensure_tokenizer(config, accelerator)
         settings = shared_memory_settings(config, accelerator)
         collate = TokenizingCollate(tokenizer, config.max_seq_len, (config.prompt_column, config.response_column),
                                     config.loss_on_response_only, pack=config.pack_rows)

@@ -15,7 +15,8 @@ def memlog(path: str | None = None, plot: str | None = None, json: bool = False,
     GROWING with the step at which the budget would run out. Partly written logs are read up to the damage.
 
     Args:
-        path: a run id, a memory log file, or a folder; by default the newest run in log_dir.
+        path: a run folder (an output_dir: its logs, the segments of a resumed run joined), a run id, a memory
+            log file, or a folder of logs; by default the newest run in log_dir.
         plot: also draw RSS (and GPU memory) per rank against the step, with the budget line, into this PNG
             (needs matplotlib: pip install "lowmem[plot]").
         json: print the same data as JSON instead of a table.

@@ -49,8 +49,8 @@ class MemoryConfig:
                                 hint="settings given explicitly are never changed")
     cleanup_steps: int = option(50, "optimizer steps between memory cleanups (gc, Arrow pool, malloc_trim, CUDA cache)",
                                 minimum=0)
-    memory_log_steps: int = option(200, "optimizer steps between memory records in logs/memory_<run>_rank<r>.jsonl",
-                                   minimum=0)
+    memory_log_steps: int = option(200, "optimizer steps between memory records in "
+                                   "<output_dir>/logs/memory_<run>_rank<r>.jsonl", minimum=0)
     memory_watchdog_fraction: float = option(0.9, "warn when a process's RSS passes this share of its memory budget",
                                              above=0, maximum=1)
     # The model side of memory (see lowmem/model/loss.py and Block.forward): neither changes what is computed.
@@ -150,6 +150,8 @@ class OutputConfig:
     report_to: str = option("none", "training curves through Accelerate's trackers, from the main process: "
                             "tensorboard (event files in logs/tensorboard/<basename of output_dir>/), wandb, or none",
                             choices=("none", "tensorboard", "wandb"))
+    progress: bool = option(True, "the training progress bar, on the main process when stderr is a terminal (never "
+                            "in a pipe or a log file, where it would break the log lines)")
 
 
 @dataclass

@@ -35,6 +35,7 @@ import sentencepiece as spm
 from lowmem.atomic_files import write_bytes_atomic
 from lowmem.data.reader import iter_file_batches
 from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, RowGroupIndex, build_row_group_index
+from lowmem.data.tokenizer_identity import write_training_record
 from lowmem.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -288,8 +289,10 @@ def train_tokenizer(
     proto = _run_trainer(sample, _trainer_options(vocab_size, hard_vocab_limit, verbose))
 
     sp = spm.SentencePieceProcessor(model_proto=proto)
-    # The vocab listing goes first: the model file, written last, marks a finished training.
+    # The vocab listing and the record of the data go first: the model file, written last, marks a finished
+    # training.
     write_bytes_atomic(out_dir / VOCAB_FILE, _vocab_text(sp).encode("utf-8"))
+    write_training_record(out_dir, [str(path) for path in index.paths], columns, vocab_size, len(sample))
     write_bytes_atomic(model_path, proto)
     logger.info("saved tokenizer with %d pieces to %s", sp.get_piece_size(), model_path)
     return model_path

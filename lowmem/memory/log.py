@@ -1,4 +1,4 @@
-"""The per-rank memory log: one JSON object per line in logs/memory_<run>_rank<rank>.jsonl."""
+"""The per-rank memory log: one JSON object per line in <output_dir>/logs/memory_<run>_rank<rank>.jsonl."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from lowmem.units import MB
 
 EVENTS = ("start", "record", "watchdog", "end")
 # Every record has every field, null where a figure does not apply (CUDA on the CPU, USS where denied).
-# cuda_peak is the peak since the previous record of the same log (see `MemoryLogger.log`).
+# cuda_peak is the peak since the previous record of the same log (see `MemoryLogger.log`). `continues` is set
+# on a resumed run's start record: the ids of the runs it continues, oldest first (memlog joins them).
 RECORD_FIELDS = (
-    "time", "run", "rank", "world_size", "epoch", "step", "event",
+    "time", "run", "continues", "rank", "world_size", "epoch", "step", "event",
     "rss", "uss", "workers", "workers_rss", "workers_uss", "sys_available", "budget",
     "cuda_allocated", "cuda_reserved", "cuda_peak", "arrow_bytes", "freed", "rss_high_water",
     "predicted_high_water",
@@ -47,7 +48,7 @@ def parse_log_name(path: str | Path) -> tuple[str, int] | None:
 
 def make_record(snapshot: MemorySnapshot, *, run: str, rank: int, world_size: int, epoch: int, step: int,
                 event: str, budget: int, freed: int = 0, now: float | None = None,
-                predicted_high_water: int | None = None) -> dict[str, Any]:
+                predicted_high_water: int | None = None, continues: list[str] | None = None) -> dict[str, Any]:
     """One memory record (a dict with RECORD_FIELDS, in that order) from a snapshot and where training stands;
     `predicted_high_water` is the memory plan's figure for this process (None when there is no plan)."""
     if event not in EVENTS:
@@ -55,7 +56,7 @@ def make_record(snapshot: MemorySnapshot, *, run: str, rank: int, world_size: in
     figures = snapshot.as_dict()
     context = {"time": time.time() if now is None else now, "run": run, "rank": rank, "world_size": world_size,
                "epoch": epoch, "step": step, "event": event, "budget": budget, "freed": freed,
-               "predicted_high_water": predicted_high_water}
+               "predicted_high_water": predicted_high_water, "continues": continues}
     return {field: context[field] if field in context else figures[field] for field in RECORD_FIELDS}
 
 
@@ -88,6 +89,23 @@ def format_line(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def link_file(target: Path, link_dir: Path) -> Path | None:
+    """A symbolic link to `target` in `link_dir`, of the same name (None where the file system refuses one, or
+    where `link_dir` is the target's own folder): the run's log stays in its run folder and is still found
+    where earlier versions wrote it."""
+    link = link_dir / target.name
+    try:
+        if link_dir.resolve() == target.parent.resolve():
+            return None
+        link_dir.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target.resolve())
+    except OSError:
+        return None
+    return link
+
+
 class MemoryLogger:
     """Appends this rank's memory records to its JSON-lines file, one flushed line per record.
 
@@ -97,14 +115,18 @@ class MemoryLogger:
     """
 
     def __init__(self, log_dir: str | Path, run_id: str, rank: int, world_size: int, budget_bytes: int,
-                 predicted_high_water: int | None = None) -> None:
+                 predicted_high_water: int | None = None, link_dir: str | Path | None = None) -> None:
         """Open `<log_dir>/memory_<run_id>_rank<rank>.jsonl`; `budget_bytes` is this rank's share of the budget,
-        `predicted_high_water` the memory plan's figure for this rank (written into every record)."""
+        `predicted_high_water` the memory plan's figure for this rank (written into every record). With
+        `link_dir`, a symbolic link of the same name there points at the file (the launch folder's logs/)."""
         self.run_id, self.rank, self.world_size, self.budget_bytes = run_id, rank, world_size, budget_bytes
         self.predicted_high_water = predicted_high_water
+        self.continues: list[str] | None = None  # set by a resume, written into the start record
         self.path = memory_log_path(log_dir, run_id, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        if link_dir is not None:
+            link_file(self.path, Path(link_dir))
 
     def log(self, snapshot: MemorySnapshot, epoch: int, step: int, event: str = "record",
             freed: int = 0) -> dict[str, Any]:
@@ -115,7 +137,8 @@ class MemoryLogger:
         """
         record = make_record(snapshot, run=self.run_id, rank=self.rank, world_size=self.world_size, epoch=epoch,
                              step=step, event=event, budget=self.budget_bytes, freed=freed,
-                             predicted_high_water=self.predicted_high_water)
+                             predicted_high_water=self.predicted_high_water,
+                             continues=self.continues if event == "start" else None)
         if self._file is None:
             raise ValueError(f"The memory log {self.path} is closed.")
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")

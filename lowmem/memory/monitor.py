@@ -9,6 +9,7 @@ from lowmem.memory.cleanup import cleanup_memory, release_cuda_cache
 from lowmem.memory.log import MemoryLogger, format_line
 from lowmem.memory.probe import MemorySnapshot, take_snapshot
 from lowmem.memory.watchdog import MemoryWatchdog
+from lowmem.program import command_line
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +36,9 @@ class MemoryMonitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.earlier_runs = [*state.get("earlier_runs", []), state["run_id"]]
-        logger.info("Memory log: run %s continues runs %s (`lowmem memlog RUN_ID` reads each).",
-                    self.memory_logger.run_id, ", ".join(self.earlier_runs))
+        self.memory_logger.continues = list(self.earlier_runs)
+        logger.info("Memory log: run %s continues runs %s (`%s` reads each).", self.memory_logger.run_id,
+                    ", ".join(self.earlier_runs), command_line("memlog RUN_ID"))
 
     def start(self, epoch: int, step: int) -> dict[str, Any]:
         """Log the memory before training (after the model and data are set up)."""

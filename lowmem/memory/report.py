@@ -18,6 +18,7 @@ import numpy as np
 
 from lowmem.errors import DataError, LowmemError
 from lowmem.memory.log import LOG_GLOB, LOG_NAME, RUN_ID_FORMAT, parse_log_name
+from lowmem.run_files import run_log_dir
 from lowmem.units import MB
 
 # A trend is GROWING when its slope is above both of these (MB per 1,000 steps): the floor, below which
@@ -78,6 +79,50 @@ def find_run(path: str | Path | None = None, log_dir: str | Path = "logs") -> li
                         "there every memory_log_steps steps.")
     newest = max(runs, key=lambda run: (_run_started(run, runs[run]), run))
     return _by_rank(runs[newest])
+
+
+def run_folder_log_dir(path: str | Path | None) -> Path | None:
+    """The log folder of a run folder (`<output_dir>/logs/` holding memory logs), or None if `path` is not one."""
+    if path is None:
+        return None
+    logs = run_log_dir(path)
+    return logs if logs.is_dir() and _runs_in(logs) else None
+
+
+def _continues(files: list[Path]) -> list[str]:
+    """The run ids a run's start record says it continues (empty for a run that started fresh)."""
+    for file in _by_rank(files):
+        records, _ = read_log(file)
+        if records and records[0].get("event") == "start":
+            return [str(run) for run in records[0].get("continues") or []]
+    return []
+
+
+def find_segments(directory: Path) -> tuple[list[list[Path]], list[str]]:
+    """The newest run in `directory` and the runs it continues (a resumed run writes a new log each time it
+    starts): their files, oldest segment first, and notes on segments whose logs are missing."""
+    runs = _runs_in(directory)
+    newest = max(runs, key=lambda run: (_run_started(run, runs[run]), run))
+    chain = [*_continues(runs[newest]), newest]
+    missing = [run for run in chain if run not in runs]
+    notes = [f"segment(s) {', '.join(missing)} of this run have no log in {directory}/"] if missing else []
+    return [_by_rank(runs[run]) for run in chain if run in runs], notes
+
+
+def join_segments(segments: list[dict[int, list[dict[str, Any]]]]) -> tuple[dict[int, list[dict[str, Any]]], int]:
+    """One run's records per rank from its segments (oldest first), and the step the last segment started at.
+
+    A segment's records at or after the step the next one resumed from are left out: those steps were trained
+    again from the checkpoint, as the curves in TensorBoard show them.
+    """
+    starts = [min((records[0]["step"] for records in segment.values() if records), default=0) for segment in segments]
+    joined: dict[int, list[dict[str, Any]]] = {}
+    for index, segment in enumerate(segments):
+        until = starts[index + 1] if index + 1 < len(segments) else None
+        for rank, records in segment.items():
+            kept = [record for record in records if until is None or record["step"] < until]
+            joined.setdefault(rank, []).extend(kept)
+    return joined, starts[-1]
 
 
 def _parse_line(raw: bytes) -> dict[str, Any] | None:
@@ -419,20 +464,49 @@ def _draw_trend(axis: Any, records: list[dict[str, Any]], summary: RankSummary, 
               label=f"rank {summary.rank} trend")
 
 
+def read_run_folder(run_logs: Path) -> tuple[dict[int, list[dict[str, Any]]], list[str], int | None]:
+    """A run folder's memory records per rank, every segment of a resumed run joined; notes; and, for a resumed
+    run, the step its last segment started at (None for one segment)."""
+    segments, notes = find_segments(run_logs)
+    read = [read_run(files) for files in segments]
+    notes += [note for _, segment_notes in read for note in segment_notes]
+    records_by_rank, last_start = join_segments([records for records, _ in read])
+    if len(segments) == 1:
+        return records_by_rank, notes, None
+    runs = [parse_log_name(files[0])[0] for files in segments]  # type: ignore[index]
+    notes.append(f"{len(segments)} segments joined (runs {', '.join(runs)}); the growth is fitted on the last, "
+                 f"from step {last_start}, since a restart starts the memory afresh")
+    return records_by_rank, notes, last_start
+
+
+def _summary(records: list[dict[str, Any]], fit_from: int | None) -> RankSummary:
+    """`summarize`, with the trend fitted from step `fit_from` on (plus the usual warm-up share) when given."""
+    if fit_from is None:
+        return summarize(records)
+    first, last = records[0]["step"], records[-1]["step"]
+    return summarize(records, warmup_steps=max(0, fit_from - first) + int(0.1 * max(0, last - fit_from)))
+
+
 def memlog_command(path: str | None = None, plot: str | None = None, json_output: bool = False,
                    log_dir: str = "logs") -> str:
     """Summarise a run's memory logs: a table per rank and a FLAT/GROWING verdict (or JSON), and a plot.
 
     Args:
-        path: a run id, one rank's log file or a directory; default: the newest run in `log_dir`.
+        path: a run folder (output_dir: its logs/, every segment of a resumed run joined), a run id, one
+            rank's log file or a folder of logs; default: the newest run in `log_dir`.
         plot: write a PNG of RSS (and GPU memory) per rank against the step to this file.
         json_output: return the summaries as JSON instead of the table.
         log_dir: where training writes its logs.
     """
-    files = find_run(path, log_dir)
-    single_file = path is not None and Path(path).is_file()
-    records_by_rank, notes = read_run(files, expect_all_ranks=not single_file)
-    summaries = [summarize(records) for _, records in sorted(records_by_rank.items()) if records]
+    run_logs = run_folder_log_dir(path)
+    if run_logs is not None:
+        records_by_rank, notes, fit_from = read_run_folder(run_logs)
+    else:
+        files = find_run(path, log_dir)
+        single_file = path is not None and Path(path).is_file()
+        records_by_rank, notes = read_run(files, expect_all_ranks=not single_file)
+        fit_from = None
+    summaries = [_summary(records, fit_from) for _, records in sorted(records_by_rank.items()) if records]
     plot_path = plot_memory(records_by_rank, summaries, plot) if plot else None
     if json_output:
         return to_json(summaries, notes, plot_path)

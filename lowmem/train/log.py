@@ -18,13 +18,11 @@ from accelerate import Accelerator
 from tqdm import tqdm
 
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum
+from lowmem.log_format import log_formatter
 from lowmem.train.callbacks import StepResult
 from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
-
-LOG_FORMAT = "%(asctime)s %(levelname)s [rank {rank}] %(message)s"
-
 
 class _AllRanksFilter(logging.Filter):
     """On ranks other than the main one, let through warnings and records logged with extra={"all_ranks": True}."""
@@ -49,10 +47,12 @@ def training_log_path(log_dir: str | Path = "logs", today: dt.date | None = None
     return Path(log_dir) / f"chat_trainer_low_mem_{today:%Y%m%d}.log"
 
 
-def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs") -> Path:
-    """Console on every rank (others only warnings), and the log file from the main rank; returns its path."""
+def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs",
+                       run_log: str | Path | None = None) -> Path:
+    """Console on every rank (others only warnings), and the log files from the main rank: the day's in
+    `log_dir`, and `run_log` (the run folder's, every segment appended) when given; returns the day's path."""
     path = training_log_path(log_dir)
-    formatter = logging.Formatter(LOG_FORMAT.format(rank=rank), datefmt="%Y-%m-%d %H:%M:%S")
+    formatter = log_formatter(rank)  # the format of the lines before training too (`lowmem.log_format`)
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, "_lowmem", False) or isinstance(handler, logging.StreamHandler):
@@ -63,8 +63,9 @@ def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs") -
         console.addFilter(_AllRanksFilter())
     handlers: list[logging.Handler] = [console]
     if is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(path, encoding="utf-8"))
+        for file in (path, *([Path(run_log)] if run_log is not None else [])):
+            file.parent.mkdir(parents=True, exist_ok=True)
+            handlers.append(logging.FileHandler(file, encoding="utf-8"))
     for handler in handlers:
         handler.setFormatter(formatter)
         handler._lowmem = True  # type: ignore[attr-defined]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -15,6 +16,7 @@ from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.data.sources import resolve_data_files
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
+from lowmem.data.tokenizer_identity import describe_identity, tokenizer_identity
 from lowmem.distributed.collectives import broadcast_from_main, local_processes
 from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
 from lowmem.errors import ConfigError
@@ -24,10 +26,12 @@ from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
 from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
+from lowmem.program import command_line
+from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
 from lowmem.train.performance import enable_tf32, maybe_compile
 
 logger = logging.getLogger(__name__)
-LOG_DIR = "logs"
+LOG_DIR = LAUNCH_LOG_DIR
 
 
 # The architecture of a new run whose config leaves it unset: the one that reached the lower validation loss
@@ -45,6 +49,17 @@ def settle_architecture(config: TrainConfig, is_keep_training: bool) -> TrainCon
     if saved is None:
         return dataclasses.replace(config, architecture=NEW_RUN_ARCHITECTURE)
     return dataclasses.replace(config, architecture={**VALUES_BEFORE_THE_FIELD, **saved}["architecture"])
+
+
+def resumed_tokenizer_dir(config: TrainConfig) -> TrainConfig:
+    """`config` with the tokenizer folder its run's newest checkpoint was trained with (a resume that does not name
+    one continues with the run's own, wherever today's defaults point)."""
+    saved = newest_saved_config(config.output_dir)
+    saved_dir = (saved or {}).get("tokenizer_dir")
+    if not saved_dir or saved_dir == config.tokenizer_dir:
+        return config
+    logger.info("Tokenizer of the run in %s: %s.", config.output_dir, saved_dir)
+    return dataclasses.replace(config, tokenizer_dir=saved_dir)
 
 
 def settle_best_metric(config: TrainConfig) -> TrainConfig:
@@ -78,8 +93,9 @@ def train_tokenizer_for(config: TrainConfig) -> Tokenizer:
     return tokenizer
 
 
-def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> Tokenizer:
-    """Load the tokenizer, training it first (on the main process, while the others wait) if it is missing."""
+def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> tuple[Tokenizer, dict[str, Any]]:
+    """Load the tokenizer, training it first (on the main process, while the others wait) if it is missing;
+    returns it with its identity (`tokenizer_identity`), logged in one line."""
     model_path = Path(config.tokenizer_dir) / TOKENIZER_FILE
     if not model_path.is_file() and accelerator.is_main_process:
         logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path, config.train_file,
@@ -87,10 +103,13 @@ def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> Tokenizer
         train_tokenizer_for(config)
     accelerator.wait_for_everyone()
     tokenizer = Tokenizer.load(config.tokenizer_dir)
+    identity = {**tokenizer_identity(config.tokenizer_dir), "pieces": tokenizer.vocab_size}
+    logger.info("Tokenizer: %d pieces, %s.", tokenizer.vocab_size, describe_identity(identity))
     if tokenizer.vocab_size != config.vocab_size:
-        logger.info("The tokenizer at %s has %d pieces (vocab_size is %d); retrain it with `python train_low_mem.py tokenizer "
-                    "--vocab_size=...` to change that.", model_path, tokenizer.vocab_size, config.vocab_size)
-    return tokenizer
+        logger.info("The tokenizer at %s has %d pieces (vocab_size is %d); retrain it with `%s` to change that.",
+                    model_path, tokenizer.vocab_size, config.vocab_size,
+                    command_line(f"tokenizer --tokenizer_dir={config.tokenizer_dir} --vocab_size=..."))
+    return tokenizer, identity
 
 
 def shared_memory_settings(config: TrainConfig, accelerator: Accelerator) -> MemorySettings:
@@ -167,12 +186,14 @@ def make_memory_monitor(config: TrainConfig, accelerator: Accelerator, settings:
     """Cleanups, memory records and the watchdog for this rank, on the budget share rank 0 decided.
 
     The run id (a timestamp) is chosen by rank 0, so that every rank's memory log carries the same one; every
-    record carries the memory plan's prediction for this rank's high-water beside the measured one.
+    record carries the memory plan's prediction for this rank's high-water beside the measured one. The logs are
+    written in the run folder's logs/, and linked from the launch folder's.
     """
     run_id = broadcast_from_main(accelerator, new_run_id)
     share = settings.per_process_bytes
-    memory_logger = MemoryLogger(LOG_DIR, run_id, accelerator.process_index, accelerator.num_processes, share,
-                                 predicted_high_water=predicted_high_water)
+    memory_logger = MemoryLogger(run_log_dir(config.output_dir), run_id, accelerator.process_index,
+                                 accelerator.num_processes, share, predicted_high_water=predicted_high_water,
+                                 link_dir=LOG_DIR)
     watchdog = MemoryWatchdog(share, fraction=config.memory_watchdog_fraction)
     return MemoryMonitor(memory_logger, watchdog, on_gpu=accelerator.device.type == "cuda",
                          cleanup_steps=config.cleanup_steps, memory_log_steps=config.memory_log_steps)

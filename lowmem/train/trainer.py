@@ -29,6 +29,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+from lowmem.atomic_files import write_json_atomic
 from lowmem.checkpoint.contents import TrainingCheckpoint, check_resume, read_trainer_state
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
@@ -36,6 +37,7 @@ from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder, start_
 from lowmem.config import TrainConfig, check_data_files, validate_config
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
+from lowmem.data.tokenizer_identity import check_same_tokenizer
 from lowmem.distributed.accelerator import create_accelerator
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
@@ -46,13 +48,16 @@ from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
 from lowmem.program import command_line
+from lowmem.progress import progress_bar
+from lowmem.run_files import run_training_log, tokenizer_record_file
 from lowmem.train.callbacks import Callback, StepResult
 from lowmem.train.log import StepLog, setup_training_log
 from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
 from lowmem.train.rescale import merged_data_state, processes_changed, readers_changed, rescale_line
 from lowmem.train.schedule import get_lr, stretched_step, total_steps
 from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader, make_memory_monitor,
-                                settle_architecture, settle_best_metric, shared_memory_settings, steps_per_epoch)
+                                resumed_tokenizer_dir, settle_architecture, settle_best_metric, shared_memory_settings,
+                                steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
 from lowmem.train.step import Batch, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
@@ -132,7 +137,7 @@ class Trainer:
             log_decision(memory)
         self.memory_decision = memory
         self.peers = PeerWatch.gather(self.accelerator, plan_line=memory.summary())
-        self.tokenizer = ensure_tokenizer(config, self.accelerator)
+        self.tokenizer, self.tokenizer_identity = ensure_tokenizer(config, self.accelerator)
         settings = shared_memory_settings(config, self.accelerator)
         logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
                     self.accelerator.device, self.accelerator.mixed_precision)
@@ -159,7 +164,7 @@ class Trainer:
             self.model, self.optimizer, self.accelerator, shared={"train": self.state, "checkpoints": self.checkpoints},
             per_rank={"rng": self.rng, "data": self.data, "memory": self.memory}, config=config,
             run_facts={"world_size": self.accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers),
-                       SAVED_KEY: memory.saved_record()})
+                       SAVED_KEY: memory.saved_record(), "tokenizer": self.tokenizer_identity})
         self.resumed_from: Path | None = None
         self.epoch_ended = False
         self.lr = float("nan")  # the current step's learning rate (set by `begin`, then by every step)
@@ -358,6 +363,7 @@ class Trainer:
             logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
             return None
         saved = read_trainer_state(folder)
+        check_same_tokenizer(saved.get("tokenizer"), self.tokenizer_identity, folder)
         changes = check_resume(folder, saved, self.config, allow_config_change, self.steps_per_epoch)
         self.checkpoint.load(folder, saved, skip=("data",))
         run_facts = self.checkpoint.run_facts
@@ -388,15 +394,17 @@ class Trainer:
 
     # ----- start and end ----------------------------------------------------------------------------------
     def begin(self) -> None:
-        """Before the first step: the validation loss at the start (not after a resume), the first memory
-        record, the signal handlers and the progress bar."""
+        """Before the first step: the record of the tokenizer, the validation loss at the start (not after a
+        resume), the first memory record, the signal handlers and the progress bar."""
+        if self.is_main:  # after a resume's checks: a refused resume leaves the run's record as it was
+            write_json_atomic(tokenizer_record_file(self.config.output_dir), self.tokenizer_identity)
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
         self.lr = self.learning_rate(self.state.step)
         self.memory.start(self.state.epoch, self.state.step)
         self.stopper.install()
-        self.progress = tqdm(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
-                             disable=not self.is_main, dynamic_ncols=True)
+        self.progress = progress_bar(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
+                                     enabled=self.is_main and self.config.progress, dynamic_ncols=True)
         for callback in self.callbacks:
             callback.on_train_start(self)
         self.step_log.reset()  # the first line's tokens/s counts from here, not from the set-up and step 0's validation
@@ -496,13 +504,16 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     check_data_files(config)
     check_output_dir(config.output_dir)
     config = settle_architecture(config, is_keep_training)
+    if is_keep_training and given is not None and "tokenizer_dir" not in given:
+        config = resumed_tokenizer_dir(config)
     stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                      config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
                                      **tracker_arguments(config.report_to))
     config, memory = settle_memory(config, accelerator, explicit_fields(config, given), is_keep_training,
                                    allow_config_change)
-    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
+    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR,
+                                  run_log=run_training_log(config.output_dir))
     log_decision(memory)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     lock = lock_run_folder(accelerator, config.output_dir, "training")
@@ -512,7 +523,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         trainer = Trainer(config, accelerator, callbacks, memory=memory)
         if is_keep_training:
             trainer.resume(allow_config_change, start_from=resume_from)
-        return {**trainer.fit(), "log_file": str(log_path)}
+        return {**trainer.fit(), "log_file": str(log_path), "run_log_file": str(run_training_log(config.output_dir))}
     finally:
         if lock is not None:
             lock.release()

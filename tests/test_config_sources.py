@@ -1,0 +1,83 @@
+"""Where a command's config comes from: `--preset`, `--config=FILE` (YAML, TOML, JSON) with flags on top,
+`--print_config`, `--help` of a preset, and the run folder that data of one's own gets by default."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from training_helpers import write_chat_rows
+
+from lowmem.cli import main
+
+
+def printed_config(capsys, *flags: str) -> dict:
+    capsys.readouterr()
+    assert main(["train", *flags, "--print_config"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("run.yaml", "preset: large\nn_layer: 6\noutput_dir: runs/from_file\nkeep_best_n: 2\n"),
+    ("run.toml", 'preset = "large"\nn_layer = 6\noutput_dir = "runs/from_file"\nkeep_best_n = 2\n'),
+    ("run.json", '{"preset": "large", "n_layer": 6, "output_dir": "runs/from_file", "keep_best_n": 2}'),
+])
+def test_a_config_file_sets_fields_and_flags_win_over_it(tmp_path, monkeypatch, capsys, name, text):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(text)
+    config = printed_config(capsys, f"--config={name}", "--n_layer=3")
+    assert config["n_layer"] == 3  # the flag
+    assert config["output_dir"] == "runs/from_file" and config["keep_latest_n_ckp"] == 2  # the file, an alias too
+    assert config["vocab_size"] == 32000 and config["n_embd"] == 768  # the preset the file names
+
+
+def test_print_config_gives_a_file_that_gives_the_same_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    first = printed_config(capsys, "--use_large_config=True", "--learn_rate=3e-4")
+    (tmp_path / "resolved.json").write_text(json.dumps(first))
+    assert printed_config(capsys, "--config=resolved.json") == first
+    assert printed_config(capsys, "--preset=large", "--learn_rate=3e-4") == first
+    assert not (tmp_path / "model_save").exists(), "--print_config only prints"
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--config=missing.yaml"], "no such file"),
+    (["--config=bad.toml"], "n_layers, which is not a config field (did you mean n_layer?)"),
+    (["--preset=huge"], "is not a preset: choose one of default, large"),
+    (["--preset=default", "--use_large_config=True"], "ask for two presets"),
+])
+def test_a_wrong_config_source_is_one_message(tmp_path, monkeypatch, capsys, flags, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.toml").write_text("n_layers = 6\n")
+    assert main(["train", *flags]) == 2
+    error = capsys.readouterr().err
+    assert expected in error and "Traceback" not in error
+
+
+def help_text(capsys, *flags: str) -> str:
+    with pytest.raises(SystemExit) as exited:  # fire ends a help with exit status 0
+        main(["train", *flags, "--help"])
+    assert exited.value.code in (0, None)
+    captured = capsys.readouterr()
+    return captured.out + captured.err  # fire writes the help to stderr when it is not a terminal
+
+
+def test_help_of_a_preset_shows_the_presets_values(capsys):
+    for large in (help_text(capsys, "--preset=large"), help_text(capsys, "--use_large_config=yes")):
+        assert "--output_dir='model_save/pretrain_large'" in large and "--vocab_size=32000" in large
+    default = help_text(capsys)
+    assert "--output_dir='model_save/demo'" in default and "--vocab_size=8000" in default
+    assert "--config" in default and "--print_config" in default and "--resume_from_checkpoint" in default
+
+
+def test_data_of_ones_own_gets_a_run_folder_and_tokenizer_of_its_own(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    write_chat_rows(tmp_path / "poems.parquet", 20, seed=1)
+    mine = printed_config(capsys, "--train_file=poems.parquet", "--validation_file=poems.parquet",
+                          "--test_file=poems.parquet")
+    assert mine["output_dir"] == "model_save/poems" and mine["tokenizer_dir"] == "model_save/poems/tokenizer"
+    chosen = printed_config(capsys, "--train_file=poems.parquet", "--output_dir=runs/p", "--tokenizer_dir=tok")
+    assert chosen["output_dir"] == "runs/p" and chosen["tokenizer_dir"] == "tok"
+    demo = printed_config(capsys)  # nothing given, nothing in data/: the demo data set, in the demo's folders
+    assert demo["output_dir"] == "model_save/demo" and demo["tokenizer_dir"] == "model_save/tokenizer"
+    assert "demo_data" in demo["train_file"]
