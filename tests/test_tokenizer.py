@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import logging
 import pickle
 import random
@@ -92,7 +94,9 @@ def test_training_writes_model_and_vocab(model_path: Path, tok: Tokenizer) -> No
     assert len(vocab_lines) == tok.vocab_size == 500
     assert vocab_lines[4].split("\t")[0] == "<sep>"
     # Nothing temporary left next to the model.
-    assert sorted(p.name for p in model_path.parent.iterdir()) == ["tokenizer.model", "tokenizer.vocab"]
+    assert sorted(p.name for p in model_path.parent.iterdir()) == ["tokenizer.model", "tokenizer.vocab",
+                                                                     "tokenizer_training.json"]
+    assert json.loads((model_path.parent / "tokenizer_training.json").read_text())["file_count"] >= 1
 
 
 def test_special_ids_are_fixed(tok: Tokenizer, model_path: Path) -> None:

@@ -17,6 +17,7 @@ from lowmem.model import GPT, GPTConfig
 from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights, save_model_config,
                                   save_weights, unwrap)
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from lowmem.program import command_line
 
 TRAIN_CONFIG_FILE = "train_config.json"  # the training settings the exported model was trained with
 
@@ -57,7 +58,7 @@ def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> 
         raise ConfigError(f"No model in '{checkpoint}': pass a checkpoint-<step> folder, or a run's best/ or final/ "
                           f"folder (they hold {WEIGHTS_FILE} and {MODEL_CONFIG_FILE}).")
     raise ConfigError(f"No trained model in '{output_dir}' (looked for best/ and final/). Train one first with "
-                      "`python train_low_mem.py train`, or pass --checkpoint=PATH or --output_dir=RUN_FOLDER.")
+                      f"`{command_line('train')}`, or pass --checkpoint=PATH or --output_dir=RUN_FOLDER.")
 
 
 def tokenizer_folder(folder: Path, tokenizer_dir: str | Path) -> Path:

@@ -24,6 +24,7 @@ from accelerate import Accelerator
 
 from lowmem.distributed.collectives import broadcast_from_main
 from lowmem.errors import ConfigError
+from lowmem.program import command_line
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,9 @@ def start_fresh_run(accelerator: Accelerator, folder: str, overwrite: bool) -> N
         if found and not overwrite:
             names = ", ".join(path.name for path in found[:4]) + (f" and {len(found) - 4} more"
                                                                   if len(found) > 4 else "")
-            return (f"{folder} holds an earlier run ({names}). --is_keep_training=True continues it; "
-                    "--overwrite=True starts a new run there and deletes those first; or choose another "
-                    "--output_dir.")
+            return (f"{folder} holds an earlier run ({names}). `{command_line('train ... --is_keep_training=True')}` "
+                    "(your flags, and that one) continues it; --overwrite=True instead starts a new run there and "
+                    "deletes those first; or choose another --output_dir.")
         if found:
             _delete(found)
             logger.info("--overwrite=True: the earlier run's %s deleted from %s.",

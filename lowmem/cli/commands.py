@@ -30,13 +30,14 @@ from typing import Any, Sequence
 
 import fire
 
-from lowmem.cli.common import ConfigPrinted, program_name, strict_flags
+from lowmem.cli.common import ConfigPrinted, strict_flags
 from lowmem.cli.evaluation import evaluate, export, generate
 from lowmem.cli.gpu import gpu_bundle, gpu_check
 from lowmem.cli.planning import plan
 from lowmem.cli.tools import bench_data, bench_memory, bench_mixing, bench_train, memlog, repack
 from lowmem.cli.training import tokenizer, train, train_with
 from lowmem.errors import LowmemError
+from lowmem.program import program_name
 
 
 _HELP_TEXTS = {command: command.__doc__ for command in (train, tokenizer, plan)}
@@ -98,8 +99,8 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
         argv: the command and its flags (default: the process's arguments).
         callbacks: `lowmem.train.callbacks.Callback`s for the train command.
     """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    from lowmem.log_format import console_handler  # one format of log lines, before training and during it
+    logging.basicConfig(level=logging.INFO, handlers=[console_handler()])
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and any(arg in ("--help", "-h") for arg in argv[1:]):
         document_options(_preset_asked(argv[1:]))  # `train --preset=large --help` shows the preset's values

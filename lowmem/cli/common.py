@@ -1,4 +1,5 @@
-"""What the commands share: the config they start from, and the program name that `--help` shows."""
+"""What the commands share: the config they start from, and the program name that `--help` shows
+(`lowmem.program`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import dataclasses
 import functools
 import inspect
 import json
-import os
-import sys
 from typing import Any, Callable
 
 from lowmem.config import TrainConfig, apply_overrides, given_fields, with_demo_data, with_run_folders
@@ -49,12 +48,6 @@ def resolve_config(use_large_config: bool, overrides: dict[str, Any],
 def build_config(use_large_config: bool, overrides: dict[str, Any], demo_data: bool = True) -> TrainConfig:
     """The config a command runs with (`resolve_config`, without the fields the user set)."""
     return resolve_config(use_large_config, overrides, demo_data)[0]
-
-
-def program_name() -> str:
-    """How the user started us, for usage lines: `train_low_mem.py`, else `lowmem` (also for `python -m lowmem`)."""
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return name if name and name not in ("-c", "-m", "__main__.py") else "lowmem"
 
 
 def comma_separated(value: Any) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from lowmem.config.option import spec_of
 from lowmem.errors import ConfigError
+from lowmem.program import command_line
 
 _AUTO = ("auto", "none", "")
 # What a yes/no option accepts on the command line, in any case; anything else is an error, not "true".
@@ -81,7 +82,7 @@ def _unknown_option(name: str, fields: dict[str, Any], aliases: dict[str, str]) 
     hint = f" Did you mean --{close[0]}?" if close else ""
     listed = [f"--{field}" for field in fields] + [f"--{alias} (= --{field})" for alias, field in aliases.items()]
     return ConfigError(f"Unknown option --{name}.{hint} Valid options: " + ", ".join(listed)
-                       + ". (`lowmem train --help` or `python train_low_mem.py train --help` describes the command.)")
+                       + f". (`{command_line('train --help')}` describes the command.)")
 
 
 def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:

@@ -16,6 +16,7 @@ from typing import Any
 from lowmem.config.overrides import config_aliases, config_fields
 from lowmem.config.train_config import PRESETS, TrainConfig, TrainConfigPretrainLarge
 from lowmem.errors import ConfigError
+from lowmem.program import command_line
 
 DEFAULT_PRESET = "default"
 # The preset name → its config class; `--use_large_config=True` is `--preset=large`.
@@ -76,6 +77,6 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         what = "is not a config field" if len(unknown) == 1 else "are not config fields"
         close = difflib.get_close_matches(unknown[0].replace("-", "_"), sorted(known), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"--config={path} sets {', '.join(unknown)}, which {what}{hint}. `lowmem train --help` "
-                          "lists the fields; rename or remove them.")
+        raise ConfigError(f"--config={path} sets {', '.join(unknown)}, which {what}{hint}. "
+                          f"`{command_line('train --help')}` lists the fields; rename or remove them.")
     return {str(name): value for name, value in values.items()}

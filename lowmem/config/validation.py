@@ -40,18 +40,27 @@ def validate_config(config: TrainConfig) -> None:
 
 
 def check_data_files(config: DataConfig, names: tuple[str, ...] = ("train_file", "validation_file")) -> None:
-    """Fail early, with where to put the data, when a configured local data path does not exist.
+    """Fail early, with where to put the data, when a configured local data path does not exist, or names a
+    file that is not parquet (JSON Lines, CSV, text: the message says which, and how to convert it).
 
     URIs (s3://, gs://, hdfs://) pass: checking them costs requests, and the data stream resolves them
-    with messages of its own (missing bucket, credentials, endpoint).
+    with messages of its own (missing bucket, credentials, endpoint). Local files are checked by their
+    first 4 bytes only, so a folder of thousands of files costs little.
     """
+    from lowmem.data.sources import not_parquet_problem, resolve_parquet_files  # the data layer loads torch
+
     for name in names:
         path = getattr(config, name)
-        if "://" in path or any(ch in path for ch in "*?[") or os.path.exists(path):
+        if "://" in path:
             continue
-        raise ConfigError(
-            f"The {name.replace('_', ' ')} '{path}' does not exist (looked in '{os.getcwd()}'). Put your parquet "
-            f"files (string columns '{config.prompt_column}' and '{config.response_column}') there, or pass "
-            f"--{name}=PATH (a file, a directory or a glob). The demo data set that ships with lowmem stands in only "
-            "when no data path is given at all."
-        )
+        if not any(ch in path for ch in "*?[") and not os.path.exists(path):
+            raise ConfigError(
+                f"The {name.replace('_', ' ')} '{path}' does not exist (looked in '{os.getcwd()}'). Put your "
+                f"parquet files (string columns '{config.prompt_column}' and '{config.response_column}') there, or "
+                f"pass --{name}=PATH (a file, a directory or a glob). The demo data set that ships with lowmem "
+                "stands in only when no data path is given at all."
+            )
+        for file in resolve_parquet_files(path):
+            problem = not_parquet_problem(file, (config.prompt_column, config.response_column), f"--{name}")
+            if problem:
+                raise ConfigError(f"The {name.replace('_', ' ')} {problem}")

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from lowmem.atomic_files import file_built_aside
 from lowmem.data.reader import open_parquet
 from lowmem.data.sources import FileSpec, open_parquet_metadata, resolve_parquet_files
 from lowmem.errors import DataError
 from lowmem.memory import release_arrow_memory
+from lowmem.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ def repack_file(source: str, target: str, row_group_rows: int = 10_000, compress
         with file_built_aside(target) as partial:
             with pq.ParquetWriter(partial, reader.schema_arrow, compression=compression) as writer:
                 batches = reader.iter_batches(batch_size=row_group_rows, use_threads=False)
-                for batch in tqdm(batches, total=-(-metadata.num_rows // row_group_rows),
-                                  desc=os.path.basename(source), unit="group", leave=False, disable=None):
+                for batch in progress_bar(batches, total=-(-metadata.num_rows // row_group_rows),
+                                          desc=os.path.basename(source), unit="group", leave=False):
                     writer.write_batch(batch, row_group_size=row_group_rows)
                     release_arrow_memory()
             written = pq.read_metadata(partial)

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from lowmem.data.storage import DataFile, is_uri, read_remote_metadata, resolve_uri
 from lowmem.errors import DataError
+from lowmem.program import command_line
 from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,66 @@ def open_parquet_metadata(path: str) -> pq.FileMetaData:
         ) from exc
 
 
+PARQUET_MAGIC = b"PAR1"  # the first 4 bytes of every parquet file (and its last 4)
+
+
+def not_parquet_problem(path: str, columns: Sequence[str] = DEFAULT_COLUMNS,
+                        option: str = "the data path") -> str | None:
+    """None when the local file `path` starts as parquet does; else what it looks like and how to convert it
+    (then to point `option` at the result).
+
+    Only the first 4 bytes are read for a parquet file, so that a folder of thousands of files is checked
+    cheaply; a few KB more only for one that is not. A parquet file damaged past its header is not noticed
+    here: the data stream says so when it opens it.
+    """
+    with open(path, "rb") as handle:
+        head = handle.read(len(PARQUET_MAGIC))
+        if head == PARQUET_MAGIC:
+            return None
+        head += handle.read(4096)
+    if not head:
+        return f"'{path}' is empty (0 bytes): remove it or write it again."
+    kind, reader = _guess_format(path, head)
+    stem, suffix = os.path.splitext(path)
+    target = f"{stem}.converted.parquet" if suffix == ".parquet" else f"{stem}.parquet"
+    prompt, response = columns
+    return (f"'{path}' is not a parquet file: it looks like {kind}. lowmem reads parquet files with the two text "
+            f"columns '{prompt}' and '{response}' (--prompt_column and --response_column name others). Convert "
+            f"it once, for example with pandas:\n"
+            f"    python -c \"import pandas as pd; {reader.format(path=repr(path))}.to_parquet({target!r})\"\n"
+            f"and point {option} at the parquet file (or its folder).")
+
+
+def _guess_format(path: str, head: bytes) -> tuple[str, str]:
+    """What a file that is not parquet looks like, from its suffix and first bytes, and the pandas expression that
+    reads it (`{path}` left to fill in)."""
+    suffix = os.path.splitext(path)[1].lower()
+    first = head.lstrip()[:1]
+    if first == b"[":
+        return "JSON (an array of records)", "pd.read_json({path})"
+    if suffix in (".jsonl", ".json", ".ndjson") or first == b"{":
+        return "JSON Lines (one JSON record per line)", "pd.read_json({path}, lines=True)"
+    if b"\0" in head or not _decodes(head):
+        return (f"binary data, neither parquet nor text (it starts with the bytes {head[:4]!r})",
+                "pd.DataFrame({{'prompt': [...], 'response': [...]}})")
+    first_line = next((line for line in head.splitlines() if line.strip()), b"")
+    if suffix == ".tsv" or b"\t" in first_line:
+        return "TSV (tab-separated values)", "pd.read_csv({path}, sep='\\t')"
+    if suffix == ".csv" or b"," in first_line:
+        return "CSV (comma-separated values)", "pd.read_csv({path})"
+    return ("plain text, which does not say which part is a prompt and which its response: put each pair in one "
+            "row of a table"), "pd.DataFrame({{'prompt': [...], 'response': [...]}})"
+
+
+def _decodes(head: bytes) -> bool:
+    """Whether these first bytes are UTF-8 text (a character cut at the end of the sample still counts)."""
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return error.start >= len(head) - 3
+    return True
+
+
 def _check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str]) -> None:
     schema = metadata.schema.to_arrow_schema()
     for column in columns:
@@ -132,7 +193,7 @@ def _check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str])
             raise DataError(
                 f"The data file '{path}' has no column '{column}'; its columns are: "
                 f"{', '.join(schema.names)}. Rename the column in the file, or pass columns=... "
-                "(train_low_mem.py: --prompt_column and --response_column) with the names your files use."
+                "(on the command line: --prompt_column and --response_column) with the names your files use."
             )
         field_type = schema.field(index).type
         if not _is_text_type(field_type):
@@ -272,10 +333,11 @@ def warn_large_row_groups(index: RowGroupIndex, limit_bytes: int, groups_at_once
         logger.warning(
             "Row group %d of '%s' holds %d rows, %.0f MB uncompressed, over the %.0f MB limit for one "
             "read: every read of it holds that much in memory%s. Rewrite the file with small row groups%s:\n"
-            "    python train_low_mem.py repack %s %s --row_group_rows=%d",
+            "    %s",
             group, path, rows, size / MB, limit_bytes / MB,
             f", and {groups_at_once} row groups are read at once" if groups_at_once > 1 else "",
             " (copy it here first, and upload the result in its place)" if is_uri(path) else "",
-            source, f"{stem}.repacked.parquet", _rows_that_fit(limit_bytes, size, rows),
+            command_line(f"repack {source} {stem}.repacked.parquet "
+                         f"--row_group_rows={_rows_that_fit(limit_bytes, size, rows)}"),
         )
     return flagged

@@ -37,6 +37,7 @@ from lowmem.data.reader import iter_file_batches
 from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, RowGroupIndex, build_row_group_index
 from lowmem.data.tokenizer_identity import write_training_record
 from lowmem.errors import ConfigError, DataError
+from lowmem.program import command_line
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ NUM_RESERVED_PIECES = 5 + 256
 TOKENIZER_FILE = "tokenizer.model"  # the model itself: what `Tokenizer.load` reads
 VOCAB_FILE = "tokenizer.vocab"  # its pieces and scores, for people to read
 DEFAULT_TOKENIZER_DIR = Path("model_save/tokenizer")
-TRAIN_COMMAND = "python train_low_mem.py tokenizer"
 
 # Rows per Arrow batch while streaming the training text: small enough that a batch of long
 # responses stays a few MB, large enough that the per-batch overhead does not matter.
@@ -337,7 +337,7 @@ class Tokenizer:
             self._sp.load_from_serialized_proto(model_proto)
         except (RuntimeError, OSError, ValueError) as exc:
             raise ConfigError(
-                f"{source} is not a valid SentencePiece model ({exc}); retrain it with `{TRAIN_COMMAND}`"
+                f"{source} is not a valid SentencePiece model ({exc}); retrain it with `{command_line('tokenizer')}`"
             ) from exc
         self.num_threads = num_threads if num_threads is not None else available_cpus()
         self._check_special_ids(source)
@@ -350,7 +350,7 @@ class Tokenizer:
         if path.is_dir() or (not path.exists() and not path.suffix):
             path = path / TOKENIZER_FILE
         if not path.is_file():
-            raise ConfigError(f"tokenizer not found at {path}; train one first with `{TRAIN_COMMAND}`")
+            raise ConfigError(f"tokenizer not found at {path}; train one first with `{command_line('tokenizer')}`")
         return cls(path.read_bytes(), num_threads=num_threads, source=str(path))
 
     def _check_special_ids(self, source: str) -> None:
@@ -359,7 +359,7 @@ class Tokenizer:
         if found != (PAD_ID, BOS_ID, EOS_ID, UNK_ID, SEP_ID):
             raise ConfigError(
                 f"{source} has special ids pad/bos/eos/unk/sep = {found}, expected "
-                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID, SEP_ID)}; it was not trained by lowmem, retrain with `{TRAIN_COMMAND}`"
+                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID, SEP_ID)}; it was not trained by lowmem, retrain with `{command_line('tokenizer')}`"
             )
 
     # Pickling: SentencePieceProcessor wraps a C++ object, so carry the model bytes instead.

@@ -14,6 +14,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, Fu
 
 from lowmem.distributed.collectives import local_processes
 from lowmem.errors import ConfigError
+from lowmem.program import launch_line
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -191,8 +192,9 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool, process_gro
     if launched != accelerator.num_processes:
         raise ConfigError(
             f"The launcher was asked for {launched} processes, but Accelerate runs {accelerator.num_processes}. "
-            "On a machine without GPUs use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N "
-            "train_low_mem.py train`; on GPUs check that N GPUs are visible (CUDA_VISIBLE_DEVICES). On several "
+            "On a machine without GPUs use "
+            f"`ACCELERATE_USE_CPU=1 {launch_line('--multi_gpu --num_processes N', 'train')}`; on GPUs check that "
+            "N GPUs are visible (CUDA_VISIBLE_DEVICES). On several "
             "machines N is the total over all of them, and every machine needs --multi_gpu (or a config file "
             "from configs/accelerate/)."
         )

@@ -22,6 +22,7 @@ import psutil
 
 from lowmem.errors import LowmemError
 from lowmem.memory.cgroup import find_own_cgroup, machine_oom_kills
+from lowmem.program import command_line
 
 logger = logging.getLogger(__name__)
 # A killed rank's sockets close while the kernel is still tearing it down: a survivor may see the error a
@@ -116,7 +117,8 @@ class PeerWatch:
         text = f"{names[0].upper()}{names[1:]} {died} during training: {cause}. The other ranks stop."
         if self.plan_line:
             text += f" {self.plan_line}"
-        return text + " The checkpoints already saved are kept: resume with --is_keep_training=True."
+        return (text + " The checkpoints already saved are kept: resume with "
+                f"`{command_line('train ... --is_keep_training=True')}` (your flags, and that one).")
 
     def reporter(self, lost: list[Peer]) -> bool:
         """True on the lowest surviving rank of this machine: the one that says it."""

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from lowmem.gpucheck.runs import (Deadline, StageFailed, StageSkipped, lowmem_command, resumed_from, run,
                                   run_and_kill_after)
+from lowmem.program import command_line
 
 # What `configs/accelerate/fsdp.yaml` sets, as launcher flags: the check needs no file from a checkout.
 FSDP_FLAGS = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "true",
@@ -108,7 +109,7 @@ def environment(settings: CheckSettings) -> dict[str, Any]:
                "cgroup_limit_gb": None if limit is None else round(limit / 2**30, 1), "budget_source": budget_source()}
     if not settings.on_cpu and not gpus:
         raise StageFailed("no GPU is visible to torch (torch.cuda.device_count() is 0): check the driver and "
-                          "CUDA_VISIBLE_DEVICES, or run `lowmem gpu_check --device=cpu`")
+                          f"CUDA_VISIBLE_DEVICES, or run `{command_line('gpu_check --device=cpu')}`")
     return figures
 
 

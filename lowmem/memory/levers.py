@@ -22,6 +22,7 @@ from typing import Callable, Collection
 
 from lowmem.memory.plan import (DDP, FSDP, PLAN_MARGIN, SINGLE, MemoryPlan, PlanInputs, plan_memory,
                                 with_inputs)
+from lowmem.program import command_line
 from lowmem.units import MB, gib_text
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -153,5 +154,5 @@ def no_fit_message(choice: SaverChoice, explicit: Collection[str], launch_hint: 
         text += (" Nothing tried here fits: a smaller model (--n_layer, --n_embd), a shorter --max_seq_len or a "
                  "machine with more memory is needed.")
     return (text + " --memory_budget_gb=GB sets the budget when the detected one is wrong; --memory_savers=off "
-            "trains as configured, at the risk of the OOM killer. `lowmem plan` with the same flags prints the "
-            "plan part by part.")
+            f"trains as configured, at the risk of the OOM killer. `{command_line('plan ...')}` with the same "
+            "flags prints the plan part by part.")

@@ -1,11 +1,12 @@
-"""The training log: readable lines on the console and in logs/chat_trainer_low_mem_YYYYMMDD.log, one per
-logging step."""
+"""The training log: readable lines on the console, in the run folder's logs/train.log and in the launch
+folder's logs/chat_trainer_low_mem_YYYYMMDD.log, one per logging step."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
 import logging
+import logging.handlers
 import sys
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from lowmem.train.callbacks import StepResult
 from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
+
 
 class _AllRanksFilter(logging.Filter):
     """On ranks other than the main one, let through warnings and records logged with extra={"all_ranks": True}."""
@@ -47,10 +49,9 @@ def training_log_path(log_dir: str | Path = "logs", today: dt.date | None = None
     return Path(log_dir) / f"chat_trainer_low_mem_{today:%Y%m%d}.log"
 
 
-def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs",
-                       run_log: str | Path | None = None) -> Path:
-    """Console on every rank (others only warnings), and the log files from the main rank: the day's in
-    `log_dir`, and `run_log` (the run folder's, every segment appended) when given; returns the day's path."""
+def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs") -> Path:
+    """Console on every rank (others only warnings), and from the main rank the day's log file in `log_dir` and
+    the lines kept for the run's own log (`attach_run_log`); returns the day's path."""
     path = training_log_path(log_dir)
     formatter = log_formatter(rank)  # the format of the lines before training too (`lowmem.log_format`)
     root = logging.getLogger()
@@ -63,15 +64,45 @@ def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs",
         console.addFilter(_AllRanksFilter())
     handlers: list[logging.Handler] = [console]
     if is_main:
-        for file in (path, *([Path(run_log)] if run_log is not None else [])):
-            file.parent.mkdir(parents=True, exist_ok=True)
-            handlers.append(logging.FileHandler(file, encoding="utf-8"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handlers += [logging.FileHandler(path, encoding="utf-8"), _PendingRunLog()]
     for handler in handlers:
         handler.setFormatter(formatter)
         handler._lowmem = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(logging.INFO)
     return path
+
+
+class _PendingRunLog(logging.handlers.MemoryHandler):
+    """The lines logged before the run folder may be written to (it can still be refused: in use, or holding
+    another run), kept until `attach_run_log` writes them there."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=100_000, flushLevel=logging.CRITICAL + 1)
+
+    def shouldFlush(self, record: logging.LogRecord) -> bool:  # noqa: N802 - logging's name
+        return False  # only attach_run_log empties it
+
+
+def attach_run_log(run_log: str | Path) -> Path | None:
+    """From now on, the main rank's lines also go to `run_log` (the run folder's, every segment of a resumed run
+    appended), the lines kept since `setup_training_log` first; None on the other ranks."""
+    root = logging.getLogger()
+    pending = next((handler for handler in root.handlers if isinstance(handler, _PendingRunLog)), None)
+    if pending is None:
+        return None
+    run_log = Path(run_log)
+    run_log.parent.mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(run_log, encoding="utf-8")
+    file.setFormatter(pending.formatter)
+    file._lowmem = True  # type: ignore[attr-defined]
+    for record in pending.buffer:
+        file.handle(record)
+    root.removeHandler(pending)
+    pending.buffer.clear()
+    root.addHandler(file)
+    return run_log
 
 
 @dataclass

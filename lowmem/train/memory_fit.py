@@ -32,14 +32,13 @@ from lowmem.memory.data_settings import decide_memory_settings
 from lowmem.memory.levers import LEVER_FIELDS, SaverChoice, choose_savers, no_fit_message
 from lowmem.memory.plan import (DDP, DEEPSPEED, FSDP, SINGLE, MemoryPlan, ModelShape, PlanInputs, format_plan,
                                 plan_memory)
+from lowmem.program import command_line, launch_line
 from lowmem.units import GIB, gib_text
 
 logger = logging.getLogger(__name__)
 
 # Where a checkpoint's trainer state keeps the savers the run chose (with the budget they were chosen for).
 SAVED_KEY = "memory_savers"
-FSDP_LAUNCH = ("accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes {processes} "
-               "train_low_mem.py train (with the same flags)")
 
 
 def explicit_fields(config: TrainConfig, given: Collection[str] | None = None) -> frozenset[str]:
@@ -180,8 +179,8 @@ class MemoryDecision:
             return ""
         main, total = self.plan.high_water(True), self.plan.machine_total
         return (f"The memory plan predicted {main / 2**20:,.0f} MB per process and {total / 2**20:,.0f} MB for this "
-                f"machine against a {gib_text(self.budget_bytes)} budget (`lowmem plan` with the same flags "
-                "shows it part by part).")
+                f"machine against a {gib_text(self.budget_bytes)} budget (`{command_line('plan ...')}` with the "
+                "same flags shows it part by part).")
 
     def saved_record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the decision, so that a resume makes the same one."""
@@ -235,7 +234,8 @@ def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], i
         if choice.fits:
             decision.lines.append(choice.line())
         else:
-            launch = FSDP_LAUNCH.format(processes=inputs.processes)
+            launch = launch_line(f"--config_file configs/accelerate/fsdp.yaml --num_processes {inputs.processes}",
+                                 "train ...") + " (your flags)"
             decision.error = no_fit_message(choice, explicit, launch, positions_for_rows)
     decision.lines.insert(0, format_plan(decision.plan, budget, source))
     return decision

@@ -51,7 +51,7 @@ from lowmem.program import command_line
 from lowmem.progress import progress_bar
 from lowmem.run_files import run_training_log, tokenizer_record_file
 from lowmem.train.callbacks import Callback, StepResult
-from lowmem.train.log import StepLog, setup_training_log
+from lowmem.train.log import StepLog, attach_run_log, setup_training_log
 from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
 from lowmem.train.rescale import merged_data_state, processes_changed, readers_changed, rescale_line
 from lowmem.train.schedule import get_lr, stretched_step, total_steps
@@ -512,14 +512,14 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
                                      **tracker_arguments(config.report_to))
     config, memory = settle_memory(config, accelerator, explicit_fields(config, given), is_keep_training,
                                    allow_config_change)
-    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR,
-                                  run_log=run_training_log(config.output_dir))
+    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
     log_decision(memory)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     lock = lock_run_folder(accelerator, config.output_dir, "training")
     try:
         if not is_keep_training:
             start_fresh_run(accelerator, config.output_dir, overwrite)
+        attach_run_log(run_training_log(config.output_dir))  # the folder is this run's now
         trainer = Trainer(config, accelerator, callbacks, memory=memory)
         if is_keep_training:
             trainer.resume(allow_config_change, start_from=resume_from)
