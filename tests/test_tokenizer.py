@@ -226,7 +226,12 @@ def test_load_from_folder_or_file(model_path: Path, tok: Tokenizer) -> None:
 
 def test_load_missing_says_how_to_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"model_save/tokenizer/tokenizer\.model.*train_low_mem\.py tokenizer"):
+    # The hint names the command the way the user started it (see lowmem.program).
+    monkeypatch.setattr("sys.argv", ["train_low_mem.py", "train"])
+    with pytest.raises(ConfigError, match=r"model_save/tokenizer/tokenizer\.model.*python train_low_mem\.py tokenizer"):
+        Tokenizer.load()
+    monkeypatch.setattr("sys.argv", ["/venv/bin/lowmem", "train"])
+    with pytest.raises(ConfigError, match=r"model_save/tokenizer/tokenizer\.model.*`lowmem tokenizer"):
         Tokenizer.load()
     assert tk.DEFAULT_TOKENIZER_DIR == Path("model_save/tokenizer")
 

@@ -37,8 +37,9 @@ class MemoryMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.earlier_runs = [*state.get("earlier_runs", []), state["run_id"]]
         self.memory_logger.continues = list(self.earlier_runs)
-        logger.info("Memory log: run %s continues runs %s (`%s` reads each).", self.memory_logger.run_id,
-                    ", ".join(self.earlier_runs), command_line("memlog RUN_ID"))
+        # The logs are in <run folder>/logs/: memlog on the run folder reads every segment, joined.
+        logger.info("Memory log: run %s continues runs %s (`%s` reads them joined).", self.memory_logger.run_id,
+                    ", ".join(self.earlier_runs), command_line(f"memlog {self.memory_logger.path.parent.parent}"))
 
     def start(self, epoch: int, step: int) -> dict[str, Any]:
         """Log the memory before training (after the model and data are set up)."""
