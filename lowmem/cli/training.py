@@ -36,8 +36,9 @@ def train(use_large_config: bool = False, is_keep_training: bool = False, allow_
 
 
 def resume_target(config: TrainConfig, given: Collection[str], checkpoint: str) -> TrainConfig:
-    """`config` with the run folder of `checkpoint` (its parent), after checking that it is an intact checkpoint
-    and that a given --output_dir agrees; the tokenizer is the checkpoint's unless --tokenizer_dir is given."""
+    """`config` with the run folder of `checkpoint` (its parent), after a quick check that it is a complete
+    checkpoint (every rank makes it before anything is launched; the main process hashes its files when it
+    resumes, `CheckpointManager.start_from`) and that a given --output_dir agrees."""
     from lowmem.checkpoint.folders import verify_checkpoint
 
     folder = Path(str(checkpoint))
@@ -48,15 +49,11 @@ def resume_target(config: TrainConfig, given: Collection[str], checkpoint: str) 
     if "output_dir" in given and Path(config.output_dir).resolve() != run_dir:
         raise ConfigError(f"--resume_from_checkpoint={checkpoint} belongs to the run folder {run_dir}, but "
                           f"--output_dir={config.output_dir}: leave --output_dir out, or pass a checkpoint of it.")
-    problems = verify_checkpoint(folder)
+    problems = verify_checkpoint(folder, check_hashes=False)
     if problems:
         raise ConfigError(f"--resume_from_checkpoint={checkpoint} cannot be resumed from: {'; '.join(problems)}. "
                           "Choose another checkpoint-<step> folder.")
-    from lowmem.checkpoint.contents import read_trainer_state
-
-    saved_tokenizer = read_trainer_state(folder).get("config", {}).get("tokenizer_dir")
-    tokenizer_dir = config.tokenizer_dir if "tokenizer_dir" in given or not saved_tokenizer else saved_tokenizer
-    return dataclasses.replace(config, output_dir=str(folder.parent), tokenizer_dir=tokenizer_dir)
+    return dataclasses.replace(config, output_dir=str(folder.parent))
 
 
 def _train(use_large_config: bool, is_keep_training: bool, allow_config_change: bool, overrides: dict[str, Any],

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD, newest_saved_config
+from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD, newest_saved_config, read_trainer_state
 from lowmem.config import TrainConfig
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
@@ -51,10 +51,11 @@ def settle_architecture(config: TrainConfig, is_keep_training: bool) -> TrainCon
     return dataclasses.replace(config, architecture={**VALUES_BEFORE_THE_FIELD, **saved}["architecture"])
 
 
-def resumed_tokenizer_dir(config: TrainConfig) -> TrainConfig:
-    """`config` with the tokenizer folder its run's newest checkpoint was trained with (a resume that does not name
-    one continues with the run's own, wherever today's defaults point)."""
-    saved = newest_saved_config(config.output_dir)
+def resumed_tokenizer_dir(config: TrainConfig, checkpoint: str | Path | None = None) -> TrainConfig:
+    """`config` with the tokenizer folder the checkpoint it resumes from was trained with (`checkpoint`, else the
+    run's newest): a resume that does not name one continues with the run's own, wherever today's defaults
+    point."""
+    saved = read_trainer_state(Path(checkpoint))["config"] if checkpoint else newest_saved_config(config.output_dir)
     saved_dir = (saved or {}).get("tokenizer_dir")
     if not saved_dir or saved_dir == config.tokenizer_dir:
         return config

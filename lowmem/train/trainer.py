@@ -505,7 +505,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     check_output_dir(config.output_dir)
     config = settle_architecture(config, is_keep_training)
     if is_keep_training and given is not None and "tokenizer_dir" not in given:
-        config = resumed_tokenizer_dir(config)
+        config = resumed_tokenizer_dir(config, resume_from)
     stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                      config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
