@@ -13,5 +13,9 @@ class ConfigError(LowmemError, ValueError):
     """A configuration value or command-line flag is invalid."""
 
 
-class CheckpointError(LowmemError, OSError):
+class DiskWriteError(LowmemError, OSError):
+    """A write failed for want of space or permission; the message says what was written, where, and what to do."""
+
+
+class CheckpointError(DiskWriteError):
     """A checkpoint could not be written (disk full, no permission, ...); the message says what to free or change."""

@@ -87,3 +87,35 @@ def test_a_new_run_into_a_folder_with_checkpoints_is_refused_unless_told_to_over
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert "--overwrite=True: the earlier run's" in fresh.stderr
     assert "Resumed from" not in fresh.stderr
+
+
+def test_an_output_dir_that_is_a_dangling_link_fails_with_what_to_do(tmp_path):
+    chat_data = resume_chat_data(tmp_path)
+    (tmp_path / "run").symlink_to(tmp_path / "unmounted" / "disk")
+    for output_dir in (tmp_path / "run", tmp_path / "run" / "sub"):
+        done = run_command(["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=2",
+                            f"--output_dir={output_dir}"], cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert f"{tmp_path / 'run'} is a symbolic link to {tmp_path / 'unmounted' / 'disk'}, which does not exist" \
+            in done.stderr
+    assert (tmp_path / "run").is_symlink() and not (tmp_path / "unmounted").exists()
+
+
+def test_resuming_when_every_checkpoint_is_damaged_stops_and_deletes_nothing(tmp_path):
+    chat_data = resume_chat_data(tmp_path)
+    args = ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=4", "--save_steps=2", "--eval_bleu_samples=0"]
+    assert run_command(args, cwd=tmp_path).returncode == 0
+    run = tmp_path / "run"
+    for weights in run.glob("checkpoint-*/model.safetensors"):
+        data = bytearray(weights.read_bytes())
+        data[-10] ^= 0xFF  # one flipped byte in every checkpoint
+        weights.write_bytes(bytes(data))
+    def checkpoints() -> list:  # the run's log gets the refused attempt's lines: everything else stays as it was
+        return [entry for entry in listing(run) if entry[0] != LOCK_NAME and not entry[0].startswith("logs")]
+
+    before = checkpoints()
+    resumed = run_command([*args, "--max_steps=8", "--is_keep_training=True"], cwd=tmp_path)
+    assert resumed.returncode == 2 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert "found no usable checkpoint" in resumed.stderr and "starting fresh" not in resumed.stderr
+    assert "checkpoint-2: model.safetensors has CRC-32" in resumed.stderr and "checkpoint-4: " in resumed.stderr
+    assert checkpoints() == before, "nothing changed or deleted"

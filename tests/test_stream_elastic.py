@@ -151,6 +151,60 @@ def test_loader_workers_change(files, old_workers, new_workers):
     assert TOTAL - len(seen) < old + new
 
 
+def _without_processes(state: dict) -> dict:
+    """`state` as saved before layouts recorded their processes."""
+    old = json.loads(json.dumps(state))
+    for layer in old["layers"]:
+        layer.pop("processes", None)
+    return old
+
+
+@pytest.mark.parametrize("saved_before_processes", [False, True])
+def test_another_split_of_as_many_readers_is_a_new_layer_and_len_counts_the_rest(files, saved_before_processes):
+    # 2 processes × 1 reader → 1 process × 2 DataLoader workers: as many consumers, but the one process now
+    # reads both shares, so its length (and the trainer's steps) must count the rows left, not the old shares.
+    before, states = [], []
+    for rank in range(2):
+        first = StreamLoader(make(files, rank, 2), batch_size=8, collate_fn=_prompts)
+        batches = iter(first)
+        before += [row for _ in range(30 + 3 * rank) for row in next(batches)]
+        states.append(json.loads(json.dumps(first.state_dict())))
+        del batches
+    merged = merge_rank_states(states)
+    if saved_before_processes:
+        merged = _without_processes(merged)
+    resumed = StreamLoader(make(files, 0, 1), batch_size=8, collate_fn=_prompts, num_workers=2)
+    resumed.load_state_dict(merged)
+    rows_left, batches_left = len(resumed.stream), len(resumed)
+    batches = list(resumed)
+    after = [row for batch in batches for row in batch]
+    every_row = {f"{name}{i}" for name, rows, _ in SPECS for i in range(rows)}
+    seen = before + after
+    assert len(set(seen)) == len(seen) and set(seen) <= every_row
+    assert TOTAL - len(seen) < 2 + 2
+    # The rest (1,723 rows) is shared out anew: 861 rows for each worker, in 108 batches of 8 (the last short).
+    assert (rows_left, batches_left) == (len(after), len(batches)) == ((TOTAL - len(before)) // 2 * 2, 2 * 108)
+    assert not resumed.stream.continues_exactly
+    layers = resumed.state_dict()["layers"]
+    assert [(layer["consumers"], layer.get("processes")) for layer in layers] == [(2, 2), (2, 1)]
+
+
+def test_a_state_saved_before_layouts_recorded_processes_continues_row_for_row(files):
+    reference = [[r["prompt"] for r in make(files, rank, 2)] for rank in range(2)]
+    _, state = read_then_save(files, 2, [100, 130], lanes=4)
+    shares, streams = resume_all(files, 2, _without_processes(state), lanes=4)
+    assert all(stream.continues_exactly for stream in streams)
+    assert reference[0][:100] + shares[0] == reference[0] and reference[1][:130] + shares[1] == reference[1]
+
+
+def test_how_readers_are_split_does_not_change_a_fresh_epoch_order(files):
+    # The first layer's order depends on the number of consumers alone, as before layouts knew processes:
+    # 1 process × 2 workers hands over the batches of 2 processes × 1 reader, in turns.
+    per_rank = [list(StreamLoader(make(files, rank, 2), batch_size=8, collate_fn=_prompts)) for rank in range(2)]
+    two_workers = list(StreamLoader(make(files, 0, 1), batch_size=8, collate_fn=_prompts, num_workers=2))
+    assert two_workers == [batch for pair in zip(*per_rank) for batch in pair]
+
+
 def test_same_readers_after_a_merge_continue_row_for_row(files):
     # A merged state (every rank's positions) loaded by the same ranks gives each its own position back.
     reference = [[r["prompt"] for r in make(files, rank, 3)] for rank in range(3)]

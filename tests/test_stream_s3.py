@@ -192,3 +192,22 @@ def test_tokenizer_trains_from_s3_like_from_local_files(uploaded, tmp_path):
     from_disk = train_tokenizer([str(p) for p in local], tmp_path / "local", **options)
     from_bucket = train_tokenizer(resolve_parquet_files(uri), tmp_path / "s3", **options)
     assert from_bucket.read_bytes() == from_disk.read_bytes()  # same sentences, same sample, same model
+
+
+def test_a_file_uploaded_again_with_other_rows_is_refused_by_its_uri(uploaded, bucket, tmp_path):
+    from conftest import write_rows
+
+    local, uri = uploaded
+    stream = ParquetStream(uri, buffer_size=BUFFER, seed=SEED)
+    rows = iter(stream)
+    for _ in range(500):
+        next(rows)
+    state = stream.state_dict()
+    # The footers are read through S3, like the rows: a byte-identical local copy has the same fingerprint.
+    assert state["data_content"] == ParquetStream(local, buffer_size=BUFFER, seed=SEED).state_dict()["data_content"]
+
+    # b.parquet again with the same rows per row group (777 rows in groups of 64), in another order.
+    other = write_rows(tmp_path / "b.parquet", [f"b{i}" for i in reversed(range(777))], 64)
+    boto3.client("s3").upload_file(str(other), bucket, "train/b.parquet")
+    with pytest.raises(DataError, match=re.escape(f"The content of 's3://{bucket}/train/b.parquet' changed")):
+        ParquetStream(uri, buffer_size=BUFFER, seed=SEED).load_state_dict(state)

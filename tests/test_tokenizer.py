@@ -300,7 +300,7 @@ def test_non_string_column_raises_data_error(tmp_path: Path) -> None:
 
 
 def test_error_while_streaming_reaches_caller(data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(path: Path, columns: tuple[str, ...]):
+    def broken(path: Path, columns: tuple[str, ...], *reading):  # reading: bad_text, stats
         yield "你好"
         raise DataError(f"cannot read parquet file {path}: simulated")
 

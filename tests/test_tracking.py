@@ -13,7 +13,7 @@ from training_helpers import run_command, tiny_overrides, write_chat_rows
 from lowmem.config import TrainConfig, apply_overrides
 from lowmem.errors import ConfigError
 from lowmem.train.log import LineFigures
-from lowmem.train.tracking import EVAL_TAGS, LINE_TAGS, TAGS, Tracking, tensorboard_dir, tracker_arguments
+from lowmem.train.tracking import EVAL_TAGS, LINE_TAGS, TAGS, Tracking, run_name, tensorboard_dir, tracker_arguments
 
 pytest.importorskip("tensorboard")
 
@@ -98,3 +98,13 @@ def test_a_missing_package_is_a_config_error_that_says_what_to_install(monkeypat
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ConfigError, match="pip install wandb"):
         tracker_arguments("wandb")
+
+
+def test_two_runs_whose_folders_share_a_last_name_get_two_tensorboard_runs(tmp_path):
+    logs = tmp_path / "logs"
+    first, second = tmp_path / "exp1" / "model", tmp_path / "exp2" / "model"
+    assert run_name(first, logs, claim=True) == "model"
+    other = run_name(second, logs, claim=True)
+    assert other.startswith("model-") and other != "model"
+    assert run_name(first, logs) == "model" and run_name(second, logs, claim=True) == other  # stable on resume
+    assert tensorboard_dir(second, logs) == logs / "tensorboard" / other

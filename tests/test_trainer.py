@@ -162,6 +162,31 @@ def test_running_out_of_rows_ends_the_epoch_and_the_step_budget_does_not(in_tmp,
         trainer.end()
 
 
+@pytest.mark.parametrize("batch,pack,not_trained", [(BATCH, True, BATCH), (BATCH, False, BATCH), (10, True, 0)])
+def test_the_rows_of_a_short_last_accumulation_step_are_reported_at_the_epoch_end(in_tmp, chat_data, tokenizer_dir,
+                                                                                    caplog, batch, pack, not_trained):
+    # 200 rows in batches of 8: 25 batches, so 12 steps of 2 and one batch of 8 rows that is not trained (a step
+    # of fewer micro-batches is not taken). In batches of 10: 20 batches, 10 whole steps, nothing left.
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2, batch_size_per_gpu=batch,
+                                  pack_rows=pack))
+    steps = ROWS // (batch * ACCUMULATION)
+    trainer.begin()
+    try:
+        with caplog.at_level("INFO"):
+            run_epoch(trainer)
+            assert trainer.epoch_ended and trainer.state.step == steps
+            trainer.end_epoch()
+    finally:
+        trainer.end()
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Epoch ")]
+    said = (f": {not_trained} rows of a last, short accumulation step (fewer than {ACCUMULATION} micro-batches on "
+            "some process) were not trained in this epoch." if not_trained else ".")
+    assert lines == [f"Epoch 1 done at step {steps}{said}"]
+    assert trainer.summary()["rows_not_trained"] == not_trained
+    state = json.loads((in_tmp / "run" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+    assert state["train"]["rows_not_trained"] == not_trained
+
+
 def test_resume_without_a_checkpoint_starts_fresh(in_tmp, chat_data, tokenizer_dir, caplog):
     trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir))
     with caplog.at_level("INFO"):

@@ -29,7 +29,9 @@ import torch
 from accelerate import Accelerator
 
 from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, TrainConfig
-from lowmem.distributed.strategy import load_model_and_optimizer, save_model_and_optimizer
+from lowmem.checkpoint.folders import read_marker
+from lowmem.distributed.strategy import (FSDP_OPTIMIZER_DIR, OPTIMIZER_FILE, load_model_and_optimizer,
+                                       save_model_and_optimizer, save_torch_file)
 from lowmem.errors import ConfigError
 from lowmem.train.schedule import same_learning_rates, total_steps
 
@@ -55,7 +57,7 @@ def _part_file(rank_dir: Path, name: str, part: Stateful) -> Path:
 
 def _write_part(path: Path, state: dict[str, Any]) -> None:
     if path.suffix == ".pt":
-        torch.save(state, path)
+        save_torch_file(state, path)
     else:
         path.write_text(json.dumps(state))
 
@@ -96,10 +98,10 @@ class TrainingCheckpoint:
             state.update(config=dataclasses.asdict(self.config), **self.run_facts)
             (folder / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2, ensure_ascii=False))
 
-    def load(self, folder: Path, saved: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+    def load(self, folder: Path, saved: dict[str, Any], skip: tuple[str, ...] = (), with_optimizer: bool = True) -> None:
         """Load every part saved in `folder` (its trainer state already read: `saved`) except those named in
-        `skip`; every rank calls it."""
-        load_model_and_optimizer(folder, self.model, self.optimizer, self.accelerator)
+        `skip`; every rank calls it. Without `with_optimizer` the optimizer keeps its fresh state."""
+        load_model_and_optimizer(folder, self.model, self.optimizer, self.accelerator, with_optimizer=with_optimizer)
         for name, part in self.shared.items():
             if name in saved and name not in skip:
                 part.load_state_dict(saved[name])
@@ -113,6 +115,28 @@ class TrainingCheckpoint:
         path = _part_file(folder / f"rank{self.accelerator.process_index}", name, part)
         if path.is_file():
             part.load_state_dict(_read_part(path))
+
+
+# What only a resume reads, under each strategy: kept in the newest checkpoints only (see CheckpointManager).
+RESUME_ONLY = (OPTIMIZER_FILE, FSDP_OPTIMIZER_DIR)
+
+
+def check_weights_only(folder: Path, allow_config_change: bool) -> bool:
+    """True when `folder` holds the optimizer state a resume needs; a checkpoint kept for its score only (its
+    marker says "weights_only") is refused unless `allow_config_change`, which resumes with a fresh optimizer."""
+    marker = read_marker(folder) or {}
+    if not marker.get("weights_only"):
+        return True
+    if not allow_config_change:
+        raise ConfigError(
+            f"{folder} holds the weights but not the optimizer state (only the newest --keep_optimizer_n_ckp "
+            "checkpoints keep it; this one was kept for its score), so a resume from it cannot continue exactly. "
+            "Resume from a newer checkpoint, or pass --allow_config_change=True to continue from these weights with "
+            "the optimizer's moments started afresh (the first steps then move the weights differently)."
+        )
+    logger.warning("Resuming from %s with a fresh optimizer state: it kept the weights only (--allow_config_change).",
+                   folder)
+    return False
 
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:

@@ -22,7 +22,6 @@ Hashes are computed once on save and checked on load only for the checkpoint abo
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lowmem.atomic_files import fsync_read_only, replace_folder, write_json_atomic
+from lowmem.disk_errors import disk_write_error, free_bytes
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.program import command_line
 from lowmem.units import MB
@@ -44,14 +44,13 @@ logger = logging.getLogger(__name__)
 
 MARKER_NAME = "COMPLETE.json"
 MANIFEST_NAME = "checkpoints.json"
+DAMAGED_DIR = "damaged"  # where damaged checkpoints are set aside instead of being deleted
 FORMAT_VERSION = 1
 
 _CHUNK = 1 << 20  # 1 MiB reads: large enough for full hashing speed, small enough to keep RSS flat
 _FINAL = re.compile(r"checkpoint-(\d+)")
 _TMP = re.compile(r"\.checkpoint-(\d+)\.tmp")
 _OLD = re.compile(r"\.checkpoint-(\d+)\.old")  # where replace_folder moves the checkpoint it replaces
-_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_PERMISSION_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 # ----- small file helpers ---------------------------------------------------------------------------------
@@ -192,6 +191,10 @@ class CheckpointManager:
         fsync: fsync each file before the marker is written, so a power cut cannot leave a marker that
             describes data never written to disk. Off only for tests on throwaway folders.
         save_every: `due(step)` is True every this many steps (0: never; the caller saves when it decides).
+        resume_only: files and folders of a checkpoint that only a resume reads (the optimizer state). They are
+            kept in the `keep_resumable_n` newest checkpoints and removed from the older ones kept for their score,
+            whose markers then say `"weights_only": true`.
+        keep_resumable_n: how many of the newest checkpoints keep `resume_only` (at least 1: the latest).
 
     The main process removes leftovers of interrupted saves when it is created (never a complete checkpoint)
     and reads the manifest back, so the retention list survives resumes.
@@ -199,7 +202,8 @@ class CheckpointManager:
 
     def __init__(self, run_dir: str | Path, keep_best_n: int, metric: str = "val_loss", mode: str = "min",
                  is_main: bool = True, barrier: Callable[[], None] = lambda: None,
-                 all_ok: Callable[[bool], bool] | None = None, fsync: bool = True, save_every: int = 0) -> None:
+                 all_ok: Callable[[bool], bool] | None = None, fsync: bool = True, save_every: int = 0,
+                 resume_only: tuple[str, ...] = (), keep_resumable_n: int = 2) -> None:
         if not isinstance(keep_best_n, int) or keep_best_n < 0:
             raise ConfigError(f"keep_best_n must be 0 or more (it is {keep_best_n!r}); 0 keeps only the latest.")
         if mode not in ("min", "max"):
@@ -216,9 +220,12 @@ class CheckpointManager:
         self._all_ok = all_ok
         self._fsync = fsync
         self.save_every = save_every
+        self.resume_only, self.keep_resumable_n = tuple(resume_only), max(1, keep_resumable_n)
+        self._sizes_reported = False
         self.last_saved_step: int | None = None  # this training's last save (a resume loads it)
         self._scores: dict[int, float | None] = {}
         self._damaged: set[int] = set()  # steps found damaged by latest_complete(); never kept or resumed from
+        self.damage: dict[str, list[str]] = {}  # what latest_complete() found wrong, by folder name
         if is_main and self.run_dir.is_dir():
             self.cleanup_incomplete()
             self._load_scores()
@@ -266,14 +273,27 @@ class CheckpointManager:
         any damaged newer ones. Every process may call it (each reads the files), or the main one may call it
         and broadcast the path.
         """
+        self.damage = {}
         for found in reversed(self._scan()):
             problems = verify_checkpoint(found.path, check_hashes=verify_hashes)
             if not problems:
                 return found.path
             self._damaged.add(found.step)
+            self.damage[found.path.name] = problems
             logger.warning("Checkpoint %s is damaged and will not be used: %s. Falling back to an earlier one.",
                            found.path, "; ".join(problems))
         return None
+
+    def no_usable_checkpoint(self) -> str | None:
+        """After `latest_complete` found none: the message that stops a resume when checkpoints exist but every one
+        is damaged (None when there are none at all, and starting fresh is right)."""
+        if not self.damage:
+            return None
+        listing = "; ".join(f"{name}: {', '.join(problems)}" for name, problems in self.damage.items())
+        return (f"--is_keep_training=True found no usable checkpoint in {self.run_dir}: every one is damaged "
+                f"({listing}). Nothing was changed or deleted. Restore the run folder from a copy if you have one; to "
+                f"start a new run there instead, run without --is_keep_training and with --overwrite=True (that "
+                f"deletes these checkpoints), or choose another --output_dir.")
 
     def start_from(self, checkpoint: str | Path) -> Path:
         """Resume from this checkpoint instead of the newest (main process): it must be one of this run folder's
@@ -429,14 +449,71 @@ class CheckpointManager:
             if found.step in plan or not found.has_marker_file:
                 continue  # marker-less folders are cleanup_incomplete's, and only at a safe moment
             if found.step in self._damaged or found.marker is None:
-                logger.warning("Removing damaged checkpoint %s.", found.path)
+                # Set aside, never deleted: a damaged checkpoint may still hold what someone needs.
+                aside = self.run_dir / DAMAGED_DIR / found.path.name
+                aside.parent.mkdir(exist_ok=True)
+                shutil.rmtree(aside, ignore_errors=True)
+                found.path.rename(aside)
+                logger.warning("Damaged checkpoint %s moved to %s (delete it once you no longer need it).",
+                               found.path, aside)
             else:
                 logger.info("Removing checkpoint %s (%s=%s): neither the latest nor among the %d best.",
                             found.path, self.metric, self._scores.get(found.step), self.keep_best_n)
-            self._delete(found.path)
+                self._delete(found.path)
             self._scores.pop(found.step, None)
             self._damaged.discard(found.step)
+        self._strip_older(plan)
         self._write_manifest(plan)
+
+    def _strip_older(self, plan: dict[int, list[str]]) -> None:
+        """Remove what only a resume reads (`resume_only`) from kept checkpoints older than the newest
+        `keep_resumable_n`: they are kept for their score, and evaluation and export read only the weights. The
+        marker is rewritten first, so an interruption leaves files the marker no longer lists, never a marker
+        that lists missing files."""
+        if not self.resume_only:
+            return
+        resumable = sorted(plan)[-self.keep_resumable_n:]
+        for found in self._complete():
+            if found.step not in plan or found.step in resumable:
+                continue
+            present = [name for name in self.resume_only if (found.path / name).exists()]
+            if not present:
+                continue
+            if not found.marker.get("weights_only"):
+                files = {rel: entry for rel, entry in found.marker["files"].items()
+                         if not any(rel == name or rel.startswith(f"{name}/") for name in self.resume_only)}
+                marker = {**found.marker, "files": files, "weights_only": True,
+                          "total_bytes": sum(entry["size"] for entry in files.values())}
+                write_json_atomic(found.path / MARKER_NAME, marker)
+            for name in present:
+                target = found.path / name
+                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+            logger.info("Checkpoint %s keeps its weights only (%s removed: only the newest %d checkpoints keep what "
+                        "a resume needs).", found.path.name, ", ".join(present), self.keep_resumable_n)
+
+    def _report_sizes(self, final: Path, marker: dict[str, Any]) -> None:
+        """Once per run, at its first save: the checkpoint's size, what the kept ones will take, the space left."""
+        if self._sizes_reported:
+            return
+        self._sizes_reported = True
+        total = int(marker["total_bytes"])
+        resume_part = sum(entry["size"] for rel, entry in marker["files"].items()
+                          if any(rel == name or rel.startswith(f"{name}/") for name in self.resume_only))
+        kept = self.keep_best_n + 1
+        resumable = min(self.keep_resumable_n, kept) if self.resume_only else kept
+        in_all = resumable * total + (kept - resumable) * (total - resume_part)
+        free = free_bytes(self.run_dir)
+        parts = f" (optimizer state {resume_part / MB:,.1f} MB)" if resume_part else ""
+        line = (f"Checkpoint size: {final.name} takes {total / MB:,.1f} MB{parts}. At most {kept} checkpoints are "
+                f"kept ({resumable} with what a resume needs, {kept - resumable} with the weights only): about "
+                f"{in_all / MB:,.1f} MB in all; {'unknown' if free is None else f'{free / MB:,.1f} MB'} free on "
+                f"that disk now.")
+        if free is not None and in_all - total > free:
+            logger.warning("%s That is not enough for the checkpoints still to come: free space, lower "
+                           "--keep_latest_n_ckp or --keep_optimizer_n_ckp, or set --output_dir to a larger disk.",
+                           line)
+        else:
+            logger.info(line)
 
     def _delete(self, folder: Path) -> None:
         """Remove a checkpoint so that an interruption midway leaves an incomplete folder, never a damaged one:
@@ -576,6 +653,7 @@ class CheckpointManager:
         self._damaged.discard(step)
         self._scores[step] = clean
         logger.info("Saved checkpoint %s (%.1f MB, %s=%s).", final, marker["total_bytes"] / MB, self.metric, clean)
+        self._report_sizes(final, marker)
         try:
             self._retain(just_saved=step)
         except OSError as exc:  # the checkpoint is complete; a full disk must not turn that into a failed save
@@ -588,36 +666,24 @@ class CheckpointManager:
         return int(complete[-1].marker.get("total_bytes", 0)) if complete else 0
 
     def _describe(self, error: Exception, step: int, written: int) -> Exception:
-        """Turn an OSError into a CheckpointError that says what happened and what to do; others pass through."""
-        if not isinstance(error, OSError) or isinstance(error, CheckpointError):
+        """Turn a write failure into a CheckpointError that says what happened and what to do; a failure that is
+        no OS error (a bug in the write callback) passes through as it is."""
+        if isinstance(error, CheckpointError):
             return error
-        where = self.run_dir
-        try:
-            free = shutil.disk_usage(where if where.exists() else where.parent).free
-        except OSError:
-            free = -1
-        free_text = f"{free / MB:.1f} MB are free there now" if free >= 0 else "free space is unknown"
         previous = self._complete()
-        resume = (f"then resume with `{command_line('train ... --is_keep_training=True')}` (your flags, and that "
-                  f"one: it continues from {previous[-1].path.name})"
-                  if previous else "then start again")
-        if error.errno in _SPACE_ERRNOS:
-            needed = max(written, self._previous_size())
-            return CheckpointError(
-                f"Not enough disk space to save checkpoint-{step} in {where}: {written / MB:.1f} MB were written "
-                f"before the disk filled up, and a checkpoint needs about {needed / MB:.1f} MB "
-                f"(the size of the previous one, or what was written so far), while {free_text}. Free at least "
-                f"that much (delete old runs or checkpoints you no longer need), lower --keep_latest_n_ckp so fewer "
-                f"checkpoints are kept, or set --output_dir to a larger disk; {resume}. The partial folder was "
-                f"removed; earlier checkpoints are untouched. ({error})"
-            )
-        if error.errno in _PERMISSION_ERRNOS:
-            return CheckpointError(
-                f"No permission to write checkpoint-{step} in {where}: {error}. Make the folder writable by this "
-                f"user (check `ls -ld {where}` and its owner) or set --output_dir to a folder you can write; "
-                f"{resume}. The partial folder was removed; earlier checkpoints are untouched."
-            )
+        then = (f"then resume with `{command_line('train ... --is_keep_training=True')}` (your flags, and that "
+                f"one: it continues from {previous[-1].path.name})" if previous else "then start again")
+        kept = "The partial folder was removed; earlier checkpoints are untouched."
+        described = disk_write_error(error, f"checkpoint-{step}", self.run_dir, written=written,
+                                     needed=max(written, self._previous_size()), then=then, kept=kept,
+                                     kind=CheckpointError)
+        if described is not None:
+            return described
+        if not isinstance(error, OSError):
+            return error
+        free = free_bytes(self.run_dir)
+        free_text = f"{free / MB:.1f} MB are free there now" if free is not None else "free space is unknown"
         return CheckpointError(
-            f"Could not save checkpoint-{step} in {where}: {error} ({free_text}). Check the disk and the folder, "
-            f"{resume}. The partial folder was removed; earlier checkpoints are untouched."
+            f"Could not save checkpoint-{step} in {self.run_dir}: {error} ({free_text}). Check the disk and the "
+            f"folder, {then}. {kept}"
         )

@@ -38,7 +38,15 @@ except ImportError:  # Windows: no flock; the folder is checked but not locked
 
 def check_output_dir(folder: str | Path, option: str = "--output_dir") -> None:
     """Refuse an output folder that is a file, or that cannot be created or written, before anything is built."""
+    if not str(folder).strip():
+        raise ConfigError(f"{option} is empty: name the folder the run writes its checkpoints and model into, e.g. "
+                          f"{option}=model_save/my_run.")
     path = Path(folder)
+    dangling = next((part for part in (path, *path.parents) if part.is_symlink() and not part.exists()), None)
+    if dangling is not None:
+        raise ConfigError(f"{option}={folder}: {dangling} is a symbolic link to {os.readlink(dangling)}, which does "
+                          f"not exist (a disk not mounted, or a folder moved away). Mount or create the folder it "
+                          f"points to, or remove the link (`rm {dangling}`) to write into a new folder there.")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{option}={folder} is a file, not a folder: checkpoints and the model are written into "
                           f"a folder. Choose another {option}, or move the file away.")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import fire
@@ -116,4 +117,22 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
         if str(error):  # a rank that only follows the main process's decision has nothing to add
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        described = _disk_failure(error)
+        if described is None:
+            raise
+        print(f"error: {described}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _disk_failure(error: Exception) -> Exception | None:
+    """The one-paragraph message for a write that failed for space or permission where no part of the command
+    said more about it (the parts that write checkpoints and models do); None for any other error."""
+    from lowmem.disk_errors import disk_write_error
+
+    where = getattr(error, "filename", None) or next(
+        (getattr(linked, "filename", None) for linked in (error.__cause__, error.__context__) if linked is not None),
+        None)
+    where = Path(where).parent if where else Path.cwd()
+    return disk_write_error(error, "a file", where)

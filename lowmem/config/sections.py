@@ -23,6 +23,12 @@ class DataConfig:
     test_file: str = option("data/test.parquet", "rows for the final evaluation (never trained on)")
     prompt_column: str = option("prompt", "text column with the prompt")
     response_column: str = option("response", "text column with the response")
+    # Not a resume setting: positions count the rows left out too, so a run refused at bad text resumes with skip.
+    bad_text: str = option("refuse", "rows whose text is not valid UTF-8: refuse stops with a message naming the "
+                           "file, row group, row and column; skip leaves them out, counted with the rows with empty "
+                           "values", choices=("refuse", "skip"),
+                           hint="refuse stops at the first such row and names it, skip leaves such rows out and "
+                           "counts them")
     dataloader_buffer_size: int = option(2000, "rows in each process's shuffle buffer", minimum=1, resume=EXACT)
     dataloader_mix_row_groups: int = option(16, "row groups each reader reads at once and mixes into every batch; "
                                             "memory holds this many row groups", minimum=1, resume=EXACT,
@@ -147,6 +153,10 @@ class OutputConfig:
     # The name is historical: it counts the best checkpoints (by best_metric), and the latest is kept on top.
     keep_latest_n_ckp: int = option(3, "how many best checkpoints (by best_metric) are kept besides the latest, "
                                     "which is always kept", minimum=0, aliases=("keep_best_n",))
+    keep_optimizer_n_ckp: int = option(2, "how many of the newest kept checkpoints keep the optimizer state a "
+                                       "resume needs (the latest, and the one a damaged latest falls back to); "
+                                       "the others keep the weights, which is all evaluation and export read",
+                                       minimum=1)
     report_to: str = option("none", "training curves through Accelerate's trackers, from the main process: "
                             "tensorboard (event files in logs/tensorboard/<basename of output_dir>/), wandb, or none",
                             choices=("none", "tensorboard", "wandb"))

@@ -1,8 +1,9 @@
 """The rest of an epoch after a change of layout: a position saved by N consumers, read by M.
 
 Positions are saved per consumer, under a layout (`lowmem.data.lanes`). When a run continues with another
-number of consumers (processes × DataLoader workers), lanes or window size, the rows no old consumer has
-sent yet become a new sequence, the *remainder*, which the new layout shares out as it would an epoch:
+number of consumers (processes × DataLoader workers), another split of them (2 × 1 → 1 × 2: each process's
+length and steps change), lanes or window size, the rows no old consumer has sent yet become a new sequence,
+the *remainder*, which the new layout shares out as it would an epoch:
 
     for each old consumer, in order:  the unsent rows of its current window (one piece whose source is a
                                       `WindowRest`), then each lane's rows after that window
@@ -113,7 +114,8 @@ class EpochLayers:
                 pieces, rests = remainder_pieces(previous, self.closed[index - 1].positions, index - 1)
                 sequence = PieceSequence.of(pieces, tuple(rests))
             spec = self.closed[index].spec if index < len(self.closed) else self.current
-            # The first layer keeps the key layouts had before layers existed, so that its order is unchanged.
+            # The first layer keeps the key layouts had before layers existed, so that its order is unchanged;
+            # how its consumers are split into processes stays out of every key for the same reason.
             self._layouts.append(Layout(sequence, spec, self.plan.shuffle, self.drop_remainder,
                                         (*self.key, spec.consumers), () if index == 0 else (index,)))
         return self._layouts[layer]

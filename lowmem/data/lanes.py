@@ -1,7 +1,8 @@
 """How consumers share out a sequence of rows, and the order in which each reads its share: lanes and windows.
 
 A layout is three numbers: consumers `C`, lanes `K` (how many row groups are read at once and mixed) and
-window rows `B` (the shuffle buffer).
+window rows `B` (the shuffle buffer); and how the consumers are split into processes × readers per process,
+which tells layouts apart (a saved position is read in its own layout only) but does not enter any order.
 
 - Consumer `c` takes the contiguous slice `[c * R, (c + 1) * R)` of the sequence, `R = total // C`; the last
   `total % C` rows are left out (evaluation instead gives the first few consumers one row more).
@@ -33,21 +34,38 @@ from lowmem.data.plan import Piece, PieceSequence, consumer_range
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """How a sequence is shared out and read: consumers, lanes per consumer, rows per window."""
+    """How a sequence is shared out and read: consumers, lanes per consumer, rows per window, and the processes
+    the consumers are split among (None: not recorded, in layers saved before it was).
+
+    Consumer `c` is DataLoader worker `c % (consumers // processes)` of process `c // (consumers // processes)`.
+    2 processes × 1 reader and 1 process × 2 readers are the same `consumers` but not the same layout: the
+    readers of a process share its length and its steps, so a position saved under one is a new layer under
+    the other. The orders depend on `consumers` alone, so runs that keep their layout read as they always did.
+    """
 
     consumers: int
     lanes: int
     window_rows: int
+    processes: int | None = None
+
+    @property
+    def readers_per_process(self) -> int | None:
+        return None if self.processes is None else self.consumers // self.processes
 
     def as_dict(self) -> dict[str, int]:
-        return {"consumers": self.consumers, "lanes": self.lanes, "window_rows": self.window_rows}
+        spec = {"consumers": self.consumers, "lanes": self.lanes, "window_rows": self.window_rows}
+        return spec if self.processes is None else {**spec, "processes": self.processes}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayoutSpec":
-        return cls(int(data["consumers"]), int(data["lanes"]), int(data["window_rows"]))
+        processes = data.get("processes")
+        return cls(int(data["consumers"]), int(data["lanes"]), int(data["window_rows"]),
+                   None if processes is None else int(processes))
 
     def describe(self) -> str:
-        return f"{self.consumers} consumer(s), {self.lanes} lane(s), windows of {self.window_rows} rows"
+        readers = (f"{self.consumers} consumer(s)" if self.processes is None
+                   else f"{self.processes} process(es) × {self.readers_per_process} reader(s)")
+        return f"{readers}, {self.lanes} lane(s), windows of {self.window_rows} rows"
 
 
 def deal_to_lanes(pieces: list[Piece], lanes: int) -> list[PieceSequence]:

@@ -81,7 +81,7 @@ def _sample_rows(index: RowGroupIndex) -> list[tuple[str, str]]:
                 continue
             columns = [batch.column(name).to_pylist() for name in index.columns]
             rows.extend((prompt or "", response or "") for prompt, response in zip(*columns))
-    except (pa.ArrowException, OSError):
+    except (pa.ArrowException, OSError, UnicodeDecodeError):
         return rows  # the stream reports unreadable data with its own message; the plan makes do with less
     finally:
         release_arrow_memory()

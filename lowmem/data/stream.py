@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Iterator, Sequence
 
+import numpy as np
+import pyarrow as pa
 from torch.utils.data import IterableDataset, get_worker_info
 
+from lowmem.data.bad_text import bad_text_error, check_bad_text, raw_values, undecodable_rows
 from lowmem.data.elastic import EpochLayers, Layer, Position, close_layer
-from lowmem.data.lanes import LayoutSpec
+from lowmem.data.fingerprint import changed_files, content_fingerprint
+from lowmem.data.lanes import ConsumerOrder, LayoutSpec
 from lowmem.data.plan import EpochPlan, consumer_range
 from lowmem.data.reader import RowGroupReader
 from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, build_row_group_index, warn_large_row_groups
-from lowmem.data.windows import SourceCache, Window, read_window
+from lowmem.data.windows import SourceCache, Window, read_window, row_origin
 from lowmem.errors import DataError
 from lowmem.memory import MemoryBudget
 
@@ -58,10 +63,16 @@ class ParquetStream(IterableDataset):
             `total_rows % consumers` consumers taking one row more.
         max_rows: read only the first `max_rows` rows of each epoch's sequence (of the file order when
             not shuffling), e.g. the first validation prompts to score.
+        bad_text: what to do with a row whose text is not valid UTF-8: "refuse" (stop with a DataError naming
+            the file, row group, row and column) or "skip" (leave it out, counted with the rows with empty
+            values; a position stays exact).
+        allow_changed_content: load a saved position whose files have the same names and row counts but
+            other content (`lowmem.data.fingerprint`) with a warning, instead of refusing it.
 
     Each consumer (a rank, or a DataLoader worker of a rank) yields exactly `total_rows // consumers`
     rows per epoch, minus rows with a null or empty value, which are skipped and counted. A saved position
-    continues exactly with the same consumers, and loads into any other number of them (`lowmem.data.elastic`).
+    continues exactly with the same processes and workers per process, and loads into any other number or split
+    of them (`lowmem.data.elastic`).
     """
 
     def __init__(
@@ -80,9 +91,13 @@ class ParquetStream(IterableDataset):
         drop_remainder: bool = True,
         max_rows: int | None = None,
         mix_row_groups: int = DEFAULT_MIX_ROW_GROUPS,
+        bad_text: str = "refuse",
+        allow_changed_content: bool = False,
     ):
         super().__init__()
         _check_arguments(columns, buffer_size, rank, world_size, num_workers, mix_row_groups)
+        self.bad_text = check_bad_text(bad_text)
+        self.allow_changed_content = bool(allow_changed_content)
         self.columns = tuple(columns)
         self.buffer_size = int(buffer_size)
         self.mix_row_groups = int(mix_row_groups)
@@ -93,6 +108,7 @@ class ParquetStream(IterableDataset):
         self.drop_remainder = bool(drop_remainder)
         self.max_rows = None if max_rows is None else int(max_rows)
         self.index = build_row_group_index(files, self.columns)
+        self._content: dict[str, Any] | None = None  # the files' content fingerprint, computed when first needed
 
         budget = MemoryBudget.detect() if ultra_low_mem is None or large_row_group_bytes is None else None
         self.ultra_low_mem = budget.is_low(ultra_low_mem_threshold_gb) if ultra_low_mem is None else bool(ultra_low_mem)
@@ -127,8 +143,9 @@ class ParquetStream(IterableDataset):
         return self.world_size * self.workers_per_rank
 
     def layout_spec(self, num_consumers: int | None = None) -> LayoutSpec:
-        """The layout this stream's settings give for `num_consumers` consumers (default: ranks × workers)."""
-        return LayoutSpec(num_consumers or self.num_consumers, self.lanes, self.buffer_size)
+        """The layout this stream's settings give for `num_consumers` consumers (default: ranks × workers),
+        split among `world_size` processes."""
+        return LayoutSpec(num_consumers or self.num_consumers, self.lanes, self.buffer_size, self.world_size)
 
     def plan(self) -> EpochPlan:
         """This epoch's sequence of row groups."""
@@ -171,16 +188,24 @@ class ParquetStream(IterableDataset):
 
     @property
     def skipped_rows(self) -> int:
-        """Rows skipped this epoch for a null or empty value, by the iterations in this process."""
-        return sum(cursor.skipped for cursor in self._live.values())
+        """Rows skipped this epoch for a null or empty value (or text that is not UTF-8, with `bad_text="skip"`),
+        by the iterations in this process."""
+        return sum(cursor.as_list()[2] for cursor in self._live.values())
+
+    def content_fingerprint(self) -> dict[str, Any]:
+        """The data files' content fingerprint (`lowmem.data.fingerprint`), computed once, when first needed:
+        it reads every footer and a few row groups per file."""
+        if self._content is None:
+            self._content = content_fingerprint(self.index)
+        return self._content
 
     # ----- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch: small and JSON-serialisable, valid at any point of an iteration.
 
-        It holds the epoch, seeds, a fingerprint of the data, and the layout with one `[window, sent,
-        skipped]` per consumer of this rank, never rows. With DataLoader workers the positions live in the
-        worker processes: use `StreamLoader.state_dict()` there.
+        It holds the epoch, seeds, fingerprints of the data (its files and row groups, and their content), and
+        the layout with one `[window, sent, skipped]` per consumer of this rank, never rows. With DataLoader
+        workers the positions live in the worker processes: use `StreamLoader.state_dict()` there.
         """
         live = {consumer: cursor.as_list() for consumer, cursor in self._live.items()}
         return self.state_with_positions({**self._resume, **live})
@@ -192,9 +217,11 @@ class ParquetStream(IterableDataset):
         workers = spec.consumers // self.world_size
         own = {consumer: [0, 0, 0] for consumer in range(self.rank * workers, (self.rank + 1) * workers)}
         own.update({consumer: list(position) for consumer, position in positions.items() if consumer in own})
+        content = self.content_fingerprint()
         return {
             "format": STATE_FORMAT,
             "data": self.index.fingerprint,
+            "data_content": {**content, "files": list(content["files"])},
             "seed": self.seed,
             "shuffle": self.shuffle,
             "epoch": self.epoch,
@@ -284,20 +311,55 @@ class ParquetStream(IterableDataset):
             if cursor.sent == 0:  # a window resumed part-way was counted before the save
                 cursor.skipped += window.skipped
             cursor.begin_window(window)
-            for start in range(window.first_unsent(cursor.sent), window.rows.num_rows, _CONVERT_ROWS):
-                chunk = window.rows.slice(start, _CONVERT_ROWS).to_pylist()
+            start = window.first_unsent(cursor.sent)
+            while start < window.rows.num_rows:
+                try:
+                    chunk = window.rows.slice(start, _CONVERT_ROWS).to_pylist()
+                except UnicodeDecodeError:
+                    chunk = None  # handled below, so that a refusal does not carry this error's traceback
+                if chunk is None:
+                    # Rare, so looked into only now: refuse, or go on without the rows from here on that hold it.
+                    window = self._without_bad_text(window, start, layers, layer, order, cursor)
+                    continue
                 # `yield from` a list iterator costs far less per row than a Python loop, and the
                 # cursor reads its position from the iterator when asked.
                 yield from cursor.follow(start, chunk)
+                start += _CONVERT_ROWS
             del window
             cursor.next_window()
         for cache in caches:
             cache.clear()
         if cursor.skipped:
+            bad = (f" or text that is not valid UTF-8 ({cursor.bad_text_rows} of them in this reading of the epoch, "
+                   f"the first at {cursor.first_bad_text})" if cursor.bad_text_rows else "")
             logger.warning(
-                "Skipped %d rows with a null or empty %s value in epoch %d (rank %d, consumer %d of %d).",
-                cursor.skipped, "/".join(self.columns), self.epoch, self.rank, consumer, layers.current.consumers,
+                "Skipped %d rows with a null or empty %s value%s in epoch %d (rank %d, consumer %d of %d).",
+                cursor.skipped, "/".join(self.columns), bad, self.epoch, self.rank, consumer, layers.current.consumers,
             )
+
+    def _without_bad_text(self, window: Window, start: int, layers: EpochLayers, layer: int, order: ConsumerOrder,
+                          cursor: "_Cursor") -> Window:
+        """`window` without its rows from `start` on whose text is not valid UTF-8 (`bad_text="skip"`), the cursor
+        moved onto it; with `bad_text="refuse"`, the DataError naming the first such row."""
+        rest = window.rows.slice(start)
+        bad = undecodable_rows(rest)
+        if not bad:
+            raise DataError(f"A row of epoch {self.epoch} could not be read as text, but no value in it is invalid "
+                            "UTF-8 when checked again. Report this, with the data file if you can.")
+        rows_bad = np.logical_or.reduce(list(bad.values()))
+        raw = np.arange(window.rows.num_rows) if window.kept_at is None else window.kept_at
+        first = int(np.flatnonzero(rows_bad)[0])
+        column = next(name for name in self.columns if name in bad and bad[name][first])
+        group, row = row_origin(order, cursor.window, int(raw[start + first]), layers, layer, self.index)
+        where = (f"row {row} of row group {int(self.index.group_in_file[group])} of "
+                 f"'{self.index.paths[int(self.index.file_id[group])]}'")
+        if self.bad_text == "refuse":
+            raise bad_text_error(where, column, raw_values(rest.column(column).slice(first, 1))[0])
+        keep = np.ones(window.rows.num_rows, dtype=bool)
+        keep[start:] = ~rows_bad
+        without = Window(window.rows.filter(pa.array(keep)), raw[keep], window.skipped)
+        cursor.leave_out(without, raw[start:][rows_bad], f"{where}, column '{column}'")
+        return without
 
     def close(self) -> None:
         """Close open files (iteration reopens them as needed)."""
@@ -325,9 +387,22 @@ class _Cursor:
         self._sent_before = sent  # the raw position when no chunk is being followed
         self._window: Window | None = None
         self._base, self._chunk_len, self._rows_left = 0, 0, None
+        # Raw positions (sorted) of this window's rows left out for text that is not UTF-8: found only when a
+        # chunk fails to convert, so they count as skipped once the position is past them (a resume before
+        # them meets and counts them again; one after them does not).
+        self._bad_at: np.ndarray | None = None
+        self.bad_text_rows = 0  # rows left out for text that is not UTF-8 by this iteration, for its warning
+        self.first_bad_text: str | None = None  # where the first of them was
 
     def begin_window(self, window: Window) -> None:
         self._window = window
+
+    def leave_out(self, window: Window, bad_at: np.ndarray, where: str) -> None:
+        """Go on in `window`: the current one without the rows at raw positions `bad_at` (the first at `where`)."""
+        sent = self.sent  # read while the chunk followed so far still indexes the old window's rows
+        self._sent_before, self._window, self._base, self._chunk_len, self._rows_left = sent, window, 0, 0, None
+        self._bad_at = bad_at if self._bad_at is None else np.union1d(self._bad_at, bad_at)
+        self.first_bad_text = self.first_bad_text or where
 
     def follow(self, start: int, chunk: list) -> Iterator:
         rows = iter(chunk)
@@ -341,11 +416,17 @@ class _Cursor:
         return self._window.raw_position(self._base + self._chunk_len - self._rows_left())
 
     def next_window(self) -> None:
+        if self._bad_at is not None:
+            self.skipped += len(self._bad_at)
+            self.bad_text_rows += len(self._bad_at)
+            self._bad_at = None
         self.window += 1
         self._sent_before, self._window, self._base, self._chunk_len, self._rows_left = 0, None, 0, 0, None
 
     def as_list(self) -> Position:
-        return [self.window, self.sent, self.skipped]
+        sent = self.sent
+        passed = 0 if self._bad_at is None else int(np.searchsorted(self._bad_at, sent))
+        return [self.window, sent, self.skipped + passed]
 
 
 def _check_arguments(columns: Sequence[str], buffer_size: int, rank: int, world_size: int, num_workers: int,
@@ -366,12 +447,18 @@ def _saved_layers(state: dict[str, Any]) -> list[Layer]:
     """The layers of a saved state; a state from before layers (format 1) is one layer of single-lane windows."""
     if not isinstance(state, dict) or state.get("format") not in (1, STATE_FORMAT):
         raise DataError("This is not a ParquetStream position (unknown format); it cannot be resumed from.")
+    processes = int(state["world_size"])
     if state["format"] == 1:
-        consumers = int(state["world_size"]) * int(state["workers_per_rank"])
-        spec = LayoutSpec(consumers, 1, int(state["buffer_size"]))
+        consumers = processes * int(state["workers_per_rank"])
+        spec = LayoutSpec(consumers, 1, int(state["buffer_size"]), processes)
         positions = {int(consumer): [int(v) for v in position] for consumer, position in state["consumers"].items()}
         return [Layer(spec, positions)]
-    return [Layer.from_dict(layer) for layer in state["layers"]]
+    layers = [Layer.from_dict(layer) for layer in state["layers"]]
+    # A state saved before layouts recorded their processes: its last layer is the saving run's, and the
+    # earlier layers are never compared with a layout again, so they keep None.
+    if layers[-1].spec.processes is None:
+        layers[-1] = Layer(dataclasses.replace(layers[-1].spec, processes=processes), layers[-1].positions)
+    return layers
 
 
 def _check_state_matches(stream: ParquetStream, state: dict[str, Any]) -> None:
@@ -387,3 +474,33 @@ def _check_state_matches(stream: ParquetStream, state: dict[str, Any]) -> None:
             "The saved data position does not fit this stream: " + "; ".join(differences) + ". Resume with "
             "the same data files, seed and shuffle, or start the data from the beginning of an epoch."
         )
+    _check_same_content(stream, state.get("data_content"))
+
+
+_NAMED_FILES = 5  # changed files named in the message; the others are counted
+
+
+def _check_same_content(stream: ParquetStream, saved: Any) -> None:
+    """Refuse a saved position whose files have the same names and row groups but other content.
+
+    A state saved before content fingerprints existed (no `data_content`) is not checked.
+    """
+    if saved is None:
+        return
+    changed = changed_files(stream.index, saved, stream.content_fingerprint())
+    if not changed:
+        return
+    names = ", ".join(f"'{name}'" for name in changed[:_NAMED_FILES])
+    more = f" and {len(changed) - _NAMED_FILES} more" if len(changed) > _NAMED_FILES else ""
+    what = (f"The content of {names}{more} changed since this data position was saved (same file names and rows "
+            "per row group, but the footer or the sampled rows differ): the saved position would continue over "
+            "other rows.")
+    if stream.allow_changed_content:
+        logger.warning("%s Continuing from the saved position as asked: rows of %s may be read twice or not at "
+                       "all in this epoch.", what, "that file" if len(changed) == 1 else "those files")
+        return
+    raise DataError(
+        f"{what} Resume with the data files the run was trained on, or pass --allow_config_change=True "
+        "(allow_changed_content=True for a ParquetStream) to continue from the saved position knowingly: rows "
+        "of the changed files may then be read twice or not at all in this epoch."
+    )

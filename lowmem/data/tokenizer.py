@@ -30,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import sentencepiece as spm
 
 from lowmem.atomic_files import write_bytes_atomic
+from lowmem.data.bad_text import bad_text_error, check_bad_text, raw_values, undecodable_rows
 from lowmem.data.reader import iter_file_batches
 from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, RowGroupIndex, build_row_group_index
 from lowmem.data.tokenizer_identity import write_training_record
@@ -81,12 +84,13 @@ class _TextStats:
     values: int = 0
     skipped: int = 0  # null or empty values
     sentences: int = 0
+    bad_text: int = 0  # values left out for text that is not UTF-8 (bad_text="skip")
 
 
-def _stream_sentences(index: RowGroupIndex, stats: _TextStats) -> Iterator[str]:
+def _stream_sentences(index: RowGroupIndex, stats: _TextStats, bad_text: str = "refuse") -> Iterator[str]:
     """Every training sentence of the indexed files, read one Arrow batch at a time."""
     for file_id in range(len(index.files)):
-        for value in _stream_values(index, file_id):
+        for value in _stream_values(index, file_id, bad_text, stats):
             stats.values += 1
             if not value:
                 stats.skipped += 1
@@ -96,12 +100,51 @@ def _stream_sentences(index: RowGroupIndex, stats: _TextStats) -> Iterator[str]:
                 yield sentence
 
 
-def _stream_values(index: RowGroupIndex, file_id: int) -> Iterator[str | None]:
+def _stream_values(index: RowGroupIndex, file_id: int, bad_text: str = "refuse",
+                   stats: _TextStats | None = None) -> Iterator[str | None]:
     """The values of the index's columns in one of its files: batch by batch, and column by column within
-    a batch, with one Arrow batch in memory at a time."""
+    a batch, with one Arrow batch in memory at a time. Text that is not UTF-8 is refused (a DataError naming
+    where) or, with `bad_text="skip"`, left out and counted in `stats`."""
+    first_row = 0  # of the batch, in the file
     for batch in iter_file_batches(index, file_id, READ_BATCH_SIZE):
-        for column in batch.columns:
-            yield from column.to_pylist()
+        for name, column in zip(batch.schema.names, batch.columns):
+            try:
+                values = column.to_pylist()
+            except UnicodeDecodeError:
+                values = None  # handled below, so that a refusal does not carry this error's traceback
+            if values is None:  # rare: only now are the values looked at one by one
+                values = _decodable_values(index, file_id, first_row, name, column, bad_text, stats)
+            yield from values
+        first_row += batch.num_rows
+
+
+def _decodable_values(index: RowGroupIndex, file_id: int, first_row: int, name: str, column: Any, bad_text: str,
+                      stats: _TextStats | None) -> list[str | None]:
+    """A column of a batch whose text is not all UTF-8: the DataError naming the first bad value, or (skip) the
+    other values."""
+    bad = undecodable_rows(pa.table([column], names=[name])).get(name)
+    if bad is None:
+        raise DataError(f"A value of column '{name}' in '{index.paths[file_id]}' could not be read as text, but none "
+                        "is invalid UTF-8 when checked again. Report this, with the data file if you can.")
+    if bad_text != "skip":
+        first = int(np.flatnonzero(bad)[0])
+        group, row = _row_group_of(index.metadata[file_id], first_row + first)
+        raise bad_text_error(f"row {row} of row group {group} of '{index.paths[file_id]}'", name,
+                             raw_values(column.slice(first, 1))[0])
+    if stats is not None:
+        stats.bad_text += int(bad.sum())
+    return [None if value is None else value.decode("utf-8")
+            for value, left_out in zip(raw_values(column), bad) if not left_out]
+
+
+def _row_group_of(metadata: Any, row: int) -> tuple[int, int]:
+    """(row group, row in it) of row `row` of a file, from its footer."""
+    for group in range(metadata.num_row_groups):
+        rows = metadata.row_group(group).num_rows
+        if row < rows:
+            return group, row
+        row -= rows
+    return metadata.num_row_groups - 1, row
 
 
 def _reservoir_sample(sentences: Iterable[str], k: int, seed: int) -> list[str]:
@@ -216,6 +259,16 @@ def _vocab_text(sp: spm.SentencePieceProcessor) -> str:
     return "".join(lines)
 
 
+def _check_training_arguments(vocab_size: int, max_sentences: int, bad_text: str) -> None:
+    if vocab_size <= NUM_RESERVED_PIECES:
+        raise ConfigError(
+            f"vocab_size={vocab_size} is too small: {NUM_RESERVED_PIECES} ids are taken by special and byte pieces"
+        )
+    if max_sentences < 1:
+        raise ConfigError(f"max_sentences={max_sentences} must be at least 1")
+    check_bad_text(bad_text)
+
+
 def train_tokenizer(
     files: FileSpec,
     out_dir: str | Path,
@@ -226,6 +279,7 @@ def train_tokenizer(
     *,
     hard_vocab_limit: bool = True,
     verbose: bool = False,
+    bad_text: str = "refuse",
 ) -> Path:
     """Train a SentencePiece BPE tokenizer on parquet text, streamed, and save it atomically.
 
@@ -245,6 +299,8 @@ def train_tokenizer(
         hard_vocab_limit: if False, a text too small for ``vocab_size`` gives a smaller vocabulary
             instead of an error.
         verbose: let SentencePiece log its progress to stderr.
+        bad_text: a value whose text is not valid UTF-8: "refuse" stops with a DataError naming its file,
+            row group, row and column; "skip" leaves it out (`lowmem.data.bad_text`).
 
     Returns:
         The path of ``tokenizer.model``. It is written last, by a rename, so it exists only if
@@ -255,12 +311,7 @@ def train_tokenizer(
             columns hold no text at all.
         ConfigError: vocab_size does not fit the training text.
     """
-    if vocab_size <= NUM_RESERVED_PIECES:
-        raise ConfigError(
-            f"vocab_size={vocab_size} is too small: {NUM_RESERVED_PIECES} ids are taken by special and byte pieces"
-        )
-    if max_sentences < 1:
-        raise ConfigError(f"max_sentences={max_sentences} must be at least 1")
+    _check_training_arguments(vocab_size, max_sentences, bad_text)
     # Every footer is read and every column checked before training, so a bad last file fails at once
     # rather than after streaming all the files before it.
     index = build_row_group_index(files, tuple(columns))
@@ -272,20 +323,17 @@ def train_tokenizer(
         logger.warning("replacing %s: models trained with the old tokenizer will not match the new one", model_path)
 
     stats = _TextStats()
-    sample = _reservoir_sample(_stream_sentences(index, stats), max_sentences, seed)
+    sample = _reservoir_sample(_stream_sentences(index, stats, bad_text), max_sentences, seed)
+    if stats.bad_text:
+        logger.warning("Left %d values whose text is not valid UTF-8 out of the tokenizer's training text "
+                       "(bad_text=skip).", stats.bad_text)
     if not sample:
         raise DataError(
             f"no text to train the tokenizer on: columns {list(columns)} of {list(index.paths)} "
             "are all null or empty"
         )
-    logger.info(
-        "training the tokenizer on %d of %d sentences (%d values, %d null or empty skipped, %d files)",
-        len(sample),
-        stats.sentences,
-        stats.values,
-        stats.skipped,
-        len(index.files),
-    )
+    logger.info("training the tokenizer on %d of %d sentences (%d values, %d null or empty skipped, %d files)",
+                len(sample), stats.sentences, stats.values, stats.skipped, len(index.files))
     proto = _run_trainer(sample, _trainer_options(vocab_size, hard_vocab_limit, verbose))
 
     sp = spm.SentencePieceProcessor(model_proto=proto)

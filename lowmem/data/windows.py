@@ -13,6 +13,7 @@ from lowmem.data.elastic import EpochLayers
 from lowmem.data.lanes import ConsumerOrder
 from lowmem.data.plan import Piece
 from lowmem.data.reader import RowGroupReader
+from lowmem.data.sources import RowGroupIndex
 from lowmem.memory import release_arrow_memory
 
 
@@ -118,3 +119,25 @@ def keep_mask(table: pa.Table) -> pa.ChunkedArray | None:
     if mask is None or pc.all(mask).as_py():
         return None
     return mask
+
+
+class _OriginReader:
+    """Reads, for each row group, the row group's number and each row's index in it, instead of its columns:
+    `raw_window` over it gives where each row of a window comes from, with no file read."""
+
+    def __init__(self, index: RowGroupIndex):
+        self.index = index
+
+    def read(self, group: int) -> pa.Table:
+        rows = int(self.index.rows[group])
+        return pa.table({"group": np.full(rows, group, dtype=np.int64), "row": np.arange(rows, dtype=np.int64)})
+
+
+def row_origin(order: ConsumerOrder, window: int, raw_position: int, layers: EpochLayers, layer: int,
+               index: RowGroupIndex) -> tuple[int, int]:
+    """(row group of the index, row in it as stored in its file) of the row at `raw_position` of a raw window.
+
+    For messages about one row (rare): it builds the window's order again, from numbers only.
+    """
+    origins = raw_window(order, window, _OriginReader(index), layers, layer, release_after_drop=False)
+    return int(origins.column("group")[raw_position].as_py()), int(origins.column("row")[raw_position].as_py())

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -228,17 +228,36 @@ def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     elif kind == FSDP:
         _save_sharded_optimizer(folder / FSDP_OPTIMIZER_DIR, model, optimizer)
     elif accelerator.is_main_process:
-        torch.save(_inner_optimizer(optimizer).state_dict(), folder / OPTIMIZER_FILE)
+        save_torch_file(_inner_optimizer(optimizer).state_dict(), folder / OPTIMIZER_FILE)
+
+
+def save_torch_file(obj: object, path: Path) -> None:
+    """torch.save through an open file: a failed write (a full disk) then keeps its OSError in the exception's
+    context, where `lowmem.disk_errors` finds it; torch.save(obj, path) reports only "unexpected pos"."""
+    with open(path, "wb") as file:
+        torch.save(obj, file)
 
 
 def _save_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Each rank writes its optimizer shard (torch.distributed.checkpoint); also works unsharded."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    folder.mkdir(parents=True, exist_ok=True)
     model = uncompiled(model)
-    dcp.save({"optimizer": get_optimizer_state_dict(model, _inner_optimizer(optimizer))}, checkpoint_id=str(folder))
+    save_distributed({"optimizer": get_optimizer_state_dict(model, _inner_optimizer(optimizer))}, folder)
+
+
+def save_distributed(state: dict, folder: Path, **options: Any) -> None:
+    """`torch.distributed.checkpoint.save` of `state` into `folder`. Its CheckpointException is a BaseException
+    (it would slip past every `except Exception`), so it is raised again as a RuntimeError caused by it, which
+    keeps each rank's error (a full disk's OSError among them) for `lowmem.disk_errors`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        dcp.save(state, checkpoint_id=str(folder), **options)
+    except CheckpointException as error:
+        raise RuntimeError(f"torch.distributed.checkpoint could not save {folder}") from error
 
 
 def _load_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -299,9 +318,20 @@ def _saved_strategy(folder: Path) -> str:
 
 
 def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                             accelerator: Accelerator) -> None:
-    """Load the weights and optimizer state saved by `save_model_and_optimizer`; every rank calls it."""
-    kind, saved = strategy(accelerator), _saved_strategy(folder)
+                             accelerator: Accelerator, with_optimizer: bool = True) -> None:
+    """Load the weights and optimizer state saved by `save_model_and_optimizer`; every rank calls it.
+
+    Without `with_optimizer` only the weights file is read (a checkpoint kept for its score holds nothing else),
+    under any strategy, and the optimizer keeps its fresh state.
+    """
+    kind = strategy(accelerator)
+    if not with_optimizer and kind != DEEPSPEED:
+        if kind == FSDP:
+            _load_full_weights_from_main(folder / WEIGHTS_FILE, model, accelerator)
+        else:
+            load_weights(model, folder / WEIGHTS_FILE)
+        return
+    saved = _saved_strategy(folder)
     if kind != saved:
         raise ConfigError(
             f"The checkpoint {folder} was saved under {saved} and this run uses {kind}: its optimizer state "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -10,6 +12,8 @@ from typing import Any, TextIO
 
 from lowmem.memory.probe import MemorySnapshot, reset_cuda_peak
 from lowmem.units import MB
+
+logger = logging.getLogger(__name__)
 
 EVENTS = ("start", "record", "watchdog", "end")
 # Every record has every field, null where a figure does not apply (CUDA on the CPU, USS where denied).
@@ -30,9 +34,18 @@ _LOG_NAME_PATTERN = re.compile(
 )
 
 
-def new_run_id(now: float | None = None) -> str:
-    """A run id from the local time, e.g. 20261122-181500; ids of later runs sort after earlier ones."""
-    return time.strftime(RUN_ID_FORMAT, time.localtime(now))
+def new_run_id(now: float | None = None, pid: int | None = None) -> str:
+    """A run id from the local time and the process id, e.g. 20261122-181500-4711: ids of later runs sort after
+    earlier ones, and two runs started in the same second (from one folder, say) still get two ids."""
+    return f"{time.strftime(RUN_ID_FORMAT, time.localtime(now))}-{os.getpid() if pid is None else pid}"
+
+
+def run_id_time(run_id: str) -> float | None:
+    """When the run `run_id` started (seconds since the epoch), read from its timestamp; None for other ids."""
+    try:
+        return time.mktime(time.strptime(run_id[:15], RUN_ID_FORMAT))
+    except ValueError:
+        return None
 
 
 def memory_log_path(log_dir: str | Path, run_id: str, rank: int) -> Path:
@@ -123,10 +136,29 @@ class MemoryLogger:
         self.predicted_high_water = predicted_high_water
         self.continues: list[str] | None = None  # set by a resume, written into the start record
         self.path = memory_log_path(log_dir, run_id, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self._file: TextIO | None = None
+        self.lost: OSError | None = None  # why the file was given up (a full disk): records then go nowhere
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        except OSError as error:
+            self._give_up(error)
+            return
         if link_dir is not None:
             link_file(self.path, Path(link_dir))
+
+    def _give_up(self, error: OSError) -> None:
+        """A memory log that cannot be written (a full disk) is given up with one warning: training goes on, and
+        the readable memory lines still reach the console and the training log."""
+        self.lost = error
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass  # closing flushes, and the disk is still full
+        self._file = None
+        logger.warning("The memory log %s cannot be written (%s): training goes on without it. Free space on that "
+                       "disk to keep the next run's memory log.", self.path, error)
 
     def log(self, snapshot: MemorySnapshot, epoch: int, step: int, event: str = "record",
             freed: int = 0) -> dict[str, Any]:
@@ -139,10 +171,14 @@ class MemoryLogger:
                              step=step, event=event, budget=self.budget_bytes, freed=freed,
                              predicted_high_water=self.predicted_high_water,
                              continues=self.continues if event == "start" else None)
-        if self._file is None:
+        if self._file is None and self.lost is None:
             raise ValueError(f"The memory log {self.path} is closed.")
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            try:
+                self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._file.flush()
+            except OSError as error:
+                self._give_up(error)
         if snapshot.cuda_peak is not None:
             reset_cuda_peak()
         return record
@@ -150,7 +186,10 @@ class MemoryLogger:
     def close(self) -> None:
         """Close the file (records after this raise)."""
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as error:  # the last lines could not be flushed
+                self._give_up(error)
             self._file = None
 
     def __enter__(self) -> "MemoryLogger":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -17,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lowmem.errors import DataError, LowmemError
-from lowmem.memory.log import LOG_GLOB, LOG_NAME, RUN_ID_FORMAT, parse_log_name
+from lowmem.memory.log import LOG_GLOB, LOG_NAME, parse_log_name, run_id_time
 from lowmem.run_files import run_log_dir
 from lowmem.units import MB
 
@@ -46,10 +45,8 @@ def _runs_in(directory: Path) -> dict[str, list[Path]]:
 
 def _run_started(run_id: str, files: list[Path]) -> float:
     """When a run started: from its id when it is a timestamp, else from its files' oldest modification time."""
-    try:
-        return time.mktime(time.strptime(run_id, RUN_ID_FORMAT))
-    except ValueError:
-        return min(file.stat().st_mtime for file in files)
+    started = run_id_time(run_id)
+    return started if started is not None else min(file.stat().st_mtime for file in files)
 
 
 def _by_rank(files: list[Path]) -> list[Path]:

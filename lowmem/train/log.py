@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from tqdm import tqdm
 
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum
-from lowmem.log_format import log_formatter
+from lowmem.log_format import log_formatter, open_log_file
 from lowmem.train.callbacks import StepResult
 from lowmem.units import MB
 
@@ -64,8 +64,8 @@ def setup_training_log(rank: int, is_main: bool, log_dir: str | Path = "logs") -
         console.addFilter(_AllRanksFilter())
     handlers: list[logging.Handler] = [console]
     if is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handlers += [logging.FileHandler(path, encoding="utf-8"), _PendingRunLog()]
+        day_log = open_log_file(path, formatter)
+        handlers += [day_log, _PendingRunLog()] if day_log is not None else [_PendingRunLog()]
     for handler in handlers:
         handler.setFormatter(formatter)
         handler._lowmem = True  # type: ignore[attr-defined]
@@ -93,13 +93,14 @@ def attach_run_log(run_log: str | Path) -> Path | None:
     if pending is None:
         return None
     run_log = Path(run_log)
-    run_log.parent.mkdir(parents=True, exist_ok=True)
-    file = logging.FileHandler(run_log, encoding="utf-8")
-    file.setFormatter(pending.formatter)
+    file = open_log_file(run_log, pending.formatter)
+    root.removeHandler(pending)
+    if file is None:
+        pending.buffer.clear()
+        return None
     file._lowmem = True  # type: ignore[attr-defined]
     for record in pending.buffer:
         file.handle(record)
-    root.removeHandler(pending)
     pending.buffer.clear()
     root.addHandler(file)
     return run_log

@@ -22,6 +22,7 @@ from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
 from lowmem.errors import ConfigError
 from lowmem.memory.cleanup import set_malloc_mmap_threshold
 from lowmem.memory.data_settings import MemorySettings, decide_memory_settings
+from lowmem.disk_errors import writing
 from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
 from lowmem.memory.watchdog import MemoryWatchdog
@@ -86,7 +87,8 @@ def train_tokenizer_for(config: TrainConfig) -> Tokenizer:
     """Train the tokenizer a config asks for; with too little text for `vocab_size`, a smaller one, said so."""
     train_tokenizer(resolve_data_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
                     columns=(config.prompt_column, config.response_column),
-                    max_sentences=config.tokenizer_max_sentences, seed=config.seed, hard_vocab_limit=False)
+                    max_sentences=config.tokenizer_max_sentences, seed=config.seed, hard_vocab_limit=False,
+                    bad_text=config.bad_text)
     tokenizer = Tokenizer.load(config.tokenizer_dir)
     if tokenizer.vocab_size < config.vocab_size:
         logger.warning("The training text supports %d tokenizer pieces, fewer than vocab_size=%d: using %d.",
@@ -101,7 +103,8 @@ def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> tuple[Tok
     if not model_path.is_file() and accelerator.is_main_process:
         logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path, config.train_file,
                     config.vocab_size)
-        train_tokenizer_for(config)
+        with writing("the tokenizer", config.tokenizer_dir, option="--tokenizer_dir"):
+            train_tokenizer_for(config)
     accelerator.wait_for_everyone()
     tokenizer = Tokenizer.load(config.tokenizer_dir)
     identity = {**tokenizer_identity(config.tokenizer_dir), "pieces": tokenizer.vocab_size}
@@ -164,7 +167,7 @@ def make_loader(files: str, config: TrainConfig, accelerator: Accelerator, colla
         files, columns=(config.prompt_column, config.response_column), buffer_size=config.dataloader_buffer_size,
         shuffle=shuffle, seed=config.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
         ultra_low_mem=settings.ultra_low_mem, ultra_low_mem_threshold_gb=config.ultra_low_mem_threshold_gb,
-        mix_row_groups=config.dataloader_mix_row_groups,
+        mix_row_groups=config.dataloader_mix_row_groups, bad_text=config.bad_text,
     )
     return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate,
                         num_workers=settings.num_workers, pin_memory=settings.pin_memory)

@@ -24,6 +24,7 @@ class TrainState:
     tokens_seen: int = 0  # real (non-padding) input tokens, all ranks
     val_loss_start: float = float("nan")  # validation loss before the first step
     skipped_steps: int = 0  # steps whose gradients were not finite: counted, but not applied
+    rows_not_trained: int = 0  # rows of short last accumulation steps that ended epochs, all ranks
     total_steps: int = 0  # the run's optimizer steps in all, as last planned
     # After a resume on another number of processes the schedule is stretched over the new number of steps
     # left: step s follows the schedule of `lr_virtual_total` steps at

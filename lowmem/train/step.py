@@ -31,6 +31,15 @@ def count_tokens(micro_batches: list[Batch], pad_id: int) -> tuple[int, int]:
     return targets, inputs
 
 
+def count_rows(micro_batches: list[Batch]) -> int:
+    """Rows in `micro_batches`: one per sequence, or, where rows are packed, one per segment of a sequence."""
+    rows = 0
+    for batch in micro_batches:
+        segment_ids = batch.get("segment_ids")  # (B, T): 1, 2, ... for the rows of a sequence, 0 for padding
+        rows += int(segment_ids.amax(dim=1).sum()) if segment_ids is not None else int(batch["input_ids"].size(0))
+    return rows
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,
                micro_batches: list[Batch], global_target_tokens: float,
                grad_clip: float) -> tuple[torch.Tensor, float, bool]:

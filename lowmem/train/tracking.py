@@ -14,7 +14,10 @@ logs/tensorboard/<basename of output_dir>/: a resumed run writes into the same f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
+import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,8 @@ from lowmem.errors import ConfigError
 from lowmem.eval.validation import EvalResult
 from lowmem.train.log import LineFigures
 from lowmem.train.setup import LOG_DIR
+
+logger = logging.getLogger(__name__)
 
 # The tags, grouped as TensorBoard shows them: one per figure of a log line (with the field of `LineFigures` it
 # plots), one per figure of a validation.
@@ -39,20 +44,53 @@ TAGS = LINE_TAGS + EVAL_TAGS
 INSTALL = {"tensorboard": ("tensorboard", 'pip install "lowmem[tensorboard]"'), "wandb": ("wandb", "pip install wandb")}
 
 
-def run_name(output_dir: str | Path) -> str:
-    """The run's name for the trackers: the basename of its output folder (`model_save/demo` → `demo`)."""
-    return Path(output_dir).absolute().name or "run"
+def run_name(output_dir: str | Path, log_dir: str | Path = LOG_DIR, claim: bool = False) -> str:
+    """The run's name for the trackers: the basename of its output folder (`model_save/demo` → `demo`), or,
+    when another run folder of that basename already owns the name (`exp1/model`, `exp2/model`), the basename
+    and a hash of the whole path (`model-1f3a9c2e`), so that two runs never write into one TensorBoard run.
+
+    The owner of a name is recorded in logs/tensorboard/<name>/run_folder.txt; with `claim`, an unowned name is
+    taken (created exclusively: two runs starting together cannot both take it).
+    """
+    folder = str(Path(output_dir).absolute())
+    base = Path(folder).name or "run"
+    hashed = f"{base}-{hashlib.sha1(folder.encode()).hexdigest()[:8]}"
+    owner_file = Path(log_dir) / "tensorboard" / base / RUN_FOLDER_FILE
+    owner = _owner(owner_file)
+    if owner == folder:
+        return base
+    if owner is None and claim:
+        try:
+            owner_file.parent.mkdir(parents=True, exist_ok=True)
+            with open(owner_file, "x", encoding="utf-8") as file:
+                file.write(folder + "\n")
+            return base
+        except FileExistsError:
+            return base if _owner(owner_file) == folder else hashed
+        except OSError:
+            return base  # a full disk: the tracker itself will say so
+    return base if owner is None else hashed
+
+
+RUN_FOLDER_FILE = "run_folder.txt"
+
+
+def _owner(owner_file: Path) -> str | None:
+    try:
+        return owner_file.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
 
 
 def tensorboard_dir(output_dir: str | Path, log_dir: str | Path = LOG_DIR) -> Path:
-    """Where a run's TensorBoard event files go: logs/tensorboard/<basename of output_dir>/.
+    """Where a run's TensorBoard event files go: logs/tensorboard/<run name>/ (see `run_name`).
 
     Relative to the working directory, beside the training log and the memory logs. The same output_dir gives
     the same folder, so a resumed run adds to the curves of the run it continues; `tensorboard --logdir
     logs/tensorboard` shows every run side by side. (Accelerate's tracker writes to this folder as
     logging_dir/project_name; the hyperparameters go into a timestamped subfolder of it.)
     """
-    return Path(log_dir) / "tensorboard" / run_name(output_dir)
+    return Path(log_dir) / "tensorboard" / run_name(output_dir, log_dir)
 
 
 def check_installed(report_to: str) -> None:
@@ -106,19 +144,49 @@ class Tracking:
         """
         if not self.enabled:
             return
-        name = run_name(self.config.output_dir)
+        name = run_name(self.config.output_dir, claim=self.accelerator.is_main_process)
         # TensorBoard drops earlier points at steps >= purge_step (a start event in the new file).
         purge_step = step + 1 if resumed else 0
         init_kwargs = {"tensorboard": {"purge_step": purge_step}, "wandb": {"dir": LOG_DIR, "name": name}}
         if self.accelerator.is_main_process and self.config.report_to == "wandb":
             Path(LOG_DIR).mkdir(parents=True, exist_ok=True)  # wandb writes its run folder into logs/wandb/
-        self.accelerator.init_trackers(name, config=hyperparameters(self.config), init_kwargs=init_kwargs)
+        self._quiet_writer_threads()
+        self._guarded(lambda: self.accelerator.init_trackers(name, config=hyperparameters(self.config),
+                                                             init_kwargs=init_kwargs))
+
+    @staticmethod
+    def _quiet_writer_threads() -> None:
+        """TensorBoard writes from a thread of its own, which prints a traceback when the disk is full before the
+        next call re-raises the error here (where `_guarded` turns it into one warning): silence that print."""
+        previous = threading.excepthook
+        if getattr(previous, "_lowmem", False):
+            return
+
+        def hook(args: threading.ExceptHookArgs) -> None:
+            if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+                previous(args)
+
+        hook._lowmem = True  # type: ignore[attr-defined]
+        threading.excepthook = hook
+
+    def _guarded(self, write: Any) -> None:
+        """Run a tracker's write; a full disk (or a lost permission) turns the curves off with one warning instead
+        of stopping the run: the training log keeps every figure."""
+        if not self.enabled:
+            return
+        try:
+            write()
+        except OSError as error:
+            self.enabled = False
+            logger.warning("The training curves (--report_to=%s) cannot be written (%s): training goes on without "
+                           "them; the training log keeps every figure.", self.config.report_to, error)
 
     def log_line(self, step: int, figures: LineFigures) -> None:
         """The figures of a training log line, at its optimizer step."""
         if not self.enabled:
             return
-        self.accelerator.log({tag: float(getattr(figures, field)) for tag, field in LINE_FIELDS.items()}, step=step)
+        values = {tag: float(getattr(figures, field)) for tag, field in LINE_FIELDS.items()}
+        self._guarded(lambda: self.accelerator.log(values, step=step))
 
     def log_validation(self, step: int, result: EvalResult) -> None:
         """A validation's loss, perplexity and, when it was scored, BLEU-4."""
@@ -127,7 +195,7 @@ class Tracking:
         values = {"eval/val_loss": float(result.loss), "eval/perplexity": float(result.perplexity)}
         if result.bleu is not None:
             values["eval/bleu4"] = float(result.bleu.score)
-        self.accelerator.log(values, step=step)
+        self._guarded(lambda: self.accelerator.log(values, step=step))
 
     def end(self) -> None:
         """Flush and close the trackers (a stopped or failed run's curves included).
@@ -139,5 +207,5 @@ class Tracking:
         if not self.enabled:
             return
         for tracker in self.accelerator.trackers:
-            tracker.finish()
+            self._guarded(tracker.finish)
         self.accelerator.trackers.clear()

@@ -30,7 +30,8 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from lowmem.atomic_files import write_json_atomic
-from lowmem.checkpoint.contents import TrainingCheckpoint, check_resume, read_trainer_state
+from lowmem.checkpoint.contents import (RESUME_ONLY, TrainingCheckpoint, check_resume, check_weights_only,
+                                       read_trainer_state)
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder, start_fresh_run
@@ -42,8 +43,10 @@ from lowmem.distributed.accelerator import create_accelerator
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.peers import PeerWatch
+from lowmem.disk_errors import writing
 from lowmem.distributed.strategy import model_for_eval
-from lowmem.errors import DataError
+from lowmem.model.weights import WEIGHTS_FILE
+from lowmem.errors import ConfigError, DataError
 from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
@@ -59,7 +62,7 @@ from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_token
                                 resumed_tokenizer_dir, settle_architecture, settle_best_metric, shared_memory_settings,
                                 steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
-from lowmem.train.step import Batch, count_tokens, take, train_step
+from lowmem.train.step import Batch, count_rows, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
 from lowmem.train.tracking import Tracking, tracker_arguments
 
@@ -104,6 +107,7 @@ class StepAgreement:
     global_input_tokens: float
     ranks_out: bool  # some rank ran out of rows: the epoch ends here for all
     stop: bool  # some rank was asked to stop
+    global_rows: int  # rows of this step's micro-batches on every rank: not trained when the epoch ends here
 
 
 class Trainer:
@@ -153,7 +157,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
             mode=METRIC_MODES[config.best_metric], is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,
-            all_ok=self._all_ok, save_every=config.save_steps)
+            all_ok=self._all_ok, save_every=config.save_steps, resume_only=RESUME_ONLY,
+            keep_resumable_n=config.keep_optimizer_n_ckp)
         self.data, self.rng = LoaderPosition(loader), RngState()
         self.memory = make_memory_monitor(config, self.accelerator, settings,
                                           predicted_high_water=memory.predicted_high_water(self.is_main))
@@ -167,6 +172,7 @@ class Trainer:
                        SAVED_KEY: memory.saved_record(), "tokenizer": self.tokenizer_identity})
         self.resumed_from: Path | None = None
         self.epoch_ended = False
+        self.epoch_rows_not_trained = 0  # rows of the short last step that ended the epoch, all ranks (`end_epoch`)
         self.lr = float("nan")  # the current step's learning rate (set by `begin`, then by every step)
         self.progress: tqdm | None = None
         logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all.",
@@ -207,7 +213,7 @@ class Trainer:
         """The micro-batches of each step of the current epoch, until the step budget ends, a rank runs out of
         rows (`epoch_ended`) or a stop is agreed (then saved here)."""
         batches = self.data.epoch_batches(self.state.epoch)
-        self.epoch_ended = False
+        self.epoch_ended, self.epoch_rows_not_trained = False, 0
         while self.state.step < self.total_steps:
             micro_batches = self.data.take(batches, self.config.gradient_accumulation_steps)
             agreed = self.agree(micro_batches)
@@ -215,7 +221,10 @@ class Trainer:
                 self.stop_and_save()
                 return
             if agreed.ranks_out:
-                self.epoch_ended = True
+                # Training a last step of fewer micro-batches would not be safe: under FSDP every forward is a
+                # collective (ranks may hold different numbers), and the schedule counts whole steps. Said at
+                # the epoch's end instead.
+                self.epoch_ended, self.epoch_rows_not_trained = True, agreed.global_rows
                 return
             yield micro_batches, agreed
 
@@ -225,9 +234,11 @@ class Trainer:
         rank ends the epoch, or stops, at the same step."""
         targets, inputs = count_tokens(micro_batches, self.tokenizer.pad_id)
         short = len(micro_batches) < self.config.gradient_accumulation_steps
-        total_targets, total_inputs, ranks_out, stop = all_reduce_sum(
-            self.accelerator, [targets, inputs, float(short), float(self.stopper.requested)])
-        return StepAgreement(targets, inputs, total_targets, total_inputs, bool(ranks_out), bool(stop))
+        # Every rank sends its rows, short or not: when one rank is short, the micro-batches of all are dropped.
+        total_targets, total_inputs, ranks_out, stop, rows = all_reduce_sum(
+            self.accelerator, [targets, inputs, float(short), float(self.stopper.requested),
+                               float(count_rows(micro_batches))])
+        return StepAgreement(targets, inputs, total_targets, total_inputs, bool(ranks_out), bool(stop), int(rows))
 
     def optimizer_step(self, micro_batches: list[Batch], agreed: StepAgreement) -> StepResult:
         """One optimizer step at the scheduled learning rate."""
@@ -324,7 +335,13 @@ class Trainer:
     def end_epoch(self) -> None:
         """Some rank ran out of rows: every rank counts the epoch as done, validates and saves."""
         self.state.epoch += 1
-        logger.info("Epoch %d done at step %d.", self.state.epoch, self.state.step)
+        if self.epoch_rows_not_trained:
+            self.state.rows_not_trained += self.epoch_rows_not_trained
+            logger.info("Epoch %d done at step %d: %s rows of a last, short accumulation step (fewer than %d "
+                        "micro-batches on some process) were not trained in this epoch.", self.state.epoch,
+                        self.state.step, f"{self.epoch_rows_not_trained:,}", self.config.gradient_accumulation_steps)
+        else:
+            logger.info("Epoch %d done at step %d.", self.state.epoch, self.state.step)
         self.validate_and_save_when_due(epoch_end=True)
 
     def request_stop(self, reason: str) -> None:
@@ -355,19 +372,29 @@ class Trainer:
         `allow_config_change`; then a data position that no longer fits restarts the epoch.
         """
         if start_from is not None:
+            if not allow_config_change:  # refused before newer checkpoints are set aside
+                check_weights_only(Path(start_from), allow_config_change)
             folder = broadcast_from_main(self.accelerator, lambda: str(self.checkpoints.start_from(start_from)))
             folder = Path(folder)
         else:
-            folder = broadcast_from_main(self.accelerator, self.checkpoints.latest_complete)
+            folder, refusal = broadcast_from_main(
+                self.accelerator, lambda: (self.checkpoints.latest_complete(), self.checkpoints.no_usable_checkpoint()))
+            if refusal is not None:  # asked to resume, and only damaged checkpoints: never start fresh over them
+                raise ConfigError(refusal if self.is_main else "")
         if folder is None:
             logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
             return None
         saved = read_trainer_state(folder)
         check_same_tokenizer(saved.get("tokenizer"), self.tokenizer_identity, folder)
         changes = check_resume(folder, saved, self.config, allow_config_change, self.steps_per_epoch)
-        self.checkpoint.load(folder, saved, skip=("data",))
+        with_optimizer = check_weights_only(folder, allow_config_change)
+        if not with_optimizer:
+            changes.append("optimizer state started afresh")
+        self.checkpoint.load(folder, saved, skip=("data",), with_optimizer=with_optimizer)
         run_facts = self.checkpoint.run_facts
         rescaled = processes_changed(saved, run_facts)
+        # Files rewritten with the same row counts: refused, or with the flag continued from the saved position.
+        self.data.loader.stream.allow_changed_content = allow_config_change
         try:
             if readers_changed(saved, self.config, run_facts):
                 # Another layout of readers needs every old rank's position to share the rest out.
@@ -397,7 +424,8 @@ class Trainer:
         """Before the first step: the record of the tokenizer, the validation loss at the start (not after a
         resume), the first memory record, the signal handlers and the progress bar."""
         if self.is_main:  # after a resume's checks: a refused resume leaves the run's record as it was
-            write_json_atomic(tokenizer_record_file(self.config.output_dir), self.tokenizer_identity)
+            with writing("the run's tokenizer record", self.config.output_dir):
+                write_json_atomic(tokenizer_record_file(self.config.output_dir), self.tokenizer_identity)
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
         self.lr = self.learning_rate(self.state.step)
@@ -428,7 +456,7 @@ class Trainer:
             "steps": self.state.step, "bleu4_end": self.validator.last_score("bleu4"),
             "tokens_seen": self.state.tokens_seen, "seconds": time.perf_counter() - self.started,
             "processes": self.accelerator.num_processes, "stopped_by": self.stopper.requested_by,
-            "skipped_steps": self.state.skipped_steps,
+            "skipped_steps": self.state.skipped_steps, "rows_not_trained": self.state.rows_not_trained,
         }
         return summary
 
@@ -458,12 +486,20 @@ class Trainer:
     def export(self, final_model: Any) -> None:
         """final/: the model as trained; best/: the best checkpoint's model by `best_metric` (main process)."""
         config, output_dir = self.config, Path(self.config.output_dir)
-        out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir)
+        # The checkpoints hold the trained weights: a failed export loses nothing, and can be made again.
+        latest = output_dir / str(self.checkpoints.manifest.get("latest"))
+        then = f"then export the last checkpoint with `{command_line(f'export --out=FOLDER --checkpoint={latest}')}`"
+        kept = f"The checkpoints in {output_dir} are complete; the partial folder was removed."
+        weights = latest / WEIGHTS_FILE
+        needed = weights.stat().st_size if weights.is_file() else None
+        with writing("the final model", output_dir / "final", needed=needed, then=then, kept=kept):
+            out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir)
         logger.info("Model saved to %s", out_dir)
         best = self.checkpoints.manifest.get("best") or []
         if best:
-            best_dir = export_checkpoint(output_dir / best[0], config, output_dir / "best",
-                                         tokenizer_dir=config.tokenizer_dir)
+            with writing("the best model", output_dir / "best", needed=needed, then=then, kept=kept):
+                best_dir = export_checkpoint(output_dir / best[0], config, output_dir / "best",
+                                             tokenizer_dir=config.tokenizer_dir)
             logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
 
     def sample_answer(self, final_model: Any) -> dict[str, str]:
