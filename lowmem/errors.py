@@ -9,6 +9,10 @@ class DataError(LowmemError, ValueError):
     """A data file or path is missing, unreadable or of the wrong shape."""
 
 
+class DataContentChanged(DataError):
+    """A data file holds other rows than when a data position was saved; never taken for a mere change of layout."""
+
+
 class ConfigError(LowmemError, ValueError):
     """A configuration value or command-line flag is invalid."""
 

@@ -539,3 +539,32 @@ def test_keep_two_best_plus_latest_before_and_after_a_resume(tmp_path):
     kept = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
     assert kept == ["checkpoint-40", "checkpoint-60", "checkpoint-70"]  # best 2.5 and 2.8, latest 70
     assert [entry["name"] for entry in resumed.manifest["checkpoints"]] == kept
+
+
+# ----- damaged checkpoints are set aside, never deleted ----------------------------------------------------
+def test_a_resume_refuses_only_when_every_checkpoint_is_damaged(tmp_path: Path) -> None:
+    mgr = manager(tmp_path, keep_best_n=1)
+    mgr.save(100, writer(bytes(range(256)) * 40), score=1.0)
+    mgr.save(200, writer(bytes(range(256)) * 40), score=2.0)
+    _flip_byte(tmp_path / "checkpoint-200")
+    found = mgr.latest_complete()
+    assert found == tmp_path / "checkpoint-100" and mgr.no_usable_checkpoint(found) is None  # falls back
+    _flip_byte(tmp_path / "checkpoint-100")
+    found = mgr.latest_complete()
+    message = mgr.no_usable_checkpoint(found)
+    assert found is None and "every one is damaged" in message
+    assert "checkpoint-200: model.bin has CRC-32" in message and "checkpoint-100: model.bin has CRC-32" in message
+    assert manager(tmp_path / "empty").no_usable_checkpoint(None) is None  # nothing at all: start fresh
+
+
+def test_a_damaged_checkpoint_is_set_aside_when_its_step_is_saved_again(tmp_path: Path) -> None:
+    mgr = manager(tmp_path, keep_best_n=1)
+    mgr.save(100, writer(b"a" * 4000), score=1.0)
+    mgr.save(200, writer(b"b" * 4000), score=2.0)
+    _flip_byte(tmp_path / "checkpoint-200")
+    damaged_bytes = (tmp_path / "checkpoint-200" / "model.bin").read_bytes()
+    assert mgr.latest_complete() == tmp_path / "checkpoint-100"
+    mgr.save(200, writer(b"c" * 4000))  # the run reached the damaged one's step again
+    assert mgr.verify(tmp_path / "checkpoint-200") == []
+    [aside] = (tmp_path / "damaged").iterdir()
+    assert aside.name.startswith("checkpoint-200-") and (aside / "model.bin").read_bytes() == damaged_bytes

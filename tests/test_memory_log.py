@@ -124,9 +124,9 @@ def test_cleanup_gives_freed_heap_back():
 # ----- the memory log -------------------------------------------------------------------------------------
 def test_logger_writes_one_flushed_json_line_per_record(tmp_path):
     run = new_run_id()
-    assert re.fullmatch(r"\d{8}-\d{6}-\d+", run)
-    # Two runs started in the same second (processes of their own) still get two ids, and two memory logs.
-    assert new_run_id(now=1e9, pid=101) != new_run_id(now=1e9, pid=102)
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", run)
+    # Runs started in the same second still get ids of their own, and memory logs of their own.
+    assert len({new_run_id(now=1e9) for _ in range(20)}) == 20
     with MemoryLogger(tmp_path, run, rank=1, world_size=3, budget_bytes=4096 * MB) as log:
         log.log(take_snapshot(), epoch=0, step=0, event="start")
         log.log(take_snapshot(), epoch=0, step=200, freed=5 * MB)

@@ -121,18 +121,25 @@ class TrainingCheckpoint:
 RESUME_ONLY = (OPTIMIZER_FILE, FSDP_OPTIMIZER_DIR)
 
 
-def check_weights_only(folder: Path, allow_config_change: bool) -> bool:
+def check_weights_only(folder: Path, allow_config_change: bool, is_main: bool = True,
+                       damaged: dict[str, list[str]] | None = None) -> bool:
     """True when `folder` holds the optimizer state a resume needs; a checkpoint kept for its score only (its
-    marker says "weights_only") is refused unless `allow_config_change`, which resumes with a fresh optimizer."""
+    marker says "weights_only") is refused unless `allow_config_change`, which resumes with a fresh optimizer.
+    The refusal's message is the main process's (the others raise it empty); `damaged` names the newer
+    checkpoints a resume fell back from."""
     marker = read_marker(folder) or {}
     if not marker.get("weights_only"):
         return True
     if not allow_config_change:
+        listing = "; ".join(f"{name}: {', '.join(problems)}" for name, problems in (damaged or {}).items())
+        newer = (f"The newer ones are damaged ({listing}): restore them from a copy if you have one, or pass"
+                 if listing else "Resume from a newer checkpoint, or pass")
         raise ConfigError(
             f"{folder} holds the weights but not the optimizer state (only the newest --keep_optimizer_n_ckp "
             "checkpoints keep it; this one was kept for its score), so a resume from it cannot continue exactly. "
-            "Resume from a newer checkpoint, or pass --allow_config_change=True to continue from these weights with "
-            "the optimizer's moments started afresh (the first steps then move the weights differently)."
+            f"{newer} --allow_config_change=True to continue from these weights with the optimizer's moments "
+            "started afresh (the first steps then move the weights differently)."
+            if is_main else ""
         )
     logger.warning("Resuming from %s with a fresh optimizer state: it kept the weights only (--allow_config_change).",
                    folder)

@@ -22,6 +22,7 @@ Hashes are computed once on save and checked on load only for the checkpoint abo
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -35,8 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lowmem.atomic_files import fsync_read_only, replace_folder, write_json_atomic
-from lowmem.disk_errors import disk_write_error, free_bytes
-from lowmem.errors import CheckpointError, ConfigError
+from lowmem.disk_errors import disk_write_error, free_bytes, write_errno
+from lowmem.errors import CheckpointError, ConfigError, LowmemError
 from lowmem.program import command_line
 from lowmem.units import MB
 
@@ -284,10 +285,10 @@ class CheckpointManager:
                            found.path, "; ".join(problems))
         return None
 
-    def no_usable_checkpoint(self) -> str | None:
-        """After `latest_complete` found none: the message that stops a resume when checkpoints exist but every one
-        is damaged (None when there are none at all, and starting fresh is right)."""
-        if not self.damage:
+    def no_usable_checkpoint(self, found: Path | None) -> str | None:
+        """The message that stops a resume when `latest_complete` found nothing (`found` is None) although
+        checkpoints exist, every one damaged; None when it found one, or there are none and starting fresh is right."""
+        if found is not None or not self.damage:
             return None
         listing = "; ".join(f"{name}: {', '.join(problems)}" for name, problems in self.damage.items())
         return (f"--is_keep_training=True found no usable checkpoint in {self.run_dir}: every one is damaged "
@@ -445,25 +446,37 @@ class CheckpointManager:
     def _retain(self, just_saved: int | None) -> None:
         """Delete the checkpoints the plan does not keep (damaged ones included), then write the manifest."""
         plan = self._plan(just_saved)
+        damaged = []
         for found in self._scan():
             if found.step in plan or not found.has_marker_file:
                 continue  # marker-less folders are cleanup_incomplete's, and only at a safe moment
             if found.step in self._damaged or found.marker is None:
-                # Set aside, never deleted: a damaged checkpoint may still hold what someone needs.
-                aside = self.run_dir / DAMAGED_DIR / found.path.name
-                aside.parent.mkdir(exist_ok=True)
-                shutil.rmtree(aside, ignore_errors=True)
-                found.path.rename(aside)
-                logger.warning("Damaged checkpoint %s moved to %s (delete it once you no longer need it).",
-                               found.path, aside)
-            else:
-                logger.info("Removing checkpoint %s (%s=%s): neither the latest nor among the %d best.",
-                            found.path, self.metric, self._scores.get(found.step), self.keep_best_n)
-                self._delete(found.path)
+                damaged.append(found)
+                continue
+            logger.info("Removing checkpoint %s (%s=%s): neither the latest nor among the %d best.",
+                        found.path, self.metric, self._scores.get(found.step), self.keep_best_n)
+            self._delete(found.path)
             self._scores.pop(found.step, None)
-            self._damaged.discard(found.step)
+        # What frees space first; setting aside (a rename, but a folder may have to be made) last.
         self._strip_older(plan)
+        for found in damaged:
+            self._set_aside(found)
         self._write_manifest(plan)
+
+    def _set_aside(self, found: _Found) -> None:
+        """Move a damaged checkpoint into `damaged/` under a name of its own, never deleting it: it may still hold
+        what someone needs. A failure (a full disk cannot make the folder) leaves it where it is, with a warning."""
+        aside = self.run_dir / DAMAGED_DIR / f"{found.path.name}-{datetime.now():%Y%m%d-%H%M%S-%f}"
+        try:
+            aside.parent.mkdir(exist_ok=True)
+            found.path.rename(aside)
+        except OSError as exc:
+            logger.warning("Damaged checkpoint %s could not be moved into %s (%s); it stays, and is never resumed "
+                           "from.", found.path, aside.parent, exc)
+            return
+        self._scores.pop(found.step, None)
+        self._damaged.discard(found.step)
+        logger.warning("Damaged checkpoint %s moved to %s (delete it once you no longer need it).", found.path, aside)
 
     def _strip_older(self, plan: dict[int, list[str]]) -> None:
         """Remove what only a resume reads (`resume_only`) from kept checkpoints older than the newest
@@ -500,7 +513,7 @@ class CheckpointManager:
         resume_part = sum(entry["size"] for rel, entry in marker["files"].items()
                           if any(rel == name or rel.startswith(f"{name}/") for name in self.resume_only))
         kept = self.keep_best_n + 1
-        resumable = min(self.keep_resumable_n, kept) if self.resume_only else kept
+        resumable = min(self.keep_resumable_n, kept) if resume_part else kept  # nothing to strip: all stay whole
         in_all = resumable * total + (kept - resumable) * (total - resume_part)
         free = free_bytes(self.run_dir)
         parts = f" (optimizer state {resume_part / MB:,.1f} MB)" if resume_part else ""
@@ -508,7 +521,8 @@ class CheckpointManager:
                 f"kept ({resumable} with what a resume needs, {kept - resumable} with the weights only): about "
                 f"{in_all / MB:,.1f} MB in all; {'unknown' if free is None else f'{free / MB:,.1f} MB'} free on "
                 f"that disk now.")
-        if free is not None and in_all - total > free:
+        # Still to come: the kept ones but this, and the one being written while the oldest still stands.
+        if free is not None and in_all > free:
             logger.warning("%s That is not enough for the checkpoints still to come: free space, lower "
                            "--keep_latest_n_ckp or --keep_optimizer_n_ckp, or set --output_dir to a larger disk.",
                            line)
@@ -604,6 +618,9 @@ class CheckpointManager:
     def _prepare(self, tmp: Path) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cleanup_incomplete()
+        final = self.run_dir / tmp.name.removeprefix(".").removesuffix(".tmp")
+        if _step_of(final) in self._damaged and final.exists():  # saved again after a fallback: the new one
+            self._set_aside(_Found(_step_of(final), final, None, True))  # must not delete the damaged one
         tmp.mkdir()
 
     def _stage(self, step: int, tmp: Path, action: Callable[[], None] | None) -> None:
@@ -668,20 +685,24 @@ class CheckpointManager:
     def _describe(self, error: Exception, step: int, written: int) -> Exception:
         """Turn a write failure into a CheckpointError that says what happened and what to do; a failure that is
         no OS error (a bug in the write callback) passes through as it is."""
-        if isinstance(error, CheckpointError):
-            return error
+        if isinstance(error, LowmemError):
+            return error  # says what happened already
         previous = self._complete()
         then = (f"then resume with `{command_line('train ... --is_keep_training=True')}` (your flags, and that "
                 f"one: it continues from {previous[-1].path.name})" if previous else "then start again")
         kept = "The partial folder was removed; earlier checkpoints are untouched."
-        described = disk_write_error(error, f"checkpoint-{step}", self.run_dir, written=written,
-                                     needed=max(written, self._previous_size()), then=then, kept=kept,
-                                     kind=CheckpointError)
+        free = free_bytes(self.run_dir)
+        needed = max(written, self._previous_size())
+        if free is not None and free < needed and write_errno(error) is None:
+            # A library that reports a failed write without its errno (DeepSpeed's torch.save(obj, path): "unexpected
+            # pos"): with less free than a checkpoint needs, a full disk is the likely cause.
+            error = OSError(errno.ENOSPC, f"{type(error).__name__}: {error}")
+        described = disk_write_error(error, f"checkpoint-{step}", self.run_dir, written=written, needed=needed,
+                                     then=then, kept=kept, kind=CheckpointError)
         if described is not None:
             return described
         if not isinstance(error, OSError):
             return error
-        free = free_bytes(self.run_dir)
         free_text = f"{free / MB:.1f} MB are free there now" if free is not None else "free space is unknown"
         return CheckpointError(
             f"Could not save checkpoint-{step} in {self.run_dir}: {error} ({free_text}). Check the disk and the "

@@ -127,12 +127,12 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
 
 
 def _disk_failure(error: Exception) -> Exception | None:
-    """The one-paragraph message for a write that failed for space or permission where no part of the command
-    said more about it (the parts that write checkpoints and models do); None for any other error."""
-    from lowmem.disk_errors import disk_write_error
+    """The one-paragraph message for a file Python could not write for want of space (a full disk, a quota, a
+    file-size limit) where no part of the command said more about it; None for any other error, which keeps
+    its traceback. The writes of checkpoints, models and the tokenizer say more themselves."""
+    from lowmem.disk_errors import SPACE_ERRNOS, disk_write_error
 
-    where = getattr(error, "filename", None) or next(
-        (getattr(linked, "filename", None) for linked in (error.__cause__, error.__context__) if linked is not None),
-        None)
-    where = Path(where).parent if where else Path.cwd()
-    return disk_write_error(error, "a file", where)
+    if not isinstance(error, OSError) or error.errno not in SPACE_ERRNOS or not error.filename:
+        return None
+    return disk_write_error(error, str(error.filename), Path(error.filename).parent, option=None,
+                            kept="Files written before were not changed by this failure.")

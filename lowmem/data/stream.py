@@ -18,7 +18,7 @@ from lowmem.data.plan import EpochPlan, consumer_range
 from lowmem.data.reader import RowGroupReader
 from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, build_row_group_index, warn_large_row_groups
 from lowmem.data.windows import SourceCache, Window, read_window, row_origin
-from lowmem.errors import DataError
+from lowmem.errors import DataContentChanged, DataError
 from lowmem.memory import MemoryBudget
 
 logger = logging.getLogger(__name__)
@@ -499,7 +499,7 @@ def _check_same_content(stream: ParquetStream, saved: Any) -> None:
         logger.warning("%s Continuing from the saved position as asked: rows of %s may be read twice or not at "
                        "all in this epoch.", what, "that file" if len(changed) == 1 else "those files")
         return
-    raise DataError(
+    raise DataContentChanged(
         f"{what} Resume with the data files the run was trained on, or pass --allow_config_change=True "
         "(allow_changed_content=True for a ParquetStream) to continue from the saved position knowingly: rows "
         "of the changed files may then be read twice or not at all in this epoch."

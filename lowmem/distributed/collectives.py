@@ -12,7 +12,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from lowmem.errors import ConfigError
+from lowmem.errors import ConfigError, LowmemError
 
 T = TypeVar("T")
 
@@ -64,6 +64,28 @@ def broadcast_from_main(accelerator: Accelerator, compute: Callable[[], T]) -> T
     if accelerator.num_processes > 1:
         broadcast_object_list(value, from_process=0)
     return value[0]
+
+
+def run_on_main(accelerator: Accelerator, work: Callable[[], T]) -> T | None:
+    """Run `work` on the main process while the others wait, and return its result there (None elsewhere).
+
+    An error the user can fix (a LowmemError: a full disk, bad data) raised by `work` is raised on every rank, its
+    message on the main process only: no rank waits for a process that has stopped, and the user reads one
+    paragraph, not a launcher's report of hung ranks. Other errors (bugs) propagate from the main process as
+    they are.
+    """
+    result, failure = None, None
+    if accelerator.is_main_process:
+        try:
+            result = work()
+        except LowmemError as error:
+            failure = error
+    failed = broadcast_from_main(accelerator, lambda: failure is not None)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise LowmemError("")  # the main process says why
+    return result
 
 
 _HOST_GROUP: list[dist.ProcessGroup] = []  # created once, on first use

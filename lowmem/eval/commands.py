@@ -56,7 +56,7 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
                       bleu_samples=bleu_samples, max_new_tokens=config.eval_max_new_tokens,
                       response_only=config.loss_on_response_only,
                       no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
-                      bf16_on_cpu=config.bf16_on_cpu)
+                      bf16_on_cpu=config.bf16_on_cpu, bad_text=config.bad_text)
     summary = {"model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
                "loss": result.loss, "perplexity": result.perplexity, **_bleu_figures(result)}
     if accelerator.is_main_process:

@@ -78,10 +78,11 @@ class EvalResult:
         return text
 
 
-def _stream(files: str, columns: Sequence[str], accelerator: Accelerator, max_rows: int | None = None) -> ParquetStream:
+def _stream(files: str, columns: Sequence[str], accelerator: Accelerator, max_rows: int | None = None,
+            bad_text: str = "refuse") -> ParquetStream:
     # File order and no row left out: every rank scores its own contiguous share, once.
     return ParquetStream(files, columns=columns, shuffle=False, drop_remainder=False, max_rows=max_rows,
-                         rank=accelerator.process_index, world_size=accelerator.num_processes)
+                         rank=accelerator.process_index, world_size=accelerator.num_processes, bad_text=bad_text)
 
 
 @torch.no_grad()
@@ -126,23 +127,27 @@ def generate_answers(model: GPT, tokenizer: Tokenizer, prompts: Sequence[str], m
 def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelerator, *, batch_size: int,
              max_seq_len: int, columns: Sequence[str] = DEFAULT_COLUMNS, bleu_samples: int = 0,
              max_new_tokens: int = 128, max_batches: int = 0, response_only: bool = False,
-             no_repeat_ngram_size: int = 0, bf16: bool = False, bf16_on_cpu: bool = False) -> EvalResult:
+             no_repeat_ngram_size: int = 0, bf16: bool = False, bf16_on_cpu: bool = False,
+             bad_text: str = "refuse") -> EvalResult:
     """Loss and perplexity over `files`, and BLEU-4 of greedy answers to their first `bleu_samples` prompts.
 
     Every rank scores its own contiguous share of the rows; sums are all-reduced and generations gathered,
     so each sample counts exactly once whatever the number of ranks. `bleu_samples` < 0 scores every row;
     0 skips BLEU. With `bf16`, the model runs under bf16 autocast on a GPU with native bf16 (the loss is
-    still computed in float32); the CPU stays in float32 unless `bf16_on_cpu`.
+    still computed in float32); the CPU stays in float32 unless `bf16_on_cpu`. `bad_text` is the streams'
+    (`lowmem.data.bad_text`): refuse rows whose text is not UTF-8, or skip them.
     """
     collate = TokenizingCollate(tokenizer, max_seq_len, columns, response_only)
-    loader = StreamLoader(_stream(files, columns, accelerator), batch_size=batch_size, collate_fn=collate)
+    loader = StreamLoader(_stream(files, columns, accelerator, bad_text=bad_text), batch_size=batch_size,
+                          collate_fn=collate)
     with inference_autocast(accelerator.device, bf16, bf16_on_cpu):
         loss, rows, tokens = evaluate_loss(model, loader, accelerator, max_batches)
     result = EvalResult(loss=loss, loss_rows=rows, loss_tokens=tokens)
     if bleu_samples == 0:
         return result
     prompt_column, response_column = columns
-    rows_here = list(_stream(files, columns, accelerator, max_rows=None if bleu_samples < 0 else bleu_samples))
+    rows_here = list(_stream(files, columns, accelerator, max_rows=None if bleu_samples < 0 else bleu_samples,
+                             bad_text=bad_text))
     prompts = [row[prompt_column] for row in rows_here]
     was_training = model.training
     with inference_autocast(accelerator.device, bf16, bf16_on_cpu):

@@ -41,7 +41,7 @@ class Validator:
                               max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
                               response_only=config.loss_on_response_only,
                               no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
-                              bf16_on_cpu=config.bf16_on_cpu)
+                              bf16_on_cpu=config.bf16_on_cpu, bad_text=config.bad_text)
         logger.info("Validation at step %d: %s", step, result.describe())
         self.last = result
         return result

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,10 +34,11 @@ _LOG_NAME_PATTERN = re.compile(
 )
 
 
-def new_run_id(now: float | None = None, pid: int | None = None) -> str:
-    """A run id from the local time and the process id, e.g. 20261122-181500-4711: ids of later runs sort after
-    earlier ones, and two runs started in the same second (from one folder, say) still get two ids."""
-    return f"{time.strftime(RUN_ID_FORMAT, time.localtime(now))}-{os.getpid() if pid is None else pid}"
+def new_run_id(now: float | None = None) -> str:
+    """A run id from the local time and 6 random hex digits, e.g. 20261122-181500-3fa9c2: ids of later runs sort
+    after earlier ones, and two runs started in the same second (from one folder, or from containers sharing a
+    logs/ folder, where process ids repeat) still get two ids."""
+    return f"{time.strftime(RUN_ID_FORMAT, time.localtime(now))}-{secrets.token_hex(3)}"
 
 
 def run_id_time(run_id: str) -> float | None:

@@ -17,7 +17,7 @@ from lowmem.data.collate import TokenizingCollate
 from lowmem.data.sources import resolve_data_files
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 from lowmem.data.tokenizer_identity import describe_identity, tokenizer_identity
-from lowmem.distributed.collectives import broadcast_from_main, local_processes
+from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main
 from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
 from lowmem.errors import ConfigError
 from lowmem.memory.cleanup import set_malloc_mmap_threshold
@@ -100,12 +100,16 @@ def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> tuple[Tok
     """Load the tokenizer, training it first (on the main process, while the others wait) if it is missing;
     returns it with its identity (`tokenizer_identity`), logged in one line."""
     model_path = Path(config.tokenizer_dir) / TOKENIZER_FILE
-    if not model_path.is_file() and accelerator.is_main_process:
+
+    def train_if_missing() -> None:
+        if model_path.is_file():
+            return
         logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path, config.train_file,
                     config.vocab_size)
         with writing("the tokenizer", config.tokenizer_dir, option="--tokenizer_dir"):
             train_tokenizer_for(config)
-    accelerator.wait_for_everyone()
+
+    run_on_main(accelerator, train_if_missing)  # a failure there (bad data, a full disk) stops every rank
     tokenizer = Tokenizer.load(config.tokenizer_dir)
     identity = {**tokenizer_identity(config.tokenizer_dir), "pieces": tokenizer.vocab_size}
     logger.info("Tokenizer: %d pieces, %s.", tokenizer.vocab_size, describe_identity(identity))

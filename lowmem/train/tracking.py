@@ -19,7 +19,7 @@ import importlib.util
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from accelerate import Accelerator
 
@@ -44,6 +44,9 @@ TAGS = LINE_TAGS + EVAL_TAGS
 INSTALL = {"tensorboard": ("tensorboard", 'pip install "lowmem[tensorboard]"'), "wandb": ("wandb", "pip install wandb")}
 
 
+RUN_FOLDER_FILE = "run_folder.txt"  # in logs/tensorboard/<name>/: the run folder that owns the name
+
+
 def run_name(output_dir: str | Path, log_dir: str | Path = LOG_DIR, claim: bool = False) -> str:
     """The run's name for the trackers: the basename of its output folder (`model_save/demo` → `demo`), or,
     when another run folder of that basename already owns the name (`exp1/model`, `exp2/model`), the basename
@@ -52,7 +55,7 @@ def run_name(output_dir: str | Path, log_dir: str | Path = LOG_DIR, claim: bool 
     The owner of a name is recorded in logs/tensorboard/<name>/run_folder.txt; with `claim`, an unowned name is
     taken (created exclusively: two runs starting together cannot both take it).
     """
-    folder = str(Path(output_dir).absolute())
+    folder = str(Path(output_dir).resolve())  # one name for a folder reached through a link or `..`
     base = Path(folder).name or "run"
     hashed = f"{base}-{hashlib.sha1(folder.encode()).hexdigest()[:8]}"
     owner_file = Path(log_dir) / "tensorboard" / base / RUN_FOLDER_FILE
@@ -72,10 +75,9 @@ def run_name(output_dir: str | Path, log_dir: str | Path = LOG_DIR, claim: bool 
     return base if owner is None else hashed
 
 
-RUN_FOLDER_FILE = "run_folder.txt"
-
 
 def _owner(owner_file: Path) -> str | None:
+    """The run folder recorded as owning a TensorBoard run's name, or None when none is (yet)."""
     try:
         return owner_file.read_text(encoding="utf-8").strip() or None
     except OSError:
@@ -144,7 +146,8 @@ class Tracking:
         """
         if not self.enabled:
             return
-        name = run_name(self.config.output_dir, claim=self.accelerator.is_main_process)
+        claim = self.accelerator.is_main_process and self.config.report_to == "tensorboard"
+        name = run_name(self.config.output_dir, claim=claim)
         # TensorBoard drops earlier points at steps >= purge_step (a start event in the new file).
         purge_step = step + 1 if resumed else 0
         init_kwargs = {"tensorboard": {"purge_step": purge_step}, "wandb": {"dir": LOG_DIR, "name": name}}
@@ -169,7 +172,7 @@ class Tracking:
         hook._lowmem = True  # type: ignore[attr-defined]
         threading.excepthook = hook
 
-    def _guarded(self, write: Any) -> None:
+    def _guarded(self, write: Callable[[], object]) -> None:
         """Run a tracker's write; a full disk (or a lost permission) turns the curves off with one warning instead
         of stopping the run: the training log keeps every figure."""
         if not self.enabled:

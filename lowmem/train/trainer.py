@@ -39,17 +39,18 @@ from lowmem.config import TrainConfig, check_data_files, validate_config
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.data.tokenizer_identity import check_same_tokenizer
+from lowmem.disk_errors import writing
 from lowmem.distributed.accelerator import create_accelerator
-from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder
+from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
+                                           run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.peers import PeerWatch
-from lowmem.disk_errors import writing
 from lowmem.distributed.strategy import model_for_eval
-from lowmem.model.weights import WEIGHTS_FILE
-from lowmem.errors import ConfigError, DataError
+from lowmem.errors import ConfigError, DataContentChanged, DataError
 from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
+from lowmem.model.weights import WEIGHTS_FILE
 from lowmem.program import command_line
 from lowmem.progress import progress_bar
 from lowmem.run_files import run_training_log, tokenizer_record_file
@@ -369,16 +370,17 @@ class Trainer:
         checkpoints, the newer ones set aside), if there is one; returns it.
 
         Settings that decide the data order, batches or schedule must match the checkpoint's unless
-        `allow_config_change`; then a data position that no longer fits restarts the epoch.
+        `allow_config_change`; then a data position that no longer fits restarts the epoch, data files rewritten
+        since the save are read on from the saved position, and a checkpoint kept for its score only (no optimizer
+        state) resumes with a fresh optimizer. Checkpoints that exist but are all damaged stop the resume.
         """
         if start_from is not None:
             if not allow_config_change:  # refused before newer checkpoints are set aside
-                check_weights_only(Path(start_from), allow_config_change)
+                check_weights_only(Path(start_from), allow_config_change, self.is_main)
             folder = broadcast_from_main(self.accelerator, lambda: str(self.checkpoints.start_from(start_from)))
             folder = Path(folder)
         else:
-            folder, refusal = broadcast_from_main(
-                self.accelerator, lambda: (self.checkpoints.latest_complete(), self.checkpoints.no_usable_checkpoint()))
+            folder, refusal = broadcast_from_main(self.accelerator, self._checkpoint_to_resume)
             if refusal is not None:  # asked to resume, and only damaged checkpoints: never start fresh over them
                 raise ConfigError(refusal if self.is_main else "")
         if folder is None:
@@ -387,7 +389,7 @@ class Trainer:
         saved = read_trainer_state(folder)
         check_same_tokenizer(saved.get("tokenizer"), self.tokenizer_identity, folder)
         changes = check_resume(folder, saved, self.config, allow_config_change, self.steps_per_epoch)
-        with_optimizer = check_weights_only(folder, allow_config_change)
+        with_optimizer = check_weights_only(folder, allow_config_change, self.is_main, self.checkpoints.damage)
         if not with_optimizer:
             changes.append("optimizer state started afresh")
         self.checkpoint.load(folder, saved, skip=("data",), with_optimizer=with_optimizer)
@@ -402,8 +404,8 @@ class Trainer:
             else:
                 self.checkpoint.load_part(folder, "data")
         except DataError as error:
-            if not changes and not rescaled:
-                raise
+            if isinstance(error, DataContentChanged) or (not changes and not rescaled):
+                raise  # other rows under a saved position: refused, whatever else changed
             logger.warning("The saved data position does not fit the changed settings (%s): epoch %d restarts.",
                            error, self.state.epoch)
         if rescaled:
@@ -419,13 +421,20 @@ class Trainer:
                     self.state.step, f"{self.state.tokens_seen:,}", f" (changed: {'; '.join(changes)})" if changes else "")
         return folder
 
+    def _checkpoint_to_resume(self) -> tuple[Path | None, str | None]:
+        """(the newest intact checkpoint, or None; the refusal when checkpoints exist but all are damaged)."""
+        found = self.checkpoints.latest_complete()
+        return found, self.checkpoints.no_usable_checkpoint(found)
+
     # ----- start and end ----------------------------------------------------------------------------------
     def begin(self) -> None:
         """Before the first step: the record of the tokenizer, the validation loss at the start (not after a
         resume), the first memory record, the signal handlers and the progress bar."""
-        if self.is_main:  # after a resume's checks: a refused resume leaves the run's record as it was
+        def write_record() -> None:  # after a resume's checks: a refused resume leaves the record as it was
             with writing("the run's tokenizer record", self.config.output_dir):
                 write_json_atomic(tokenizer_record_file(self.config.output_dir), self.tokenizer_identity)
+
+        run_on_main(self.accelerator, write_record)
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
         self.lr = self.learning_rate(self.state.step)
@@ -477,27 +486,33 @@ class Trainer:
             logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.",
                         summary["val_loss_start"], summary["val_loss_end"], self.state.step,
                         summary["val_loss_start"] - summary["val_loss_end"], summary["seconds"])
-            if self.is_main:
+            def export_and_sample() -> None:  # a full disk there stops every rank, not the main process only
                 self.export(final_model)
                 summary["sample"] = self.sample_answer(final_model)
-        self.accelerator.wait_for_everyone()
+
+            run_on_main(self.accelerator, export_and_sample)
         return summary
 
     def export(self, final_model: Any) -> None:
         """final/: the model as trained; best/: the best checkpoint's model by `best_metric` (main process)."""
         config, output_dir = self.config, Path(self.config.output_dir)
         # The checkpoints hold the trained weights: a failed export loses nothing, and can be made again.
-        latest = output_dir / str(self.checkpoints.manifest.get("latest"))
-        then = f"then export the last checkpoint with `{command_line(f'export --out=FOLDER --checkpoint={latest}')}`"
-        kept = f"The checkpoints in {output_dir} are complete; the partial folder was removed."
+        manifest = self.checkpoints.manifest
+        latest = output_dir / str(manifest.get("latest"))
         weights = latest / WEIGHTS_FILE
         needed = weights.stat().st_size if weights.is_file() else None
-        with writing("the final model", output_dir / "final", needed=needed, then=then, kept=kept):
+        kept = f"The checkpoints in {output_dir} are complete; the partial folder was removed."
+
+        def then(checkpoint: Path) -> str:
+            return f"then export it with `{command_line(f'export --out=FOLDER --checkpoint={checkpoint}')}`"
+
+        with writing("the final model", output_dir / "final", needed=needed, then=then(latest), kept=kept):
             out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir)
         logger.info("Model saved to %s", out_dir)
-        best = self.checkpoints.manifest.get("best") or []
+        best = manifest.get("best") or []
         if best:
-            with writing("the best model", output_dir / "best", needed=needed, then=then, kept=kept):
+            with writing("the best model", output_dir / "best", needed=needed, then=then(output_dir / best[0]),
+                         kept=kept):
                 best_dir = export_checkpoint(output_dir / best[0], config, output_dir / "best",
                                              tokenizer_dir=config.tokenizer_dir)
             logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
@@ -506,7 +521,7 @@ class Trainer:
         """The model's answer to the first validation prompt, logged beside the reference."""
         config = self.config
         first = next(iter(ParquetStream(config.validation_file, columns=(config.prompt_column, config.response_column),
-                                        shuffle=False)))
+                                        shuffle=False, bad_text=config.bad_text)))
         prompt = first[config.prompt_column]
         # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
         sampled = answer(final_model, self.tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
