@@ -88,6 +88,14 @@ def run_on_main(accelerator: Accelerator, work: Callable[[], T]) -> T | None:
     return result
 
 
+def end_process_group() -> None:
+    """Destroy the process group (and the host group made from it), where one was made: called by the code that
+    made it, once every rank has passed a last barrier."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _HOST_GROUP.clear()
+
+
 _HOST_GROUP: list[dist.ProcessGroup] = []  # created once, on first use
 
 

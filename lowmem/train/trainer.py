@@ -42,7 +42,7 @@ from lowmem.data.tokenizer_identity import check_same_tokenizer
 from lowmem.disk_errors import writing
 from lowmem.distributed.accelerator import create_accelerator
 from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
-                                           run_on_main)
+                                           end_process_group, run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.peers import PeerWatch
 from lowmem.distributed.strategy import model_for_eval
@@ -491,6 +491,7 @@ class Trainer:
                 summary["sample"] = self.sample_answer(final_model)
 
             run_on_main(self.accelerator, export_and_sample)
+        self.accelerator.wait_for_everyone()  # every rank is here before any ends the process group
         return summary
 
     def export(self, final_model: Any) -> None:
@@ -574,7 +575,11 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         trainer = Trainer(config, accelerator, callbacks, memory=memory)
         if is_keep_training:
             trainer.resume(allow_config_change, start_from=resume_from)
-        return {**trainer.fit(), "log_file": str(log_path), "run_log_file": str(run_training_log(config.output_dir))}
+        summary = trainer.fit()
+        # This run made the process group: it ends it while every rank is still there (fit's last step is a
+        # barrier), rather than leaving gloo's connections to the exit of processes that end one after another.
+        end_process_group()
+        return {**summary, "log_file": str(log_path), "run_log_file": str(run_training_log(config.output_dir))}
     finally:
         if lock is not None:
             lock.release()
