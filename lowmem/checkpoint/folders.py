@@ -493,8 +493,7 @@ class CheckpointManager:
             if not present:
                 continue
             if not found.marker.get("weights_only"):
-                files = {rel: entry for rel, entry in found.marker["files"].items()
-                         if not any(rel == name or rel.startswith(f"{name}/") for name in self.resume_only)}
+                files = {rel: entry for rel, entry in found.marker["files"].items() if not self._resume_only(rel)}
                 marker = {**found.marker, "files": files, "weights_only": True,
                           "total_bytes": sum(entry["size"] for entry in files.values())}
                 write_json_atomic(found.path / MARKER_NAME, marker)
@@ -504,14 +503,17 @@ class CheckpointManager:
             logger.info("Checkpoint %s keeps its weights only (%s removed: only the newest %d checkpoints keep what "
                         "a resume needs).", found.path.name, ", ".join(present), self.keep_resumable_n)
 
+    def _resume_only(self, rel: str) -> bool:
+        """True for a file of a checkpoint (its path in the marker) that only a resume reads."""
+        return any(rel == name or rel.startswith(f"{name}/") for name in self.resume_only)
+
     def _report_sizes(self, final: Path, marker: dict[str, Any]) -> None:
         """Once per run, at its first save: the checkpoint's size, what the kept ones will take, the space left."""
         if self._sizes_reported:
             return
         self._sizes_reported = True
         total = int(marker["total_bytes"])
-        resume_part = sum(entry["size"] for rel, entry in marker["files"].items()
-                          if any(rel == name or rel.startswith(f"{name}/") for name in self.resume_only))
+        resume_part = sum(entry["size"] for rel, entry in marker["files"].items() if self._resume_only(rel))
         kept = self.keep_best_n + 1
         resumable = min(self.keep_resumable_n, kept) if resume_part else kept  # nothing to strip: all stay whole
         in_all = resumable * total + (kept - resumable) * (total - resume_part)
