@@ -27,7 +27,7 @@ def test_train_config_is_every_section_with_flat_fields():
 def test_resume_roles_come_from_the_fields():
     assert set(MODEL_SHAPE_FIELDS) == {"architecture", "n_layer", "n_head", "n_embd", "max_seq_len"}
     assert set(RESUME_EXACT_FIELDS) == {
-        "train_file", "seed", "batch_size_per_gpu", "gradient_accumulation_steps", "dataloader_buffer_size",
+        "train_file", "train_sources", "text_column", "seed", "batch_size_per_gpu", "gradient_accumulation_steps", "dataloader_buffer_size",
         "dataloader_mix_row_groups", "max_seq_len", "epochs", "max_steps", "learn_rate", "min_lr_ratio",
         "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "loss_on_response_only", "dropout",
     }

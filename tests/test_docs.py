@@ -26,6 +26,7 @@ OTHER_TOOLS_FLAGS = {
     "DeepSpeed's zero_to_fp32.py": {"tag", "safe_serialization"},
     "scripts/plot_tensorboard.py, scripts/sorted_demo_copy.py": {"out"},
     "every lowmem command (fire)": {"help"},
+    "python -m lowmem.bench.convert_bench": {"size_gb"},
 }
 
 FENCE = re.compile(r"^(```|~~~).*?^\1\s*$", re.MULTILINE | re.DOTALL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -64,21 +65,30 @@ def _text(path: Path) -> None:
     path.write_text("Once upon a time\nthere was a model\n")
 
 
-@pytest.mark.parametrize("name, write, looks_like, reader", [
-    ("train.jsonl", _jsonl, "JSON Lines", "pd.read_json('{path}', lines=True).to_parquet('{stem}.parquet')"),
-    ("train.csv", _csv, "CSV", "pd.read_csv('{path}').to_parquet('{stem}.parquet')"),
-    ("train.txt", _text, "plain text", "pd.DataFrame({{'prompt': [...], 'response': [...]}})"),
-    ("train.parquet", _csv, "CSV", "pd.read_csv('{path}').to_parquet('{stem}.converted.parquet')"),
-], ids=["jsonl", "csv", "txt", "csv-named-parquet"])
-def test_data_that_is_not_parquet_stops_before_anything_starts(tmp_path, capsys, name, write, looks_like, reader):
+def _binary(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * 4)
+
+
+# What to do: the `lowmem convert` command for the formats it reads, a pandas line for the others.
+@pytest.mark.parametrize("name, write, looks_like, advice", [
+    ("train.jsonl", _jsonl, "JSON Lines", "lowmem convert {path} --output={stem}.parquet\n"),
+    ("train.csv", _csv, "CSV", "lowmem convert {path} --output={stem}.parquet\n"),
+    ("train.txt", _text, "plain text", "lowmem convert {path} --output={stem}.parquet\n"),
+    ("train.parquet", _csv, "CSV", "lowmem convert {path} --output={stem}.converted.parquet --input_format=csv\n"),
+    ("train.parquet", _binary, "binary data",
+     "pd.DataFrame({{'prompt': [...], 'response': [...]}}).to_parquet('{stem}.converted.parquet')"),
+], ids=["jsonl", "csv", "txt", "csv-named-parquet", "binary-named-parquet"])
+def test_data_that_is_not_parquet_stops_before_anything_starts(tmp_path, capsys, name, write, looks_like, advice):
     train = tmp_path / name
     write(train)
     valid = write_chat_rows(tmp_path / "valid.parquet", 20, seed=2)
     assert main(["train", *tiny_overrides(tmp_path, train, valid)]) == 2
     message = capsys.readouterr().err
     assert f"it looks like {looks_like}" in message and str(train) in message, message
-    assert "parquet files with the two text columns 'prompt' and 'response'" in message
-    assert reader.format(path=train, stem=train.with_suffix("")) in message
+    assert "parquet files with the text columns 'prompt' and 'response'" in message
+    assert advice.format(path=shlex.quote(str(train)), stem=train.with_suffix("")) in message, message
+    if name == "train.txt":  # plain text becomes one column of text, which train reads with --text_column
+        assert "--text_column=text" in message
     assert "--train_file" in message and "Traceback" not in message
     assert not (tmp_path / "tok").exists() and not (tmp_path / "run").exists()
 

@@ -34,7 +34,7 @@ def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 def test_a_tiny_run_writes_every_curve_at_the_steps_and_values_of_its_log(tmp_path):
     data = write_chat_rows(tmp_path / "train.parquet", 300, seed=1), write_chat_rows(tmp_path / "valid.parquet", 30, seed=2)
     done = run_command(["train", *tiny_overrides(tmp_path, *data), "--max_steps=10", "--logging_steps=5",
-                        "--eval_steps=5", "--report_to=tensorboard"], cwd=tmp_path)
+                        "--eval_steps=5", "--report_to=tensorboard", f"--validation_sources={data[1]}"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
 
     folder = tmp_path / tensorboard_dir(tmp_path / "run")
@@ -59,6 +59,9 @@ def test_a_tiny_run_writes_every_curve_at_the_steps_and_values_of_its_log(tmp_pa
     for tag in TAGS:
         assert all(math.isfinite(value) for _, value in scalars[tag]), tag
     assert scalars["eval/val_loss"][-1][1] < scalars["eval/val_loss"][0][1]
+    # The loss on each of --validation_sources: here the validation file itself, so the same values.
+    assert [(step, pytest.approx(value, abs=1e-4)) for step, value in scalars["eval/val_loss/valid"]] == \
+        scalars["eval/val_loss"]
     assert all(value > 0 for _, value in scalars["memory/rss_mb"])
     # One process: the largest rank and the sum over ranks are its own RSS.
     assert scalars["memory/rss_max_mb"] == scalars["memory/rss_mb"] == scalars["memory/rss_sum_mb"]

@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from lowmem.config import TrainConfig
+from lowmem.config.columns import data_columns, response_only
 from lowmem.data.collate import TokenizingCollate
 from lowmem.memory.probe import own_high_water
 from lowmem.units import DECIMAL_MB
@@ -165,10 +166,12 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         if rows > 0:
             data_file = broadcast_from_main(accelerator, lambda: str(generate_file(Path(folder) / "rows.parquet", rows)))
         config = dataclasses.replace(config, train_file=data_file or config.train_file)
+        if rows > 0 and config.text_column:
+            config = dataclasses.replace(config, text_column="response")  # the synthetic rows' longer column
         tokenizer, _ = ensure_tokenizer(config, accelerator)
         settings = shared_memory_settings(config, accelerator)
-        collate = TokenizingCollate(tokenizer, config.max_seq_len, (config.prompt_column, config.response_column),
-                                    config.loss_on_response_only, pack=config.pack_rows)
+        collate = TokenizingCollate(tokenizer, config.max_seq_len, data_columns(config), response_only(config),
+                                    pack=config.pack_rows)
         loader = make_loader(config.train_file, config, accelerator, collate, settings, shuffle=True)
         accumulation = config.gradient_accumulation_steps
         micro_batches = (skip_steps + steps) * accumulation

@@ -42,7 +42,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 # already taken had the same learning rate under the old and the new total.
 RUN_LENGTH_FIELDS = ("epochs", "max_steps")
 # Fields added after checkpoints were written without them: the value those runs had in effect.
-VALUES_BEFORE_THE_FIELD = {"dataloader_mix_row_groups": 1, "architecture": "gpt2"}
+VALUES_BEFORE_THE_FIELD = {"dataloader_mix_row_groups": 1, "architecture": "gpt2", "text_column": "", "train_sources": ""}
 
 
 class Stateful(Protocol):

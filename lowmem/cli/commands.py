@@ -10,6 +10,7 @@ Commands:
     export      write a trained model as a folder transformers loads (AutoModelForCausalLM, AutoTokenizer)
     memlog      summarise a run's memory logs: growth per rank and a leak verdict
     repack      rewrite parquet files into small row groups
+    convert     convert JSON Lines, JSON, CSV, TSV or text files into parquet
     bench_data  benchmark the data pipeline against a plain pyarrow read
     bench_mixing how many row groups a batch mixes, against memory and speed, for each mix_row_groups
     bench_train benchmark training steps through the pipeline against in-memory batches
@@ -19,7 +20,8 @@ Commands:
 
 `lowmem COMMAND --help` documents each one. The commands themselves live in `training` (train, tokenizer),
 `planning` (plan),
-`evaluation` (evaluate, generate, export), `tools` (memlog, repack, bench_*) and `gpu` (gpu_check, gpu_bundle).
+`evaluation` (evaluate, generate, export), `tools` (memlog, repack, convert, bench_*) and `gpu` (gpu_check,
+gpu_bundle).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from lowmem.cli.common import ConfigPrinted, strict_flags
 from lowmem.cli.evaluation import evaluate, export, generate
 from lowmem.cli.gpu import gpu_bundle, gpu_check
 from lowmem.cli.planning import plan
-from lowmem.cli.tools import bench_data, bench_memory, bench_mixing, bench_train, memlog, repack
+from lowmem.cli.tools import bench_data, bench_memory, bench_mixing, bench_train, convert, memlog, repack
 from lowmem.cli.training import tokenizer, train, train_with
 from lowmem.errors import LowmemError
 from lowmem.program import program_name
@@ -84,6 +86,7 @@ COMMANDS = {
     "export": export,
     "memlog": memlog,
     "repack": repack,
+    "convert": convert,
     "bench_data": bench_data,
     "bench_mixing": bench_mixing,
     "bench_train": bench_train,

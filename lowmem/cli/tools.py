@@ -1,4 +1,5 @@
-"""Tools around training: `memlog` (memory-log reports), `repack` (parquet row groups) and the benchmarks."""
+"""Tools around training: `memlog` (memory-log reports), `repack` (parquet row groups), `convert` (text formats to
+parquet) and the benchmarks."""
 
 from __future__ import annotations
 
@@ -43,6 +44,46 @@ def repack(inputs: str, output: str, row_group_rows: int = 10_000) -> None:
     for result in repack_files(inputs, output, row_group_rows):
         print(f"{result.source} → {result.target}: {result.rows:,} rows, "
               f"{result.row_groups_before} → {result.row_groups_after} row groups")
+
+
+def convert(*inputs: str, output: str | None = None, prompt_field: str | None = None,
+            response_field: str | None = None, text_field: str | None = None, text_unit: str = "line",
+            input_format: str | None = None, row_group_rows: int = 10_000, overwrite: bool = False) -> None:
+    """Convert JSON Lines, JSON arrays, CSV, TSV or plain text into parquet files with small row groups.
+
+    Reads .jsonl/.ndjson/.json (one record per line, or one array of records), .csv, .tsv and .txt files, also
+    compressed as .gz or .zst, as a stream: memory holds about one row group whatever the file's size. Each
+    output is written aside and renamed when complete. Records that cannot be used (not valid JSON, a field
+    missing, null or empty) are left out and counted by reason, with their first line numbers, in the summary
+    printed for each file.
+
+    Fields: prompt/response by default; when the records do not have them (and no field is named), the first of
+    text (one text column), instruction + input/output (Alpaca), question/answer, query/response,
+    prompt/completion, input/output, or a conversation (conversations or messages: one row per assistant turn,
+    prompted with the conversation before it). Plain text gives one text column.
+
+    Args:
+        inputs: files, folders (every file below them with a suffix convert reads) or globs.
+        output: for one input, the .parquet file to write (default: beside the input, same stem); for several,
+            a folder receiving one file per input, by stem (default: each beside its input).
+        prompt_field: the field holding the prompt (a.b reaches into nested objects).
+        response_field: the field holding the response.
+        text_field: write this one field as a column `text` (pretraining data) instead of prompt/response.
+        text_unit: for plain text: "line" (a row per line) or "paragraph" (a row per run of lines up to a
+            blank line).
+        input_format: read every input as jsonl, json, csv, tsv or txt, whatever its suffix.
+        row_group_rows: rows per row group; 10,000 keeps reads small and shuffling good.
+        overwrite: replace output files that already exist (by default they are refused).
+    """
+    from lowmem.data.convert import FieldNames, convert as convert_files
+
+    def text(value: object) -> str | None:  # fire reads --prompt_field=1 as a number
+        return None if value is None else str(value)
+
+    names = FieldNames(text(prompt_field), text(response_field), text(text_field))
+    for result in convert_files([str(entry) for entry in inputs], text(output), names, str(text_unit),
+                                int(row_group_rows), text(input_format), overwrite):
+        print(result.summary())
 
 
 def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000, mix_row_groups: int = 16) -> None:

@@ -14,7 +14,8 @@ from lowmem.errors import ConfigError
 
 def train(use_large_config: bool = False, is_keep_training: bool = False, allow_config_change: bool = False,
           overwrite: bool = False, resume_from_checkpoint: str | None = None, **overrides: Any) -> None:
-    """Train a GPT on the training file's prompt/response rows (the packaged demo data set by default).
+    """Train a GPT on the training file's prompt/response rows (the packaged demo data set by default), or on one
+    column of text with --text_column=NAME.
 
     Run it alone for one process, or under `accelerate launch --num_processes N` for N (on a machine
     without GPUs add `--multi_gpu` and set ACCELERATE_USE_CPU=1). The tokenizer is trained first if

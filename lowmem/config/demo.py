@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Collection, TypeVar
 
 from lowmem.config.sections import DataConfig
+from lowmem.config.train_sources import training_paths
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def with_demo_data(config: DataConfigT) -> DataConfigT:
     defaults = {field.name: field.default for field in dataclasses.fields(config)}
     no_data_given = all(getattr(config, name) == defaults[name] and not os.path.exists(getattr(config, name))
                         for name in DEMO_FILES)
-    if not no_data_given:
+    if not no_data_given or config.train_sources:
         return config
     changes = {name: str(DEMO_DATA_DIR / file_name) for name, file_name in DEMO_FILES.items()
                if (DEMO_DATA_DIR / file_name).is_file()}
@@ -78,12 +79,13 @@ def with_run_folders(config: ConfigT, given: Collection[str]) -> ConfigT:
     the tokenizer of the demo's run. Unchanged when the demo's folder already holds a run on the same file."""
     if uses_demo_data(config) or "output_dir" in given or config.output_dir != DEMO_OUTPUT_DIR:
         return config
-    if _earlier_run_on(config.train_file):
+    if not config.train_sources and _earlier_run_on(config.train_file):
         logger.info("%s holds an earlier run on %s: it goes on there.", DEMO_OUTPUT_DIR, config.train_file)
         return config
-    changes = {"output_dir": f"model_save/{data_name(config.train_file)}"}
+    train_data = config.train_sources or config.train_file
+    changes = {"output_dir": f"model_save/{data_name(training_paths(config)[0])}"}
     if "tokenizer_dir" not in given and config.tokenizer_dir == DEMO_TOKENIZER_DIR:
         changes["tokenizer_dir"] = f"{changes['output_dir']}/tokenizer"
-    logger.info("Run folder for %s: %s (--output_dir=PATH chooses another).", config.train_file,
+    logger.info("Run folder for %s: %s (--output_dir=PATH chooses another).", train_data,
                 ", ".join(f"{name} {value}" for name, value in changes.items()))
     return dataclasses.replace(config, **changes)

@@ -21,8 +21,19 @@ class DataConfig:
                              "data/ defaults fall back to the packaged demo data set when absent", resume=EXACT)
     validation_file: str = option("data/valid.parquet", "held-out rows for the validation loss and samples")
     test_file: str = option("data/test.parquet", "rows for the final evaluation (never trained on)")
+    train_sources: str = option("", "several training sources mixed by weight, PATH:WEIGHT,PATH:WEIGHT (each a parquet "
+                                "file, folder or glob; in a config file also a mapping of paths to weights); every "
+                                "batch follows the weights, a small source is repeated; replaces --train_file",
+                                resume=EXACT, hint="empty reads --train_file alone")
+    validation_sources: str = option("", "held-out files scored one by one at every validation, PATH,PATH (e.g. one "
+                                     "per training source): a validation loss per source in the log and the curves, "
+                                     "beside --validation_file's", hint="empty scores --validation_file alone")
     prompt_column: str = option("prompt", "text column with the prompt")
     response_column: str = option("response", "text column with the response")
+    # Exact on resume: pairs and one text column make different sequences, and count different tokens in the loss.
+    text_column: str = option("", "one text column to pretrain on, every token in the loss, instead of "
+                              "prompt/response pairs (empty: the pairs of --prompt_column and --response_column)",
+                              resume=EXACT)
     # Not a resume setting: positions count the rows left out too, so a run refused at bad text resumes with skip.
     bad_text: str = option("refuse", "rows whose text is not valid UTF-8: refuse stops with a message naming the "
                            "file, row group, row and column; skip leaves them out, counted with the rows with empty "
@@ -137,8 +148,9 @@ class OptimConfig:
     process_group_timeout_minutes: float = option(60.0, "minutes a collective waits for the slowest process "
                                                   "before the run fails (NCCL's default is 10; a first run's "
                                                   "tokenizer training on rank 0 can need more)", above=0)
-    loss_on_response_only: bool = option(False, "train on the response tokens only (default: prompt and response)",
-                                         resume=EXACT)
+    loss_on_response_only: Optional[bool] = option(None, "train on the response tokens only; None follows the "
+                                                   "data: the response for prompt/response pairs, every token for "
+                                                   "--text_column", resume=EXACT)
     pack_rows: bool = option(True, "pack several rows into each sequence (attention stays within a row) "
                              "instead of padding")
 

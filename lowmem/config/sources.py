@@ -15,6 +15,7 @@ from typing import Any
 
 from lowmem.config.overrides import config_aliases, config_fields
 from lowmem.config.train_config import PRESETS, TrainConfig, TrainConfigPretrainLarge
+from lowmem.config.train_sources import sources_text
 from lowmem.errors import ConfigError
 from lowmem.program import command_line
 
@@ -71,6 +72,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"--config={path} must hold a mapping of field names to values, such as "
                           '{"n_layer": 8, "output_dir": "model_save/mine"}.')
+    if "train_sources" in values:  # a mapping of paths to weights reads best in a file; the field holds text
+        values["train_sources"] = sources_text(values["train_sources"])
     known = {*config_fields(TrainConfig), *config_aliases(TrainConfig()), "preset"}
     unknown = sorted(name for name in values if str(name).replace("-", "_") not in known)
     if unknown:

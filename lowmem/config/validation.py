@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from lowmem.config.columns import data_columns
 from lowmem.config.option import spec_of
 from lowmem.config.sections import DataConfig
 from lowmem.config.train_config import TrainConfig
+from lowmem.config.train_sources import parse_sources, training_paths, validation_sources
 from lowmem.errors import ConfigError
 
 
@@ -35,8 +37,42 @@ def validate_config(config: TrainConfig) -> None:
     _require(config.architecture == "gpt2" or (config.n_embd // config.n_head) % 2 == 0,
              f"The llama architecture rotates pairs of channels: --n_embd // --n_head "
              f"({config.n_embd // config.n_head}) must be even. Choose another --n_head or --n_embd, or pass --architecture=gpt2.")
-    _require(config.prompt_column != config.response_column,
-             "--prompt_column and --response_column must name two different columns.")
+    if config.train_sources:
+        _check_train_sources(config)
+    if config.text_column:
+        _check_text_column(config)
+    else:
+        _require(config.prompt_column != config.response_column,
+                 "--prompt_column and --response_column must name two different columns.")
+
+
+def _check_text_column(config: TrainConfig) -> None:
+    """One text column is read instead of the pairs: pair settings given with it would be silently ignored."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}  # the preset's, for a preset
+    pair_columns = [f"--{name}={getattr(config, name)}" for name in ("prompt_column", "response_column")
+                    if getattr(config, name) != defaults[name]]
+    _require(not pair_columns,
+             f"--text_column={config.text_column} trains on one column of text, so {' and '.join(pair_columns)} "
+             "would not be read. Leave them out to train on the text column, or leave --text_column out to train "
+             "on prompt/response pairs.")
+    _require(config.loss_on_response_only is not True,
+             "--loss_on_response_only=True leaves the prompt out of the loss, but rows of one text column "
+             f"(--text_column={config.text_column}) have no prompt: every token of the text is trained on. Leave "
+             "--loss_on_response_only out (or pass False), or train on prompt/response pairs without --text_column.")
+
+
+def _check_train_sources(config: TrainConfig) -> None:
+    """The sources parse, and --train_file is not given beside them (it would not be read)."""
+    parse_sources(config.train_sources)
+    default = next(field.default for field in dataclasses.fields(config) if field.name == "train_file")
+    _require(config.train_file == default,
+             f"--train_sources={config.train_sources} replaces --train_file, so --train_file={config.train_file} "
+             "would not be read. Add it to the sources with its weight, or leave one of the two out.")
+
+
+def _label(name: str) -> str:
+    return {"train_sources": "training source", "validation_sources": "validation source"}.get(
+        name, name.replace("_", " "))
 
 
 def check_data_files(config: DataConfig, names: tuple[str, ...] = ("train_file", "validation_file")) -> None:
@@ -49,18 +85,38 @@ def check_data_files(config: DataConfig, names: tuple[str, ...] = ("train_file",
     """
     from lowmem.data.sources import not_parquet_problem, resolve_parquet_files  # the data layer loads torch
 
-    for name in names:
-        path = getattr(config, name)
+    columns = data_columns(config)
+    for name, path in _named_paths(config, names):
         if "://" in path:
             continue
         if not any(ch in path for ch in "*?[") and not os.path.exists(path):
             raise ConfigError(
-                f"The {name.replace('_', ' ')} '{path}' does not exist (looked in '{os.getcwd()}'). Put your "
-                f"parquet files (string columns '{config.prompt_column}' and '{config.response_column}') there, or "
+                f"The {_label(name)} '{path}' does not exist (looked in '{os.getcwd()}'). Put your "
+                f"parquet files ({_string_columns(columns)}) there, or "
                 f"pass --{name}=PATH (a file, a directory or a glob). The demo data set that ships with lowmem "
                 "stands in only when no data path is given at all."
             )
         for file in resolve_parquet_files(path):
-            problem = not_parquet_problem(file, (config.prompt_column, config.response_column), f"--{name}")
+            problem = not_parquet_problem(file, columns, f"--{name}")
             if problem:
-                raise ConfigError(f"The {name.replace('_', ' ')} {problem}")
+                raise ConfigError(f"The {_label(name)} {problem}")
+
+
+def _named_paths(config: DataConfig, names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(the option's name, a path) for each path to check: every source's in place of --train_file's with
+    --train_sources."""
+    named = []
+    for name in names:
+        if name == "train_file" and config.train_sources:
+            named += [("train_sources", path) for path in training_paths(config)]
+        else:
+            named.append((name, getattr(config, name)))
+        if name == "validation_file":
+            named += [("validation_sources", path) for path in validation_sources(config).values()]
+    return named
+
+
+def _string_columns(columns: tuple[str, ...]) -> str:
+    """The columns in words: string column 'text', or string columns 'prompt' and 'response'."""
+    named = " and ".join(f"'{column}'" for column in columns)
+    return f"string column{'s' if len(columns) > 1 else ''} {named}"

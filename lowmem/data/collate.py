@@ -43,12 +43,22 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return [sorted(rows) for rows in bins]
 
 
-class TokenizingCollate:
-    """Rows `{prompt, response}` → `{"input_ids", "targets"}` LongTensors of shape (B, T).
+def encode_rows(tokenizer: Any, values: Sequence[Sequence[str]]) -> list[tuple[list[int], int]]:
+    """The training layout of each row and where its counted targets start, from its columns' values (one list
+    per column): `[bos] text [eos]` for one column of text (every token counted), `[bos] prompt [sep] response
+    [eos]` for prompt/response pairs (the response counted when the loss leaves the prompt out)."""
+    if len(values) == 1:
+        return tokenizer.encode_text_batch(values[0])
+    prompts, responses = values
+    return tokenizer.encode_pair_batch(prompts, responses)
 
-    Each row becomes `[bos] prompt [sep] response [eos]`, cut at the end to `max_seq_len + 1` tokens, then
-    shifted: inputs are tokens 0..n-1 and targets tokens 1..n. Widths are rounded up to a multiple of 32
-    (at most `max_seq_len`).
+
+class TokenizingCollate:
+    """Rows `{prompt, response}`, or `{text}`, → `{"input_ids", "targets"}` LongTensors of shape (B, T).
+
+    Each row becomes `[bos] prompt [sep] response [eos]` (one text column: `[bos] text [eos]`), cut at the end
+    to `max_seq_len + 1` tokens, then shifted: inputs are tokens 0..n-1 and targets tokens 1..n. Widths are
+    rounded up to a multiple of 32 (at most `max_seq_len`).
 
     With `pack=False` each row is one sequence, padded to the longest row of the batch (not to
     `max_seq_len`: with short rows most of a fixed-length batch would be padding). With `pack=True` the
@@ -61,8 +71,8 @@ class TokenizingCollate:
     Args:
         tokenizer: a `lowmem.data.tokenizer.Tokenizer`.
         max_seq_len: the longest input the model takes.
-        columns: the (prompt, response) column names.
-        response_only: leave prompt tokens out of the loss.
+        columns: the (prompt, response) column names, or the one text column's (`lowmem.config.columns`).
+        response_only: leave prompt tokens out of the loss (one text column has none: every token counts).
         pack: pack rows into shared sequences (with `segment_ids`) instead of padding each row.
     """
 
@@ -70,16 +80,16 @@ class TokenizingCollate:
                  response_only: bool = False, pack: bool = False):
         self.tokenizer = tokenizer
         self.max_seq_len = int(max_seq_len)
-        self.prompt_column, self.response_column = columns
+        self.columns = tuple(columns)
+        if len(self.columns) not in (1, 2):
+            raise ValueError(f"columns must be (prompt, response) or (text,), got {columns!r}")
         self.response_only = response_only
         self.pack = pack
 
     def __call__(self, rows: list[dict[str, str]]) -> dict[str, torch.Tensor]:
-        pairs = self.tokenizer.encode_pair_batch(
-            [row[self.prompt_column] for row in rows], [row[self.response_column] for row in rows]
-        )
+        encoded = encode_rows(self.tokenizer, [[row[column] for row in rows] for column in self.columns])
         limit = self.max_seq_len + 1
-        lengths = [min(len(ids), limit) - 1 for ids, _ in pairs]
+        lengths = [min(len(ids), limit) - 1 for ids, _ in encoded]
         bins = pack_rows(lengths, self.max_seq_len) if self.pack else [[row] for row in range(len(rows))]
         filled = max(sum(lengths[row] for row in rows_in_bin) for rows_in_bin in bins)
         width = min(self.max_seq_len, -(-filled // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF)
@@ -89,7 +99,7 @@ class TokenizingCollate:
         for sequence, rows_in_bin in enumerate(bins):
             start = 0
             for segment, row in enumerate(rows_in_bin, start=1):
-                ids, response_start = pairs[row]
+                ids, targets_start = encoded[row]
                 length = lengths[row]
                 ids = np.asarray(ids[: length + 1], dtype=np.int64)
                 end = start + length
@@ -98,7 +108,7 @@ class TokenizingCollate:
                 segment_ids[sequence, start:end] = segment
                 if self.response_only:
                     # Position j predicts token j + 1: the prompt and separator are predicted before the response.
-                    targets[sequence, start: start + max(0, min(response_start - 1, length))] = IGNORE_INDEX
+                    targets[sequence, start: start + max(0, min(targets_start - 1, length))] = IGNORE_INDEX
                 start = end
         batch = {"input_ids": torch.from_numpy(input_ids), "targets": torch.from_numpy(targets)}
         if self.pack:

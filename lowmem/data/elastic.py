@@ -151,6 +151,10 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     if not states:
         raise DataError("No saved data positions to merge.")
     first = states[0]
+    if first.get("kind") == "mixture":
+        from lowmem.data.mixture import merge_mixture_states  # the mixture's states hold streams' states
+
+        return merge_mixture_states(states)
     merged_positions: dict[str, Position] = {}
     next_workers: dict[str, int] = {}
     for state in states:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import signal
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import default_convert
 
 from lowmem.data.stream import ParquetStream, Position
+
+if TYPE_CHECKING:
+    from lowmem.data.mixture import MixedStream
 
 Collate = Callable[[list[dict[str, str]]], Any]
 
@@ -22,11 +26,18 @@ def _as_list(rows: list[dict[str, str]]) -> list[dict[str, str]]:
     return rows
 
 
+def _convert_batch(item: tuple[Any, int, Any]) -> tuple[Any, int, Any]:
+    """What the DataLoader does to each batch (numpy arrays to tensors), left undone to its reader's position,
+    which is plain numbers that only the loader reads."""
+    batch, consumer, position = item
+    return default_convert(batch), consumer, position
+
+
 class _BatchedStream(IterableDataset):
     """Batches and collates rows where they are read (in the worker), tagging each batch with the
     reading consumer and its position just after the batch's last row."""
 
-    def __init__(self, stream: ParquetStream, batch_size: int, collate_fn: Collate, drop_last: bool):
+    def __init__(self, stream: "ParquetStream | MixedStream", batch_size: int, collate_fn: Collate, drop_last: bool):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn, self.drop_last = stream, batch_size, collate_fn, drop_last
 
@@ -64,7 +75,7 @@ class StreamLoader:
 
     def __init__(
         self,
-        stream: ParquetStream,
+        stream: "ParquetStream | MixedStream",
         batch_size: int,
         collate_fn: Collate | None = None,
         num_workers: int = 0,
@@ -95,20 +106,30 @@ class StreamLoader:
         return self.stream.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Move to another epoch (a no-op for the current one, so a loaded position survives it)."""
-        if epoch != self.stream.epoch:
-            self._loaded, self._delivered, self._next_worker = {}, {}, 0
-        self.stream.set_epoch(epoch)
+        """Move to another epoch (a no-op for the current one, so a loaded position survives it).
+
+        A stream that carries positions from one epoch into the next (a MixedStream, whose sources go on where
+        they stopped) is given the readers' positions after the last batches handed out."""
+        if epoch == self.stream.epoch:
+            return
+        if getattr(self.stream, "carries_positions", False):
+            self.stream.set_epoch(epoch, {**self._loaded, **self._delivered})
+            self._loaded = self.stream.loaded_positions()
+        else:
+            self.stream.set_epoch(epoch)
+            self._loaded = {}
+        self._delivered, self._next_worker = {}, 0
 
     @property
     def skipped_rows(self) -> int:
         """Rows skipped this epoch for null or empty values, over the batches delivered so far."""
-        return sum(position[2] for position in {**self._loaded, **self._delivered}.values())
+        return sum(self.stream.skipped_in(position) for position in {**self._loaded, **self._delivered}.values())
 
     def __iter__(self) -> Iterator[Any]:
         loader = DataLoader(
             _BatchedStream(self.stream, self.batch_size, self.collate_fn, self.drop_last),
             batch_size=None,
+            collate_fn=_convert_batch,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor,

@@ -5,7 +5,8 @@ included): that sets the activations. Packed rows make it a matter of the data, 
 few row groups spread over the files is tokenized and grouped into micro-batches exactly as
 `TokenizingCollate` would (same packing, same width rounding), and the largest is taken. Without a
 tokenizer yet, a row's tokens are counted as its characters plus the layout's specials: SentencePiece pieces
-hold one character or more, so that is an upper bound.
+hold one character or more, so that is an upper bound. Rows are prompt/response pairs or one column of text,
+whichever columns the index holds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from lowmem.data.collate import PAD_TO_MULTIPLE_OF, pack_rows
+from lowmem.data.collate import PAD_TO_MULTIPLE_OF, encode_rows, pack_rows
 from lowmem.data.reader import open_parquet
 from lowmem.data.sources import RowGroupIndex
 from lowmem.memory.cleanup import release_arrow_memory
@@ -25,7 +26,8 @@ from lowmem.memory.cleanup import release_arrow_memory
 SAMPLE_ROW_GROUPS = 8  # spread evenly over the data
 SAMPLE_ROWS_PER_GROUP = 1024
 SAMPLE_BATCHES = 256
-_LAYOUT_SPECIALS = 3  # [bos] prompt [sep] response [eos]
+# Specials around a row's texts: [bos] text [eos] for one column, [bos] prompt [sep] response [eos] for two.
+_LAYOUT_SPECIALS = {1: 2, 2: 3}
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,12 @@ def micro_batch_positions(lengths: Sequence[int], max_seq_len: int, pack: bool) 
     return len(bins) * width
 
 
-def _sample_rows(index: RowGroupIndex) -> list[tuple[str, str]]:
-    """(prompt, response) of up to SAMPLE_ROWS_PER_GROUP rows from each of a few row groups spread over the data."""
+def _sample_rows(index: RowGroupIndex) -> list[tuple[str, ...]]:
+    """The values of the index's columns ((prompt, response), or (text,)) of up to SAMPLE_ROWS_PER_GROUP rows from
+    each of a few row groups spread over the data."""
     picks = np.unique(np.linspace(0, index.num_row_groups - 1, num=min(SAMPLE_ROW_GROUPS, index.num_row_groups))
                       .round().astype(int))
-    rows: list[tuple[str, str]] = []
+    rows: list[tuple[str, ...]] = []
     try:
         for group in picks:
             file_id = int(index.file_id[group])
@@ -80,7 +83,7 @@ def _sample_rows(index: RowGroupIndex) -> list[tuple[str, str]]:
             if batch is None:
                 continue
             columns = [batch.column(name).to_pylist() for name in index.columns]
-            rows.extend((prompt or "", response or "") for prompt, response in zip(*columns))
+            rows.extend(tuple(value or "" for value in row) for row in zip(*columns))
     except (pa.ArrowException, OSError, UnicodeDecodeError):
         return rows  # the stream reports unreadable data with its own message; the plan makes do with less
     finally:
@@ -93,10 +96,10 @@ def sample_batch_sizes(index: RowGroupIndex, max_seq_len: int, pack: bool, token
     """Row lengths of a sample of the indexed rows, tokenized (or counted from characters without a tokenizer)."""
     rows = _sample_rows(index)
     if tokenizer is not None and rows:
-        pairs = tokenizer.encode_pair_batch([prompt for prompt, _ in rows], [response for _, response in rows])
-        lengths = tuple(len(ids) for ids, _ in pairs)
+        encoded = encode_rows(tokenizer, [list(values) for values in zip(*rows)])
+        lengths = tuple(len(ids) for ids, _ in encoded)
     else:
-        lengths = tuple(len(prompt) + len(response) + _LAYOUT_SPECIALS for prompt, response in rows)
+        lengths = tuple(sum(len(value) for value in row) + _LAYOUT_SPECIALS[len(row)] for row in rows)
     return BatchSizes(lengths, max_seq_len, pack, estimated=tokenizer is None, seed=seed)
 
 

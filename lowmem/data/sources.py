@@ -12,6 +12,7 @@ import glob
 import hashlib
 import logging
 import os
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,36 +145,64 @@ def not_parquet_problem(path: str, columns: Sequence[str] = DEFAULT_COLUMNS,
         head += handle.read(4096)
     if not head:
         return f"'{path}' is empty (0 bytes): remove it or write it again."
-    kind, reader = _guess_format(path, head)
+    kind, file_format = _guess_format(path, head)
+    named = " and ".join(f"'{column}'" for column in columns)
+    problem = (f"'{path}' is not a parquet file: it looks like {kind}. lowmem reads parquet files with the text "
+               f"columns {named} (--prompt_column and --response_column, or --text_column, name others). ")
+    point = f"and point {option} at the parquet file (or its folder)."
+    if file_format is not None:
+        command, note = _convert_command(path, head, file_format, tuple(columns))
+        return f"{problem}Convert it once:\n    {command}\n{point}{note}"
+    # Neither text nor a compressed text file: `lowmem convert` does not read it, but pandas may.
     stem, suffix = os.path.splitext(path)
     target = f"{stem}.converted.parquet" if suffix == ".parquet" else f"{stem}.parquet"
-    prompt, response = columns
-    return (f"'{path}' is not a parquet file: it looks like {kind}. lowmem reads parquet files with the two text "
-            f"columns '{prompt}' and '{response}' (--prompt_column and --response_column name others). Convert "
-            f"it once, for example with pandas:\n"
-            f"    python -c \"import pandas as pd; {reader.format(path=repr(path))}.to_parquet({target!r})\"\n"
-            f"and point {option} at the parquet file (or its folder).")
+    return (f"{problem}Write its rows as a table, for example with pandas:\n"
+            f"    python -c \"import pandas as pd; pd.DataFrame({{'prompt': [...], 'response': [...]}})"
+            f".to_parquet({target!r})\"\n{point}")
 
 
-def _guess_format(path: str, head: bytes) -> tuple[str, str]:
-    """What a file that is not parquet looks like, from its suffix and first bytes, and the pandas expression that
-    reads it (`{path}` left to fill in)."""
+def _convert_command(path: str, head: bytes, file_format: str, columns: tuple[str, ...]) -> tuple[str, str]:
+    """The `lowmem convert` command that turns `path` (in `file_format`) into parquet, with the flags its first
+    record calls for, and a sentence to add about the result (or "")."""
+    from lowmem.data.convert_fields import suggest_flags
+    from lowmem.data.convert_formats import SUFFIX_FORMATS, first_record, split_name
+
+    stem, suffix, compression = split_name(path)
+    target = f"{stem}.converted.parquet" if suffix == ".parquet" else f"{stem}.parquet"
+    flags, note = suggest_flags(None if compression else first_record(head, file_format), columns)
+    named = SUFFIX_FORMATS.get(suffix)
+    if named != file_format and not (named == "json" and file_format == "jsonl"):
+        flags.insert(0, f"--input_format={file_format}")  # its name does not say what it holds
+    line = " ".join([f"convert {shlex.quote(path)} --output={shlex.quote(target)}", *flags])
+    return command_line(line), note
+
+
+# The first bytes of the compressed files `lowmem convert` reads: gzip's, zstd's.
+_COMPRESSED_MAGIC = (b"\x1f\x8b", b"\x28\xb5\x2f\xfd")
+
+
+def _guess_format(path: str, head: bytes) -> tuple[str, str | None]:
+    """What a file that is not parquet looks like, from its suffix and first bytes, and the format `lowmem convert`
+    reads it as (None: one it does not read)."""
+    from lowmem.data.convert_formats import SUFFIX_FORMATS, split_name
+
+    _, format_suffix, compression = split_name(path)
     suffix = os.path.splitext(path)[1].lower()
     first = head.lstrip()[:1]
+    if compression and format_suffix in SUFFIX_FORMATS and head.startswith(_COMPRESSED_MAGIC):
+        return f"{compression}-compressed {format_suffix} data", SUFFIX_FORMATS[format_suffix]
     if first == b"[":
-        return "JSON (an array of records)", "pd.read_json({path})"
+        return "JSON (an array of records)", "json"
     if suffix in (".jsonl", ".json", ".ndjson") or first == b"{":
-        return "JSON Lines (one JSON record per line)", "pd.read_json({path}, lines=True)"
+        return "JSON Lines (one JSON record per line)", "jsonl"
     if b"\0" in head or not _decodes(head):
-        return (f"binary data, neither parquet nor text (it starts with the bytes {head[:4]!r})",
-                "pd.DataFrame({{'prompt': [...], 'response': [...]}})")
+        return f"binary data, neither parquet nor text (it starts with the bytes {head[:4]!r})", None
     first_line = next((line for line in head.splitlines() if line.strip()), b"")
     if suffix == ".tsv" or b"\t" in first_line:
-        return "TSV (tab-separated values)", "pd.read_csv({path}, sep='\\t')"
+        return "TSV (tab-separated values)", "tsv"
     if suffix == ".csv" or b"," in first_line:
-        return "CSV (comma-separated values)", "pd.read_csv({path})"
-    return ("plain text, which does not say which part is a prompt and which its response: put each pair in one "
-            "row of a table"), "pd.DataFrame({{'prompt': [...], 'response': [...]}})"
+        return "CSV (comma-separated values)", "csv"
+    return "plain text (one row per line)", "txt"
 
 
 def _decodes(head: bytes) -> bool:
@@ -193,7 +222,8 @@ def _check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str])
             raise DataError(
                 f"The data file '{path}' has no column '{column}'; its columns are: "
                 f"{', '.join(schema.names)}. Rename the column in the file, or pass columns=... "
-                "(on the command line: --prompt_column and --response_column) with the names your files use."
+                "(on the command line: --prompt_column and --response_column, or --text_column for one column of "
+                "text) with the names your files use."
             )
         field_type = schema.field(index).type
         if not _is_text_type(field_type):

@@ -192,6 +192,11 @@ class ParquetStream(IterableDataset):
         by the iterations in this process."""
         return sum(cursor.as_list()[2] for cursor in self._live.values())
 
+    @staticmethod
+    def skipped_in(position: Position) -> int:
+        """Rows skipped (null, empty or undecodable) before a position, this epoch."""
+        return int(position[2])
+
     def content_fingerprint(self) -> dict[str, Any]:
         """The data files' content fingerprint (`lowmem.data.fingerprint`), computed once, when first needed:
         it reads every footer and a few row groups per file."""

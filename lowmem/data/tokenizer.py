@@ -11,7 +11,8 @@ generation code can rely on them without reading the tokenizer:
     4   <sep>    separates the prompt from the response
     5..260       <0x00>..<0xFF>, the byte pieces used for characters outside the vocabulary
 
-The training sequence layout is ``[bos] prompt [sep] response [eos]`` (see ``Tokenizer.encode_pair``).
+The training sequence layout is ``[bos] prompt [sep] response [eos]`` (see ``Tokenizer.encode_pair``), or
+``[bos] text [eos]`` for one column of text (``Tokenizer.encode_text``).
 
 Encoding is lossless: ``decode(encode(text)) == text`` for any text (Chinese, ASCII, spaces, tabs,
 newlines, characters never seen in training), with one exception inherited from SentencePiece: the
@@ -491,6 +492,25 @@ class Tokenizer:
         encoded = iter(self.encode_batch(present))
         response_ids = [None if r is None else next(encoded) for r in responses]
         return [_pair_layout(p, r) for p, r in zip(prompt_ids, response_ids)]
+
+    def encode_text(self, text: str, finished: bool = True) -> tuple[list[int], int]:
+        """The layout of one column of text, ``[bos] text [eos]``, and where the counted targets start.
+
+        Returns ``(ids, 1)``: every token after bos is a target, as for ``encode_pair``'s ``ids[start:]``.
+        With ``finished`` False the layout is ``[bos] text``, a beginning for the model to continue.
+        """
+        return _text_layout(self.encode(text), finished)
+
+    def encode_text_batch(self, texts: Sequence[str]) -> list[tuple[list[int], int]]:
+        """``encode_text`` over a batch, with the texts encoded by ``encode_batch`` (the fast path)."""
+        return [_text_layout(ids, finished=True) for ids in self.encode_batch(texts)]
+
+
+def _text_layout(text_ids: list[int], finished: bool) -> tuple[list[int], int]:
+    ids = [BOS_ID, *text_ids]
+    if finished:
+        ids.append(EOS_ID)
+    return ids, 1
 
 
 def _pair_layout(prompt_ids: list[int], response_ids: list[int] | None) -> tuple[list[int], int]:

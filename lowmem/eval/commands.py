@@ -17,6 +17,7 @@ from lowmem.model import GPT
 from lowmem.checkpoint.export import find_model_folder, load_model_folder
 from lowmem.checkpoint.run_lock import lock_run_folder
 from lowmem.config import TrainConfig, check_data_files
+from lowmem.config.columns import data_columns, response_only
 from lowmem.data.tokenizer import Tokenizer
 from lowmem.train.performance import enable_tf32, inference_autocast
 
@@ -51,10 +52,13 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
     model.use_memory_savers(loss_chunk_tokens=config.loss_chunk_tokens)  # the test loss without whole logits
     # The model is loaded plain (not prepared by accelerate): TF32 and bf16 autocast are asked for here.
     enable_tf32(accelerator.device.type == "cuda")
+    if config.text_column and bleu_samples != 0:
+        logger.info("One text column (--text_column=%s) has no prompts to answer: the loss and perplexity only, "
+                    "no BLEU-4.", config.text_column)
     result = evaluate(model, tokenizer, config.test_file, accelerator, batch_size=config.batch_size_per_gpu,
-                      max_seq_len=model.config.max_seq_len, columns=(config.prompt_column, config.response_column),
+                      max_seq_len=model.config.max_seq_len, columns=data_columns(config),
                       bleu_samples=bleu_samples, max_new_tokens=config.eval_max_new_tokens,
-                      response_only=config.loss_on_response_only,
+                      response_only=response_only(config),
                       no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
                       bf16_on_cpu=config.bf16_on_cpu, bad_text=config.bad_text)
     summary = {"model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
@@ -92,14 +96,15 @@ def _bleu_figures(result: EvalResult) -> dict[str, Any]:
 
 def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None, bf16: bool = False,
-           bf16_on_cpu: bool = False) -> str:
+           bf16_on_cpu: bool = False, continue_text: bool = False) -> str:
     """The model's answer to one prompt: greedy with temperature 0, sampled otherwise.
 
-    With `bf16`, generation runs under bf16 autocast on a GPU with native bf16, and on the CPU with
-    `bf16_on_cpu` too (see `inference_autocast`).
+    With `continue_text`, `prompt` is the beginning of a text the model continues (a model trained on one text
+    column has never seen the prompt/response separator). With `bf16`, generation runs under bf16 autocast on a
+    GPU with native bf16, and on the CPU with `bf16_on_cpu` too (see `inference_autocast`).
     """
     device = next(model.parameters()).device
-    ids, _ = tokenizer.encode_pair(prompt, None)
+    ids, _ = tokenizer.encode_text(prompt, finished=False) if continue_text else tokenizer.encode_pair(prompt, None)
     room = max(1, model.config.max_seq_len - max_new_tokens)
     idx = torch.tensor([ids[-room:]], dtype=torch.long, device=device)  # (1, T)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
@@ -112,13 +117,14 @@ def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 
 def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint: str | None = None, max_new_tokens: int = 128,
                      temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                      seed: int | None = None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
-    """Print the answer to `prompt`; without one, answer each line typed until an empty line or end of input."""
+    """Print the answer to `prompt`; without one, answer each line typed until an empty line or end of input.
+    With `config.text_column` set (a model pretrained on one text column), the prompt is a beginning to continue."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = find_model_folder(config.output_dir, checkpoint)
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, device)
     enable_tf32(device.type == "cuda")
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu)
+                   bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu, continue_text=bool(config.text_column))
     if prompt is not None:
         print(answer(model, tokenizer, str(prompt), **options), file=stdout)
         return

@@ -73,6 +73,7 @@ class EvalResult:
     bleu: BleuResult | None = None
     triples: list[dict[str, str]] = field(default_factory=list)  # prompt, reference, generation (all ranks)
     decoding: str = ""  # how the scored answers were generated
+    by_source: dict[str, float] = field(default_factory=dict)  # the loss on each of --validation_sources, by name
 
     @property
     def perplexity(self) -> float:
@@ -89,6 +90,8 @@ class EvalResult:
         if self.bleu is not None:
             text += (f", BLEU-4 {self.bleu.score:.2f} ({self.bleu.samples:,} samples, {self.decoding}; "
                      f"{self.bleu.signature})")
+        if self.by_source:
+            text += "; by source: " + ", ".join(f"{name} {loss:.4f}" for name, loss in self.by_source.items())
         return text
 
 
@@ -145,6 +148,8 @@ def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelera
              bad_text: str = "refuse") -> EvalResult:
     """Loss and perplexity over `files`, and BLEU-4 of greedy answers to their first `bleu_samples` prompts.
 
+    `columns` are (prompt, response), or one text column: that has no prompts to answer, so no BLEU-4 either.
+
     Every rank scores its own contiguous share of the rows; sums are all-reduced and generations gathered,
     so each sample counts exactly once whatever the number of ranks. `bleu_samples` < 0 scores every row;
     0 skips BLEU. With `bf16`, the model runs under bf16 autocast on a GPU with native bf16 (the loss is
@@ -157,7 +162,7 @@ def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelera
     with inference_autocast(accelerator.device, bf16, bf16_on_cpu):
         loss, rows, tokens = evaluate_loss(model, loader, accelerator, max_batches)
     result = EvalResult(loss=loss, loss_rows=rows, loss_tokens=tokens)
-    if bleu_samples == 0:
+    if bleu_samples == 0 or len(columns) == 1:
         return result
     prompt_column, response_column = columns
     rows_here = list(_stream(files, columns, accelerator, max_rows=None if bleu_samples < 0 else bleu_samples,

@@ -8,6 +8,8 @@ import torch
 from accelerate import Accelerator
 
 from lowmem.config import TrainConfig
+from lowmem.config.columns import data_columns, response_only
+from lowmem.config.train_sources import validation_sources
 from lowmem.data.tokenizer import Tokenizer
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.validation import EvalResult, evaluate
@@ -28,23 +30,30 @@ class Validator:
         return bool(self.config.eval_steps) and step % self.config.eval_steps == 0
 
     def run(self, model: torch.nn.Module, step: int, with_bleu: bool = True) -> EvalResult:
-        """Loss over the validation file (or its first `eval_batches` batches), and BLEU-4 unless told not to."""
+        """Loss over the validation file (or its first `eval_batches` batches), and BLEU-4 unless told not to (or
+        the rows are one text column, with no prompts to answer)."""
         config = self.config
         # Training's cached blocks have training's sizes: handing them back lets evaluation's (other batch
         # shapes, the key/value cache) be allocated without running the GPU out of memory.
         release_cuda_cache(self.accelerator.device.type == "cuda")
         with model_for_eval(model, self.accelerator) as eval_model:
             result = evaluate(eval_model, self.tokenizer, config.validation_file, self.accelerator,
-                              batch_size=config.batch_size_per_gpu, max_seq_len=config.max_seq_len,
-                              columns=(config.prompt_column, config.response_column),
                               bleu_samples=config.eval_bleu_samples if with_bleu else 0,
-                              max_new_tokens=config.eval_max_new_tokens, max_batches=config.eval_batches,
-                              response_only=config.loss_on_response_only,
-                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
-                              bf16_on_cpu=config.bf16_on_cpu, bad_text=config.bad_text)
+                              max_new_tokens=config.eval_max_new_tokens,
+                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size, **self._loss_settings())
+            result.by_source = {name: evaluate(eval_model, self.tokenizer, path, self.accelerator,
+                                               **self._loss_settings()).loss
+                                 for name, path in validation_sources(config).items()}
         logger.info("Validation at step %d: %s", step, result.describe())
         self.last = result
         return result
+
+    def _loss_settings(self) -> dict:
+        """evaluate()'s settings for a validation loss without BLEU."""
+        config = self.config
+        return dict(batch_size=config.batch_size_per_gpu, max_seq_len=config.max_seq_len, columns=data_columns(config),
+                    max_batches=config.eval_batches, response_only=response_only(config), bf16=config.bf16,
+                    bf16_on_cpu=config.bf16_on_cpu, bad_text=config.bad_text)
 
     def last_score(self, metric: str) -> float | None:
         """The last validation's value of `metric` (None before any validation)."""

@@ -23,6 +23,8 @@ import torch
 
 from lowmem.checkpoint.contents import newest_trainer_state
 from lowmem.config import TrainConfig
+from lowmem.config.columns import data_columns
+from lowmem.config.train_sources import training_paths
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
 from lowmem.data.sources import build_row_group_index
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -114,7 +116,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
                 tokenizer: Tokenizer | None = None) -> tuple[PlanInputs, Callable[[int], int]]:
     """The plan's inputs for `config` run as `layout`, and the largest micro-batch's positions for any number
     of rows (the levers need it for smaller micro-batches)."""
-    index = build_row_group_index(config.train_file, (config.prompt_column, config.response_column))
+    index = build_row_group_index(training_paths(config), data_columns(config))
     sizes: BatchSizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer,
                                            seed=config.seed)
     cache: dict[int, int] = {}
@@ -148,12 +150,12 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
 
 
 def _generation_rows(config: TrainConfig, world_size: int) -> int:
-    """Rows of a rank's generation batch for BLEU-4: its share of the scored prompts, at most a batch."""
-    samples = config.eval_bleu_samples
+    """Rows of a rank's generation batch for BLEU-4: its share of the scored prompts, at most a batch (none for
+    one text column, which has no prompts to answer)."""
+    samples = 0 if config.text_column else config.eval_bleu_samples
     if samples < 0:
         try:
-            samples = build_row_group_index(config.validation_file,
-                                            (config.prompt_column, config.response_column)).num_rows
+            samples = build_row_group_index(config.validation_file, data_columns(config)).num_rows
         except LowmemError:
             samples = config.batch_size_per_gpu * world_size
     return min(config.batch_size_per_gpu, -(-samples // world_size))

@@ -12,7 +12,10 @@ from accelerate import Accelerator
 
 from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD, newest_saved_config, read_trainer_state
 from lowmem.config import TrainConfig
+from lowmem.config.columns import data_columns, response_only
+from lowmem.config.train_sources import Source, training_paths
 from lowmem.data import ParquetStream, StreamLoader
+from lowmem.data.mixture import MixedStream
 from lowmem.data.collate import TokenizingCollate
 from lowmem.data.sources import resolve_data_files
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
@@ -52,6 +55,23 @@ def settle_architecture(config: TrainConfig, is_keep_training: bool) -> TrainCon
     return dataclasses.replace(config, architecture={**VALUES_BEFORE_THE_FIELD, **saved}["architecture"])
 
 
+def settle_loss_targets(config: TrainConfig, is_keep_training: bool) -> TrainConfig:
+    """`config` with --loss_on_response_only decided: as given; else, when resuming a run of the same columns,
+    its checkpoints' (runs saved when every token was the default keep it); else from the data
+    (`lowmem.config.columns.response_only`). Checkpoints thus always record a concrete value."""
+    if config.loss_on_response_only is not None:
+        return config
+    saved = newest_saved_config(config.output_dir) if is_keep_training else None
+    saved = {**VALUES_BEFORE_THE_FIELD, **saved} if saved is not None else {}
+    kept = saved.get("loss_on_response_only")
+    if kept is None or saved.get("text_column") != config.text_column:  # other columns: the resume check says so
+        return dataclasses.replace(config, loss_on_response_only=response_only(config))
+    if kept != response_only(config):
+        logger.info("The run in %s was saved with --loss_on_response_only=%s: kept (a new run of this data would "
+                    "take %s).", config.output_dir, kept, response_only(config))
+    return dataclasses.replace(config, loss_on_response_only=bool(kept))
+
+
 def resumed_tokenizer_dir(config: TrainConfig, checkpoint: str | Path | None = None) -> TrainConfig:
     """`config` with the tokenizer folder the checkpoint it resumes from was trained with (`checkpoint`, else the
     run's newest): a resume that does not name one continues with the run's own, wherever today's defaults
@@ -65,11 +85,16 @@ def resumed_tokenizer_dir(config: TrainConfig, checkpoint: str | Path | None = N
 
 
 def settle_best_metric(config: TrainConfig) -> TrainConfig:
-    """`config` with a checkpoint ranking it can compute: without BLEU (--eval_bleu_samples=0), ranking by
-    bleu4 would keep no best checkpoint and write no best/, so the validation loss ranks them instead, said
-    in one line."""
-    if config.best_metric != "bleu4" or config.eval_bleu_samples != 0:
+    """`config` with a checkpoint ranking it can compute: without BLEU (--eval_bleu_samples=0, or one text
+    column, which has no prompts to answer), ranking by bleu4 would keep no best checkpoint and write no best/,
+    so the validation loss ranks them instead, said in one line."""
+    if config.best_metric != "bleu4" or (config.eval_bleu_samples != 0 and not config.text_column):
         return config
+    if config.text_column:
+        logger.info("One text column (--text_column=%s) has no prompts to answer: validation computes the loss "
+                    "and perplexity without BLEU-4, and best/ and the best checkpoints are chosen by validation "
+                    "loss.", config.text_column)
+        return dataclasses.replace(config, best_metric="val_loss")
     logger.warning("--eval_bleu_samples=0 computes no BLEU-4 to rank checkpoints by: best/ and the best "
                    "checkpoints are chosen by validation loss (--best_metric=val_loss says so; "
                    "--eval_bleu_samples=N ranks by BLEU-4 again).")
@@ -85,8 +110,8 @@ def model_config_for(config: TrainConfig, vocab_size: int) -> GPTConfig:
 
 def train_tokenizer_for(config: TrainConfig) -> Tokenizer:
     """Train the tokenizer a config asks for; with too little text for `vocab_size`, a smaller one, said so."""
-    train_tokenizer(resolve_data_files(config.train_file), config.tokenizer_dir, vocab_size=config.vocab_size,
-                    columns=(config.prompt_column, config.response_column),
+    train_tokenizer(resolve_data_files(training_paths(config)), config.tokenizer_dir, vocab_size=config.vocab_size,
+                    columns=data_columns(config),
                     max_sentences=config.tokenizer_max_sentences, seed=config.seed, hard_vocab_limit=False,
                     bad_text=config.bad_text)
     tokenizer = Tokenizer.load(config.tokenizer_dir)
@@ -104,7 +129,8 @@ def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> tuple[Tok
     def train_if_missing() -> None:
         if model_path.is_file():
             return
-        logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path, config.train_file,
+        logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path,
+                    config.train_sources or config.train_file,
                     config.vocab_size)
         with writing("the tokenizer", config.tokenizer_dir, option="--tokenizer_dir"):
             train_tokenizer_for(config)
@@ -164,15 +190,20 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
     return prepare_for_training(build_model(config, vocab_size), config, accelerator, settings)
 
 
-def make_loader(files: str, config: TrainConfig, accelerator: Accelerator, collate: TokenizingCollate,
-                settings: MemorySettings, shuffle: bool) -> StreamLoader:
-    """A StreamLoader over this rank's share of `files`."""
-    stream = ParquetStream(
-        files, columns=(config.prompt_column, config.response_column), buffer_size=config.dataloader_buffer_size,
-        shuffle=shuffle, seed=config.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: Accelerator,
+                collate: TokenizingCollate, settings: MemorySettings, shuffle: bool) -> StreamLoader:
+    """A StreamLoader over this rank's share of `files`: a path, or sources to mix by weight (`training_data`)."""
+    arguments = dict(
+        columns=data_columns(config), buffer_size=config.dataloader_buffer_size,
+        seed=config.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
         ultra_low_mem=settings.ultra_low_mem, ultra_low_mem_threshold_gb=config.ultra_low_mem_threshold_gb,
         mix_row_groups=config.dataloader_mix_row_groups, bad_text=config.bad_text,
     )
+    if isinstance(files, list):
+        stream: ParquetStream | MixedStream = MixedStream(files, shuffle=shuffle, **arguments)
+        logger.info("Training sources: %s.", stream.describe())
+    else:
+        stream = ParquetStream(files, shuffle=shuffle, **arguments)
     return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate,
                         num_workers=settings.num_workers, pin_memory=settings.pin_memory)
 

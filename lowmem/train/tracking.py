@@ -198,6 +198,7 @@ class Tracking:
         values = {"eval/val_loss": float(result.loss), "eval/perplexity": float(result.perplexity)}
         if result.bleu is not None:
             values["eval/bleu4"] = float(result.bleu.score)
+        values.update({f"eval/val_loss/{name}": float(loss) for name, loss in result.by_source.items()})
         self._guarded(lambda: self.accelerator.log(values, step=step))
 
     def end(self) -> None:

@@ -36,6 +36,8 @@ from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder, start_fresh_run
 from lowmem.config import TrainConfig, check_data_files, validate_config
+from lowmem.config.columns import data_columns, describe_loss_targets, response_only
+from lowmem.config.train_sources import training_data
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.data.tokenizer_identity import check_same_tokenizer
@@ -60,8 +62,8 @@ from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, 
 from lowmem.train.rescale import merged_data_state, processes_changed, readers_changed, rescale_line
 from lowmem.train.schedule import get_lr, stretched_step, total_steps
 from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader, make_memory_monitor,
-                                resumed_tokenizer_dir, settle_architecture, settle_best_metric, shared_memory_settings,
-                                steps_per_epoch)
+                                resumed_tokenizer_dir, settle_architecture, settle_best_metric, settle_loss_targets,
+                                shared_memory_settings, steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
 from lowmem.train.step import Batch, count_rows, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
@@ -126,7 +128,8 @@ class Trainer:
                  callbacks: Sequence[Callback] = (), memory: MemoryDecision | None = None) -> None:
         validate_config(config)
         # Unset here (not through run_training) means a new run's: checkpoints always record a concrete value.
-        config = settle_best_metric(settle_architecture(config, is_keep_training=False))
+        config = settle_best_metric(settle_loss_targets(settle_architecture(config, is_keep_training=False),
+                                                        is_keep_training=False))
         self.config, self.callbacks = config, list(callbacks)
         self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                                              config.process_group_timeout_minutes,
@@ -148,9 +151,9 @@ class Trainer:
                     self.accelerator.device, self.accelerator.mixed_precision)
         self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size,
                                                                settings)
-        collate = TokenizingCollate(self.tokenizer, config.max_seq_len, (config.prompt_column, config.response_column),
-                                    config.loss_on_response_only, pack=config.pack_rows)
-        loader = make_loader(config.train_file, config, self.accelerator, collate, settings, shuffle=True)
+        collate = TokenizingCollate(self.tokenizer, config.max_seq_len, data_columns(config), response_only(config),
+                                    pack=config.pack_rows)
+        loader = make_loader(training_data(config), config, self.accelerator, collate, settings, shuffle=True)
         self.steps_per_epoch = steps_per_epoch(loader, config)
         self.total_steps = total_steps(self.steps_per_epoch, config.epochs, config.max_steps)
 
@@ -176,8 +179,8 @@ class Trainer:
         self.epoch_rows_not_trained = 0  # rows of the short last step that ended the epoch, all ranks (`end_epoch`)
         self.lr = float("nan")  # the current step's learning rate (set by `begin`, then by every step)
         self.progress: tqdm | None = None
-        logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all.",
-                    len(loader.stream), self.steps_per_epoch, self.total_steps)
+        logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all; %s.",
+                    len(loader.stream), self.steps_per_epoch, self.total_steps, describe_loss_targets(config))
 
     # ----- the loop ---------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -519,16 +522,21 @@ class Trainer:
             logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
 
     def sample_answer(self, final_model: Any) -> dict[str, str]:
-        """The model's answer to the first validation prompt, logged beside the reference."""
+        """The model's answer to the first validation prompt, logged beside the reference; with one text column,
+        its continuation of the first third of the first validation text, beside the rest."""
         config = self.config
-        first = next(iter(ParquetStream(config.validation_file, columns=(config.prompt_column, config.response_column),
-                                        shuffle=False, bad_text=config.bad_text)))
-        prompt = first[config.prompt_column]
+        first = next(iter(ParquetStream(config.validation_file, columns=data_columns(config), shuffle=False,
+                                        bad_text=config.bad_text)))
+        if config.text_column:
+            text = first[config.text_column]
+            prompt, reference = text[: len(text) // 3], text[len(text) // 3:]
+        else:
+            prompt, reference = first[config.prompt_column], first[config.response_column]
         # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
         sampled = answer(final_model, self.tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
-                         seed=config.seed, bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu)
-        logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", prompt, sampled,
-                    first[config.response_column])
+                         seed=config.seed, bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu,
+                         continue_text=bool(config.text_column))
+        logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", prompt, sampled, reference)
         return {"prompt": prompt, "answer": sampled}
 
 
@@ -555,7 +563,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     validate_config(config)
     check_data_files(config)
     check_output_dir(config.output_dir)
-    config = settle_architecture(config, is_keep_training)
+    config = settle_loss_targets(settle_architecture(config, is_keep_training), is_keep_training)
     if is_keep_training and given is not None and "tokenizer_dir" not in given:
         config = resumed_tokenizer_dir(config, resume_from)
     stop_when_launcher_dies()

@@ -1,0 +1,253 @@
+"""Converting JSON Lines, JSON arrays, CSV, TSV and plain text into parquet files with small row groups.
+
+Memory holds one row group of rows (and a read buffer) whatever the input's size: records are read as a stream
+(`convert_formats`), mapped to rows (`convert_fields`) and written a row group at a time. Each output is written
+to `<name>.partial` and renamed when complete, so a failure leaves no output under the final name, and inputs
+are only ever read. Every record left out is counted by reason, and the first lines of each reason named.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lowmem.atomic_files import file_built_aside
+from lowmem.data.convert_fields import FieldNames, Layout, Skip, choose_layout
+from lowmem.data.convert_formats import file_format, is_convertible, open_input, read_records, split_name
+from lowmem.errors import DataError
+from lowmem.memory import release_arrow_memory, select_arrow_memory_pool
+from lowmem.progress import progress_bar
+from lowmem.units import MB
+
+FIRST_LINES_NAMED = 5  # per reason, in the summary
+
+
+@dataclass
+class Skipped:
+    """Records and rows left out, counted by reason, with the first lines of each."""
+
+    counts: Counter = field(default_factory=Counter)
+    lines: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, reason: str, line: int) -> None:
+        self.counts[reason] += 1
+        first = self.lines.setdefault(reason, [])
+        if len(first) < FIRST_LINES_NAMED:
+            first.append(line)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def describe(self) -> str:
+        """E.g. "not valid JSON: 2, lines 4, 9; empty 'response': 1, line 7", most frequent first."""
+        parts = []
+        for reason, count in self.counts.most_common():
+            lines = self.lines[reason]
+            named = ", ".join(f"{line:,}" for line in lines) + (", ..." if count > len(lines) else "")
+            parts.append(f"{reason}: {count:,}, line{'s' if count > 1 else ''} {named}")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """One converted file."""
+
+    source: str
+    target: str
+    rows: int
+    row_groups: int
+    mapping: str
+    skipped: Skipped
+    seconds: float
+    input_bytes: int
+
+    def summary(self) -> str:
+        """One paragraph: what was written, what was left out and where, and how fast."""
+        skipped = (f"{self.skipped.total:,} left out ({self.skipped.describe()})" if self.skipped.total
+                   else "nothing left out")
+        rate = self.input_bytes / MB / max(self.seconds, 1e-9)
+        return (f"{self.source} → {self.target}: {self.rows:,} rows in {self.row_groups:,} row "
+                f"group{'s' if self.row_groups != 1 else ''} ({self.mapping}); {skipped}. "
+                f"{self.seconds:.1f} s, {rate:.1f} MB/s of input ({self.input_bytes / MB:.1f} MB).")
+
+
+class _RowGroupWriter:
+    """Rows gathered a row group at a time, each group written as soon as it is full.
+
+    Rows come in as Python strings, which take two to four times the bytes of their UTF-8 text: they are
+    turned into Arrow arrays every `_CHUNK_ROWS` rows, so that most of a row group is held as compact Arrow data.
+    """
+
+    _CHUNK_ROWS = 1000
+
+    def __init__(self, path: Path, columns: tuple[str, ...], row_group_rows: int):
+        self.path, self.columns, self.row_group_rows = path, columns, row_group_rows
+        self.schema = pa.schema([(name, pa.string()) for name in columns])
+        self.pending: list[list[str]] = [[] for _ in columns]
+        self.chunks: list[list[pa.Array]] = [[] for _ in columns]
+        self.held = 0  # rows in chunks and pending
+        self.writer: pq.ParquetWriter | None = None
+        self.rows = self.row_groups = 0
+
+    def add(self, row: tuple[str, ...]) -> bool:
+        """Add one row; True when that filled a row group, which is then written."""
+        for values, value in zip(self.pending, row):
+            values.append(value)
+        self.held += 1
+        if len(self.pending[0]) >= self._CHUNK_ROWS:
+            self._to_arrow()
+        if self.held < self.row_group_rows:
+            return False
+        self.flush()
+        return True
+
+    def _to_arrow(self) -> None:
+        for chunks, values in zip(self.chunks, self.pending):
+            chunks.append(pa.array(values, pa.string()))
+        self.pending = [[] for _ in self.columns]
+
+    def flush(self) -> None:
+        """Write the rows held as one row group."""
+        if not self.held:
+            return
+        self._to_arrow()
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
+        table = pa.table([pa.chunked_array(chunks, pa.string()) for chunks in self.chunks], schema=self.schema)
+        self.writer.write_table(table, row_group_size=self.row_group_rows)
+        self.rows += table.num_rows
+        self.row_groups += 1
+        self.chunks, self.held = [[] for _ in self.columns], 0
+        del table
+        release_arrow_memory()  # the pool keeps freed buffers otherwise, and RSS grows with each group
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def convert_file(source: str, target: str, names: FieldNames | None = None, text_unit: str = "line",
+                 row_group_rows: int = 10_000, input_format: str | None = None) -> ConvertResult:
+    """Convert one file into the parquet file `target`, written aside and renamed into place when complete.
+
+    `names`: the fields named on the command line (none by default: the first record decides, see
+    `convert_fields`); `text_unit`: "line" or "paragraph", for plain text.
+    """
+    names = names or FieldNames()
+    started = time.perf_counter()
+    select_arrow_memory_pool()  # jemalloc, as the stream uses: after the first row group, RSS stays flat
+    fmt = file_format(source, input_format)
+    size = os.path.getsize(source)
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    skipped = Skipped()
+    with open_input(source) as (stream, bytes_read), file_built_aside(target) as partial, \
+            progress_bar(total=size, unit="B", unit_scale=True, desc=os.path.basename(source), leave=False) as bar:
+        layout, writer = None, None
+        try:
+            for record in read_records(stream, fmt, text_unit):
+                if record.problem is not None:
+                    skipped.add(record.problem, record.line)
+                    continue
+                if layout is None:
+                    layout = _layout_for(source, record.line, record.value, names)
+                    writer = _RowGroupWriter(partial, layout.columns, row_group_rows)
+                if _write_rows(layout, writer, record.value, record.line, skipped):
+                    bar.update(bytes_read() - bar.n)
+            if writer is not None:
+                writer.flush()
+        finally:
+            if writer is not None:
+                writer.close()
+        if writer is None or writer.rows == 0:
+            raise _nothing_converted(source, skipped)
+    return ConvertResult(source, target, writer.rows, writer.row_groups, layout.describe(), skipped,
+                         time.perf_counter() - started, size)
+
+
+def _layout_for(source: str, line: int, value: object, names: FieldNames) -> Layout:
+    try:
+        return choose_layout(value, names)
+    except DataError as error:
+        raise DataError(f"'{source}', line {line}: {error}") from None
+
+
+def _write_rows(layout: Layout, writer: _RowGroupWriter, value: object, line: int, skipped: Skipped) -> bool:
+    """Write the rows of one record (counting those left out); True when a row group was completed."""
+    filled = False
+    for row in layout.rows(value):
+        if isinstance(row, Skip):
+            skipped.add(row.reason, line)
+        else:
+            filled = writer.add(row) or filled
+    return filled
+
+
+def _nothing_converted(source: str, skipped: Skipped) -> DataError:
+    left_out = f": {skipped.total:,} left out ({skipped.describe()})" if skipped.total else " (it is empty)"
+    return DataError(f"No rows could be read from '{source}'{left_out}. Nothing was written. Check the file's format "
+                     "and fields (--input_format, --prompt_field, --response_field, --text_field).")
+
+
+def find_inputs(inputs: str | list[str]) -> list[str]:
+    """The files to convert: each entry a file, a folder (every file below it with a suffix convert reads) or a
+    glob; sorted within each entry, in the order given."""
+    found: list[str] = []
+    for entry in [inputs] if isinstance(inputs, str) else inputs:
+        entry = os.fspath(entry)
+        if os.path.isdir(entry):
+            matches = sorted(str(path) for path in Path(entry).rglob("*")
+                             if path.is_file() and is_convertible(str(path)))
+        elif any(char in entry for char in "*?["):
+            matches = sorted(path for path in glob.glob(entry, recursive=True) if os.path.isfile(path))
+        else:
+            matches = [entry] if os.path.isfile(entry) else []
+        if not matches:
+            raise DataError(f"Nothing to convert at '{entry}': no such file, or no .jsonl, .json, .csv, .tsv or .txt "
+                            "files (optionally .gz or .zst) in that folder or matching that pattern. Check the path.")
+        found.extend(path for path in matches if path not in found)
+    return found
+
+
+def plan_targets(sources: list[str], output: str | None) -> list[tuple[str, str]]:
+    """Pair each source with its parquet file: beside it (same stem) without `output`; `output` itself for one
+    source and an output ending in .parquet; else `output` is a folder that receives each under its stem."""
+    if output is None:
+        return [(source, f"{split_name(source)[0]}.parquet") for source in sources]
+    if len(sources) == 1 and output.endswith(".parquet") and not os.path.isdir(output):
+        return [(sources[0], output)]
+    targets = [os.path.join(output, os.path.basename(split_name(source)[0]) + ".parquet") for source in sources]
+    repeated = sorted({target for target in targets if targets.count(target) > 1})
+    if repeated:
+        raise DataError(f"Several inputs would be written to {', '.join(repeated)} (same file name). Convert them in "
+                        "separate runs, into separate folders.")
+    return list(zip(sources, targets))
+
+
+def convert(inputs: str | list[str], output: str | None = None, names: FieldNames | None = None,
+            text_unit: str = "line", row_group_rows: int = 10_000, input_format: str | None = None,
+            overwrite: bool = False) -> list[ConvertResult]:
+    """Convert each input into a parquet file (see `plan_targets` for where), refusing to replace a file unless
+    `overwrite`; every output is checked before anything is written."""
+    names = names or FieldNames()
+    if row_group_rows < 1:
+        raise DataError(f"row_group_rows must be at least 1; got {row_group_rows}. 10000 is a good size.")
+    if names.text is not None and (names.prompt is not None or names.response is not None):
+        raise DataError("--text_field writes one column of text, so --prompt_field and --response_field would not "
+                        "be read. Give either --text_field or the prompt and response fields.")
+    pairs = plan_targets(find_inputs(inputs), output)
+    for source, target in pairs:
+        if os.path.exists(target) and os.path.samefile(source, target):
+            raise DataError(f"The output '{target}' is the input itself. Pass --output=... with another name.")
+    existing = [target for _, target in pairs if os.path.exists(target)]
+    if existing and not overwrite:
+        raise DataError(f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}. Pass "
+                        "--overwrite=True to replace, or --output=... to write elsewhere.")
+    return [convert_file(source, target, names, text_unit, row_group_rows, input_format) for source, target in pairs]

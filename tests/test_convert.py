@@ -1,0 +1,296 @@
+"""`lowmem convert`: every row it can read is kept, in order, with the fields mapped; whatever is left out is
+counted by reason and named by line; outputs are atomic, never replace a file unasked, read through
+ParquetStream, and take the same memory whatever the input's size."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from training_helpers import ROOT, tiny_overrides, write_chat_rows
+
+from lowmem.bench.convert_bench import generate_jsonl
+from lowmem.cli import main
+from lowmem.data.convert import FieldNames, convert
+from lowmem.data.stream import ParquetStream
+from lowmem.errors import DataError
+
+PAIRS = [{"prompt": f"问题{i}，请回答", "response": f"回答{i}\n第二行"} for i in range(25)]
+
+
+def _rows(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def _jsonl(path: Path, records: list, extra_lines: dict[int, str] | None = None) -> Path:
+    """Write records one per line; `extra_lines` puts raw lines at those (1-based) line numbers."""
+    lines = [json.dumps(record, ensure_ascii=False) for record in records]
+    for number, line in sorted((extra_lines or {}).items()):
+        lines.insert(number - 1, line)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _convert_one(source: Path, **options) -> tuple[list[dict], object]:
+    [result] = convert(str(source), str(source.with_name("out.parquet")), **options)
+    return _rows(Path(result.target)), result
+
+
+# ----- every row kept, in order, with the mapping applied -------------------------------------------------------
+def test_json_lines_keep_every_row_in_order_and_write_numbers_as_text(tmp_path):
+    records = [*PAIRS, {"prompt": 12, "response": 3.5}, {"prompt": "yes?", "response": True}]
+    rows, result = _convert_one(_jsonl(tmp_path / "chat.jsonl", records), row_group_rows=10)
+    assert rows == [*PAIRS, {"prompt": "12", "response": "3.5"}, {"prompt": "yes?", "response": "true"}]
+    assert result.rows == 27 and result.row_groups == 3 and not result.skipped.total
+    assert pq.ParquetFile(result.target).metadata.num_row_groups == 3
+    assert pq.ParquetFile(result.target).metadata.row_group(0).num_rows == 10
+
+
+def _compressed(path: Path, codec: str, data: bytes) -> None:
+    with pa.output_stream(str(path), compression=codec) as out:
+        out.write(data)
+
+
+@pytest.mark.parametrize("name, codec", [("chat.jsonl.gz", "gzip"), ("chat.jsonl.zst", "zstd")])
+def test_compressed_json_lines_are_read_as_the_plain_file(tmp_path, name, codec):
+    plain = _jsonl(tmp_path / "plain.jsonl", PAIRS)
+    _compressed(tmp_path / name, codec, plain.read_bytes())
+    [result] = convert(str(tmp_path / name))
+    assert result.target == str(tmp_path / "chat.parquet")  # the stem without .jsonl.gz
+    assert _rows(tmp_path / "chat.parquet") == PAIRS
+
+
+def test_a_json_array_is_streamed_record_by_record_and_a_non_object_named_by_line(tmp_path):
+    source = tmp_path / "chat.json"
+    records = [*PAIRS[:3], [1, 2], *PAIRS[3:]]
+    source.write_text(json.dumps(records, ensure_ascii=False, indent=2), encoding="utf-8")
+    rows, result = _convert_one(source)
+    assert rows == PAIRS
+    # Each record of indent=2 output takes 4 lines after the opening "[": the list starts on line 14.
+    assert result.skipped.counts == {"not a JSON object": 1} and result.skipped.lines["not a JSON object"] == [14]
+
+
+def test_a_json_array_larger_than_a_read_chunk_is_read_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr("lowmem.data.convert_formats._ARRAY_CHUNK_CHARS", 7)  # records cut at every point
+    source = tmp_path / "chat.json"
+    source.write_text(json.dumps([*PAIRS, {"prompt": 1234567, "response": 89}], ensure_ascii=False),
+                      encoding="utf-8")
+    rows, _ = _convert_one(source)
+    assert rows == [*PAIRS, {"prompt": "1234567", "response": "89"}]
+
+
+def test_a_broken_json_array_stops_with_its_line_and_writes_nothing(tmp_path):
+    source = tmp_path / "chat.json"
+    source.write_text('[\n{"prompt": "a", "response": "b"},\n{"prompt": "c" "response": "d"}\n]\n')
+    with pytest.raises(DataError, match="not valid at line 3"):
+        convert(str(source))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["chat.json"]
+
+
+@pytest.mark.parametrize("name, delimiter", [("chat.csv", ","), ("chat.tsv", "\t")])
+def test_csv_and_tsv_keep_quoted_commas_and_line_breaks(tmp_path, name, delimiter):
+    source = tmp_path / name
+    with open(source, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle, delimiter=delimiter)
+        writer.writerow(["prompt", "response"])
+        writer.writerows([[row["prompt"] + ", \"引号\"", row["response"]] for row in PAIRS])
+        writer.writerow(["only one field"])
+    rows, result = _convert_one(source)
+    assert rows == [{"prompt": row["prompt"] + ", \"引号\"", "response": row["response"]} for row in PAIRS]
+    # Every response spans two lines: the 26th row starts on line 2 + 25 * 2.
+    assert result.skipped.lines == {"a different number of fields than the header": [52]}
+
+
+def test_text_gives_one_text_row_per_line_or_per_paragraph(tmp_path):
+    source = tmp_path / "book.txt"
+    source.write_text("第一段第一行\n第一段第二行\n\n第二段\n   \n\n第三段\n", encoding="utf-8")
+    rows, result = _convert_one(source)
+    assert rows == [{"text": "第一段第一行"}, {"text": "第一段第二行"}, {"text": "第二段"}, {"text": "第三段"}]
+    assert result.skipped.lines == {"blank line": [3, 5, 6]}
+    rows, result = _convert_one(source, text_unit="paragraph", overwrite=True)
+    assert rows == [{"text": "第一段第一行\n第一段第二行"}, {"text": "第二段"}, {"text": "第三段"}]
+    assert not result.skipped.total
+
+
+# ----- field mapping ------------------------------------------------------------------------------------------
+def test_alpaca_fields_join_instruction_and_input(tmp_path):
+    records = [{"instruction": "翻译", "input": "hello", "output": "你好"},
+               {"instruction": "写一首诗", "input": "", "output": "春风"}]
+    rows, result = _convert_one(_jsonl(tmp_path / "alpaca.jsonl", records))
+    assert rows == [{"prompt": "翻译\nhello", "response": "你好"}, {"prompt": "写一首诗", "response": "春风"}]
+    assert "'instruction' + 'input' → prompt, 'output' → response" in result.summary()
+
+
+@pytest.mark.parametrize("prompt, response", [("question", "answer"), ("query", "response"), ("input", "output")])
+def test_common_field_names_are_recognised(tmp_path, prompt, response):
+    records = [{prompt: row["prompt"], response: row["response"], "id": i} for i, row in enumerate(PAIRS)]
+    rows, _ = _convert_one(_jsonl(tmp_path / "chat.jsonl", records))
+    assert rows == PAIRS
+
+
+def test_named_fields_reach_into_nested_objects_and_a_text_field_gives_one_column(tmp_path):
+    records = [{"meta": {"q": row["prompt"]}, "a": row["response"]} for row in PAIRS]
+    source = _jsonl(tmp_path / "chat.jsonl", records)
+    rows, _ = _convert_one(source, names=FieldNames(prompt="meta.q", response="a"))
+    assert rows == PAIRS
+    rows, _ = _convert_one(source, names=FieldNames(text="a"), overwrite=True)
+    assert rows == [{"text": row["response"]} for row in PAIRS]
+    rows, _ = _convert_one(_jsonl(tmp_path / "book.jsonl", [{"text": "一"}, {"text": "二"}]), overwrite=True)
+    assert rows == [{"text": "一"}, {"text": "二"}]
+
+
+def test_a_conversation_gives_one_row_per_assistant_turn_prompted_with_what_came_before(tmp_path):
+    share_gpt = {"conversations": [{"from": "system", "value": "你是助手"}, {"from": "human", "value": "你好"},
+                                   {"from": "gpt", "value": "你好！"}, {"from": "human", "value": "天气？"},
+                                   {"from": "gpt", "value": "晴"}]}
+    open_ai = {"conversations": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}
+    rows, result = _convert_one(_jsonl(tmp_path / "chat.jsonl", [share_gpt, open_ai]))
+    assert rows == [
+        {"prompt": "你是助手\n你好", "response": "你好！"},  # one user turn: its text, after the system turn
+        {"prompt": "你是助手\nUser: 你好\nAssistant: 你好！\nUser: 天气？", "response": "晴"},
+        {"prompt": "1+1?", "response": "2"},
+    ]
+    assert not result.skipped.total
+    messages = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+                {"messages": [{"role": "user", "content": "only a question"}]},
+                {"messages": open_ai["conversations"]}]
+    rows, result = _convert_one(_jsonl(tmp_path / "messages.jsonl", messages), overwrite=True)
+    assert rows == [{"prompt": "1+1?", "response": "2"}]
+    assert result.skipped.lines == {"an empty assistant turn": [1], "no assistant turn in 'messages'": [2]}
+
+
+def test_records_without_known_fields_stop_with_their_fields_named(tmp_path):
+    source = _jsonl(tmp_path / "chat.jsonl", [{"foo": "a", "bar": "b"}])
+    with pytest.raises(DataError, match=r"line 1: .*its fields are: foo, bar.*--prompt_field"):
+        convert(str(source))
+    assert not (tmp_path / "chat.parquet").exists()
+
+
+# ----- what is left out is counted and named ------------------------------------------------------------------
+def test_bad_lines_are_counted_by_reason_named_by_line_and_the_others_kept(tmp_path, capsys):
+    source = _jsonl(tmp_path / "chat.jsonl", [*PAIRS[:20], {"prompt": "p"}, {"prompt": "p", "response": ""},
+                                              {"prompt": None, "response": "r"}, *PAIRS[20:]],
+                    extra_lines={3: "{not json", 8: '{"prompt": "cut', 9: "", 30: "[1, 2]"})
+    assert main(["convert", str(source), f"--output={tmp_path / 'out.parquet'}"]) == 0
+    assert _rows(tmp_path / "out.parquet") == PAIRS
+    summary = capsys.readouterr().out
+    assert "25 rows in 1 row group" in summary and "7 left out" in summary, summary
+    for reason in ("not valid JSON: 2, lines 3, 8", "blank line: 1, line 9", "missing 'response': 1, line 24",
+                   "empty 'response': 1, line 25", "null 'prompt': 1, line 26", "not a JSON object: 1, line 30"):
+        assert reason in summary, (reason, summary)
+    assert "MB/s" in summary
+
+
+def test_a_file_with_nothing_to_convert_writes_nothing(tmp_path):
+    source = tmp_path / "chat.jsonl"
+    source.write_text("not json\n{also not\n")
+    with pytest.raises(DataError, match=r"No rows could be read .*not valid JSON: 2, lines 1, 2"):
+        convert(str(source))
+    assert not (tmp_path / "chat.parquet").exists() and not (tmp_path / "chat.parquet.partial").exists()
+
+
+# ----- outputs ----------------------------------------------------------------------------------------------------
+def test_a_failure_part_way_leaves_no_output_and_the_input_intact(tmp_path, monkeypatch):
+    source = _jsonl(tmp_path / "chat.jsonl", PAIRS)
+    before = source.read_bytes()
+    written = []
+
+    def failing_write(self, table, row_group_size=None):
+        written.append(table.num_rows)
+        if len(written) == 2:
+            raise OSError("disk on fire")
+        return original(self, table, row_group_size=row_group_size)
+
+    original = pq.ParquetWriter.write_table
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", failing_write)
+    with pytest.raises(OSError, match="disk on fire"):
+        convert(str(source), str(tmp_path / "out.parquet"), row_group_rows=10)
+    assert written == [10, 10]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["chat.jsonl"]
+    assert source.read_bytes() == before
+
+
+def test_an_existing_output_is_refused_unless_overwrite(tmp_path, capsys):
+    source = _jsonl(tmp_path / "chat.jsonl", PAIRS)
+    target = tmp_path / "chat.parquet"
+    target.write_bytes(b"keep me")
+    assert main(["convert", str(source)]) == 2
+    error = capsys.readouterr().err
+    assert f"{target} already exists" in error and "--overwrite=True" in error and "Traceback" not in error
+    assert target.read_bytes() == b"keep me"
+    assert main(["convert", str(source), "--overwrite=True"]) == 0
+    assert _rows(target) == PAIRS
+
+
+def test_several_inputs_go_to_a_folder_one_file_each(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _jsonl(raw / "a.jsonl", PAIRS[:10])
+    _jsonl(raw / "b.jsonl", PAIRS[10:])
+    (raw / "c.txt").write_text("一行\n")
+    (raw / "notes.md").write_text("# not data\n")  # a folder gives only the files convert reads
+    results = convert(str(raw), str(tmp_path / "out"))
+    assert [Path(result.target).name for result in results] == ["a.parquet", "b.parquet", "c.parquet"]
+    assert _rows(tmp_path / "out" / "a.parquet") + _rows(tmp_path / "out" / "b.parquet") == PAIRS
+    results = convert(str(raw / "*.jsonl"), str(tmp_path / "globbed"))
+    assert sorted(path.name for path in (tmp_path / "globbed").iterdir()) == ["a.parquet", "b.parquet"]
+
+
+def test_the_converted_file_reads_through_parquet_stream(tmp_path):
+    records = [{"instruction": row["prompt"], "input": "", "output": row["response"]} for row in PAIRS]
+    [result] = convert(str(_jsonl(tmp_path / "alpaca.jsonl", records)), row_group_rows=7)
+    stream = ParquetStream(result.target, columns=("prompt", "response"), shuffle=False, drop_remainder=False)
+    assert list(stream) == PAIRS
+
+
+# ----- train points to convert ------------------------------------------------------------------------------------
+def test_train_on_json_lines_stops_with_the_convert_command_that_works(tmp_path, capsys):
+    train = _jsonl(tmp_path / "train.jsonl", [{"question": row["prompt"], "answer": row["response"]} for row in PAIRS])
+    valid = write_chat_rows(tmp_path / "valid.parquet", 20, seed=2)
+    assert main(["train", *tiny_overrides(tmp_path, train, valid)]) == 2
+    message = capsys.readouterr().err
+    command = f"lowmem convert {shlex.quote(str(train))} --output={shlex.quote(str(tmp_path / 'train.parquet'))}"
+    assert f"'{train}' is not a parquet file" in message and f"    {command}\n" in message, message
+    assert "--train_file" in message and "Traceback" not in message
+    assert main(shlex.split(command)[1:]) == 0  # the command given, as given
+    assert list(ParquetStream(tmp_path / "train.parquet", shuffle=False, drop_remainder=False)) == PAIRS
+
+
+# ----- memory -------------------------------------------------------------------------------------------------------
+_PEAK_CHILD = """
+import sys
+from lowmem.cli import main
+assert main(["convert", sys.argv[1], "--output=" + sys.argv[2], "--row_group_rows=1000"]) == 0
+with open("/proc/self/status") as status:
+    print(next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")))
+"""
+
+
+def _peak_rss(source: Path, target: Path) -> int:
+    done = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(source), str(target)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
+def test_memory_stays_flat_on_a_file_a_hundred_row_groups_long(tmp_path):
+    big = generate_jsonl(tmp_path / "big.jsonl", 80 * 10**6)
+    one_group = tmp_path / "one.jsonl"
+    with open(big, "rb") as lines, open(one_group, "wb") as out:
+        out.writelines(next(lines) for _ in range(1000))
+    # The baseline converts one row group of the same rows: the interpreter, the imports, and what the
+    # libraries take on first use (allocator arenas, compression contexts), which no input size changes.
+    baseline = _peak_rss(one_group, tmp_path / "one.parquet")
+    peak = _peak_rss(big, tmp_path / "big.parquet")
+    assert pq.ParquetFile(tmp_path / "big.parquet").metadata.num_row_groups > 200
+    size = big.stat().st_size
+    assert peak - baseline < size / 10, (f"peak {peak / 1e6:.0f} MB, baseline {baseline / 1e6:.0f} MB, "
+                                         f"file {size / 1e6:.0f} MB")
