@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -36,6 +37,11 @@ def _jsonl(path: Path, records: list, extra_lines: dict[int, str] | None = None)
         lines.insert(number - 1, line)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def _quoted(path: Path | str) -> str:
+    """A path as messages quote it, as a regular expression."""
+    return re.escape(f"'{path}'")
 
 
 def _convert_one(source: Path, **options) -> tuple[list[dict], object]:
@@ -86,6 +92,19 @@ def test_a_json_array_larger_than_a_read_chunk_is_read_whole(tmp_path, monkeypat
     assert rows == [*PAIRS, {"prompt": "1234567", "response": "89"}]
 
 
+def test_text_after_a_json_array_is_counted_and_a_second_array_refused(tmp_path):
+    source = tmp_path / "chat.json"
+    source.write_text(json.dumps(PAIRS[:2], ensure_ascii=False) + '\n\n{"prompt": "lost?", "response": "no"}\n',
+                      encoding="utf-8")
+    rows, result = _convert_one(source)
+    assert rows == PAIRS[:2]
+    assert result.skipped.lines == {"text after the array's closing ']'": [3]}
+    source.write_text('[{"prompt": "a", "response": "b"}]\n[{"prompt": "c", "response": "d"}]\n')
+    with pytest.raises(DataError, match=f"{_quoted(source)}: A second JSON array starts at line 2.*JSON Lines"):
+        convert(str(source), overwrite=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["chat.json", "out.parquet"]  # the first run's
+
+
 def test_a_broken_json_array_stops_with_its_line_and_writes_nothing(tmp_path):
     source = tmp_path / "chat.json"
     source.write_text('[\n{"prompt": "a", "response": "b"},\n{"prompt": "c" "response": "d"}\n]\n')
@@ -119,6 +138,51 @@ def test_text_gives_one_text_row_per_line_or_per_paragraph(tmp_path):
     assert not result.skipped.total
 
 
+@pytest.fixture
+def small_record_cap(monkeypatch):
+    """Records of at most 1,000 bytes, and a JSON array read 100 bytes at a time; the csv module's field limit,
+    which convert sets to the cap, given back afterwards (it is the whole process's)."""
+    monkeypatch.setattr("lowmem.data.convert_formats.MAX_RECORD_BYTES", 1000)
+    monkeypatch.setattr("lowmem.data.convert_formats._ARRAY_CHUNK_CHARS", 100)
+    limit = csv.field_size_limit()
+    yield
+    csv.field_size_limit(limit)
+
+
+_LONG = "长" * 400  # 1,200 bytes
+_TOO_LONG_RECORDS = {  # name: (text, options, the line the long record starts on, what the message advises)
+    "chat.jsonl": ('{"prompt": "a", "response": "b"}\n\n{"prompt": "' + _LONG + '", "response": "b"}\n', {}, 3,
+                   "split it"),
+    "chat.json": ('[\n{"prompt": "a", "response": "b"},\n{"prompt": "a", "response": "' + _LONG + '"}\n]', {}, 3,
+                  "split the record"),
+    "chat.csv": ('prompt,response\na,b\nc,"never closed\n' + "more text, and more\n" * 60, {}, 3, "fix the quote"),
+    "book.txt": ("第一行\n" + _LONG + "\n", {}, 2, "shorter"),
+    "essay.txt": ("第一段\n\n" + "没有空行的一行字\n" * 50, {"text_unit": "paragraph"}, 3, "--text_unit=line"),
+}
+
+
+@pytest.mark.parametrize("name", _TOO_LONG_RECORDS)
+def test_a_record_over_the_cap_stops_with_its_file_its_line_and_what_to_do(tmp_path, small_record_cap, name):
+    text, options, line, advice = _TOO_LONG_RECORDS[name]
+    source = tmp_path / name
+    source.write_text(text, encoding="utf-8")
+    with pytest.raises(DataError, match=rf"{_quoted(source)}: The record that starts at line {line} .*{advice}"):
+        convert(str(source), **options)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [name]
+
+
+def test_records_under_the_cap_are_read_whatever_the_file_s_length(tmp_path, small_record_cap):
+    source = tmp_path / "essay.txt"
+    source.write_text("没有空行的一行字\n" * 50, encoding="utf-8")  # one paragraph over the cap, 50 lines under it
+    rows, _ = _convert_one(source)
+    assert rows == [{"text": "没有空行的一行字"}] * 50
+    with pytest.raises(DataError, match="line 1 "):
+        _convert_one(source, text_unit="paragraph", overwrite=True)
+    records = [{"prompt": "p" * 300, "response": "r" * 300}] * 3
+    (tmp_path / "chat.json").write_text(json.dumps(records), encoding="utf-8")  # 1,900 bytes, read 100 at a time
+    assert _convert_one(tmp_path / "chat.json", overwrite=True)[0] == records
+
+
 # ----- field mapping ------------------------------------------------------------------------------------------
 def test_alpaca_fields_join_instruction_and_input(tmp_path):
     records = [{"instruction": "翻译", "input": "hello", "output": "你好"},
@@ -144,6 +208,16 @@ def test_named_fields_reach_into_nested_objects_and_a_text_field_gives_one_colum
     assert rows == [{"text": row["response"]} for row in PAIRS]
     rows, _ = _convert_one(_jsonl(tmp_path / "book.jsonl", [{"text": "一"}, {"text": "二"}]), overwrite=True)
     assert rows == [{"text": "一"}, {"text": "二"}]
+
+
+def test_a_text_field_for_plain_text_is_refused_before_anything_is_written(tmp_path):
+    chat = _jsonl(tmp_path / "chat.jsonl", [{"body": "一"}])
+    (tmp_path / "book.txt").write_text("一行\n", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"--text_field=body .*{_quoted(tmp_path / 'book.txt')} is plain text"):
+        convert([str(chat), str(tmp_path / "book.txt")], names=FieldNames(text="body"))
+    with pytest.raises(DataError, match="--text_field=body"):
+        convert(str(chat), names=FieldNames(text="body"), input_format="txt")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["book.txt", "chat.jsonl"]
 
 
 def test_a_conversation_gives_one_row_per_assistant_turn_prompted_with_what_came_before(tmp_path):
@@ -241,6 +315,39 @@ def test_several_inputs_go_to_a_folder_one_file_each(tmp_path):
     assert _rows(tmp_path / "out" / "a.parquet") + _rows(tmp_path / "out" / "b.parquet") == PAIRS
     results = convert(str(raw / "*.jsonl"), str(tmp_path / "globbed"))
     assert sorted(path.name for path in (tmp_path / "globbed").iterdir()) == ["a.parquet", "b.parquet"]
+
+
+@pytest.mark.parametrize("names, output", [(("a.jsonl", "a.jsonl.gz"), None), (("a.json", "a.jsonl"), None),
+                                           (("a.jsonl", "sub/a.csv"), "out")])
+def test_inputs_that_would_share_an_output_are_refused_before_anything_is_written(tmp_path, names, output):
+    raw = tmp_path / "raw"
+    for name in names:  # refused before any is read
+        (raw / name).parent.mkdir(parents=True, exist_ok=True)
+        (raw / name).write_text('{"prompt": "a", "response": "b"}\n')
+    first, second = (str(raw / name) for name in names)
+    with pytest.raises(DataError, match=rf"{_quoted(first)} and {_quoted(second)} would both be written to .*"
+                                        "one by one.*--output"):
+        convert(str(raw), None if output is None else str(tmp_path / output))
+    assert not list(tmp_path.rglob("*.parquet*"))
+
+
+def test_the_same_file_named_twice_is_converted_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _jsonl(tmp_path / "chat.jsonl", PAIRS)
+    [result] = convert(["chat.jsonl", "./chat.jsonl", "*.jsonl"])
+    assert _rows(Path(result.target)) == PAIRS
+
+
+def test_no_input_or_an_input_that_finds_nothing_is_an_error_that_says_what_was_looked_for(tmp_path, capsys):
+    assert main(["convert"]) == 2
+    error = capsys.readouterr().err
+    assert "No input named" in error and ".jsonl" in error and "Traceback" not in error
+    with pytest.raises(DataError, match="No input named"):
+        convert([])
+    (tmp_path / "notes.md").write_text("# not data\n")
+    for entry in (tmp_path, tmp_path / "*.jsonl", tmp_path / "missing.jsonl"):
+        with pytest.raises(DataError, match=rf"Nothing to convert at {_quoted(entry)}.*\.jsonl, .*\.txt files"):
+            convert(str(entry))
 
 
 def test_the_converted_file_reads_through_parquet_stream(tmp_path):

@@ -143,6 +143,55 @@ def test_three_readers_resumed_on_two_processes_read_every_remaining_row_of_ever
     assert len(small) == SMALL
 
 
+@pytest.fixture(scope="module")
+def tiny_sources(tmp_path_factory) -> list[Source]:
+    """A big source and one of 40 rows: at half the rows, each reader's 16 rows of it per batch of 32 cross its
+    epochs (10 rows per reader with 4 readers), so readers saved one batch apart are in different epochs of it."""
+    folder = tmp_path_factory.mktemp("tiny")
+    return [Source(_write(folder, "a", BIG, 100), 0.5), Source(_write(folder, "t", 40, 10), 0.5)]
+
+
+def test_a_reader_that_takes_over_readers_in_several_epochs_of_a_source_saves_all_of_them(tiny_sources):
+    states = []
+    for rank in range(2):
+        loader = StreamLoader(_stream(tiny_sources, rank, 2), BATCH, num_workers=2)
+        _read(loader, 7)  # worker 0 has handed over 4 batches, worker 1 3: they are epochs of the tiny source apart
+        states.append(_through_json(loader.state_dict()))
+    merged = merge_rank_states(states)
+    assert len({int(epoch) for state in states for epoch in state["source_states"][1]}) >= 2
+
+    continuous = StreamLoader(_stream(tiny_sources), BATCH)
+    continuous.load_state_dict(merged)
+    expected = _rows(continuous)
+
+    taking_over = StreamLoader(_stream(tiny_sources), BATCH)
+    taking_over.load_state_dict(merged)
+    first = _read(taking_over, 1)  # still in the earliest epoch the old readers were in
+    resumed = StreamLoader(_stream(tiny_sources), BATCH)
+    resumed.load_state_dict(_through_json(taking_over.state_dict()))
+    assert _rows(first) + _rows(resumed) == expected
+
+
+def test_another_window_with_as_many_readers_shares_the_rest_out_each_row_once(sources):
+    loader = StreamLoader(_stream(sources), BATCH)
+    before = _rows(_read(loader, 30))
+    state = merge_rank_states([_through_json(loader.state_dict())])
+    other = StreamLoader(MixedStream(sources, buffer_size=300, mix_row_groups=4, seed=3, ultra_low_mem=False,
+                                     large_row_group_bytes=10**9), BATCH)
+    other.load_state_dict(state)
+    assert not other.stream.continues_exactly
+    seen = before + _rows(other)
+    big = collections.Counter(row for row in seen if row.startswith("a"))
+    assert len(seen) == BIG + SMALL and max(big.values()) == 1
+
+
+def test_a_source_with_fewer_rows_than_readers_is_named(tmp_path, sources):
+    few = [sources[0], Source(_write(tmp_path, "few", 2, 2), 0.5)]
+    loader = StreamLoader(_stream(few, 0, 3), BATCH)
+    with pytest.raises(DataError, match="has 2 rows, fewer than the 3 readers"):
+        _read(loader, 1)
+
+
 def test_a_position_of_other_weights_or_of_one_file_is_refused(sources):
     loader = StreamLoader(_stream(sources), BATCH)
     _read(loader, 3)
@@ -154,6 +203,8 @@ def test_a_position_of_other_weights_or_of_one_file_is_refused(sources):
     _read(single, 2)
     with pytest.raises(DataError, match="not of a mixture"):
         StreamLoader(_stream(sources), BATCH).load_state_dict(_through_json(single.state_dict()))
+    with pytest.raises(DataError, match="of a mixture of sources"):
+        StreamLoader(ParquetStream(sources[0].path, buffer_size=50), BATCH).load_state_dict(state)
 
 
 def test_sources_are_parsed_from_text_and_from_a_config_file(tmp_path):

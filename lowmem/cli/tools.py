@@ -68,7 +68,8 @@ def convert(*inputs: str, output: str | None = None, prompt_field: str | None = 
             a folder receiving one file per input, by stem (default: each beside its input).
         prompt_field: the field holding the prompt (a.b reaches into nested objects).
         response_field: the field holding the response.
-        text_field: write this one field as a column `text` (pretraining data) instead of prompt/response.
+        text_field: write this one field as a column `text` (pretraining data) instead of prompt/response (JSON
+            and CSV inputs; a text file is one column `text` already).
         text_unit: for plain text: "line" (a row per line) or "paragraph" (a row per run of lines up to a
             blank line).
         input_format: read every input as jsonl, json, csv, tsv or txt, whatever its suffix.

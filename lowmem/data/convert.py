@@ -1,9 +1,11 @@
 """Converting JSON Lines, JSON arrays, CSV, TSV and plain text into parquet files with small row groups.
 
 Memory holds one row group of rows (and a read buffer) whatever the input's size: records are read as a stream
-(`convert_formats`), mapped to rows (`convert_fields`) and written a row group at a time. Each output is written
-to `<name>.partial` and renamed when complete, so a failure leaves no output under the final name, and inputs
-are only ever read. Every record left out is counted by reason, and the first lines of each reason named.
+(`convert_formats`), none larger than `MAX_RECORD_BYTES`, mapped to rows (`convert_fields`) and written a row
+group at a time. Each output is written to `<name>.partial` and renamed when complete, so a failure leaves no
+output under the final name, and inputs are only ever read. Every record left out is counted by reason, and the
+first lines of each reason named. Everything that can be refused (no input, two inputs with one output, an
+existing output, a flag that does not apply) is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import glob
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,13 +23,16 @@ import pyarrow.parquet as pq
 
 from lowmem.atomic_files import file_built_aside
 from lowmem.data.convert_fields import FieldNames, Layout, Skip, choose_layout
-from lowmem.data.convert_formats import file_format, is_convertible, open_input, read_records, split_name
+from lowmem.data.convert_formats import (COMPRESSIONS, SUFFIX_FORMATS, Record, file_format, is_convertible,
+                                         open_input, read_records, split_name)
 from lowmem.errors import DataError
 from lowmem.memory import release_arrow_memory, select_arrow_memory_pool
 from lowmem.progress import progress_bar
 from lowmem.units import MB
 
 FIRST_LINES_NAMED = 5  # per reason, in the summary
+# What a folder is searched for, named when an input finds nothing.
+_LOOKED_FOR = f"{', '.join(SUFFIX_FORMATS)} files (also compressed: {', '.join(COMPRESSIONS)})"
 
 
 @dataclass
@@ -139,12 +145,14 @@ def convert_file(source: str, target: str, names: FieldNames | None = None, text
     """Convert one file into the parquet file `target`, written aside and renamed into place when complete.
 
     `names`: the fields named on the command line (none by default: the first record decides, see
-    `convert_fields`); `text_unit`: "line" or "paragraph", for plain text.
+    `convert_fields`); `text_unit`: "line" or "paragraph", for plain text, which is written as the column
+    `text` as it is: `names.text` is refused for it (see `check_text_field`).
     """
     names = names or FieldNames()
     started = time.perf_counter()
     select_arrow_memory_pool()  # jemalloc, as the stream uses: after the first row group, RSS stays flat
     fmt = file_format(source, input_format)
+    check_text_field(source, fmt, names)
     size = os.path.getsize(source)
     Path(target).parent.mkdir(parents=True, exist_ok=True)
     skipped = Skipped()
@@ -152,7 +160,7 @@ def convert_file(source: str, target: str, names: FieldNames | None = None, text
             progress_bar(total=size, unit="B", unit_scale=True, desc=os.path.basename(source), leave=False) as bar:
         layout, writer = None, None
         try:
-            for record in read_records(stream, fmt, text_unit):
+            for record in _named_in_errors(source, read_records(stream, fmt, text_unit)):
                 if record.problem is not None:
                     skipped.add(record.problem, record.line)
                     continue
@@ -170,6 +178,22 @@ def convert_file(source: str, target: str, names: FieldNames | None = None, text
             raise _nothing_converted(source, skipped)
     return ConvertResult(source, target, writer.rows, writer.row_groups, layout.describe(), skipped,
                          time.perf_counter() - started, size)
+
+
+def check_text_field(source: str, fmt: str, names: FieldNames) -> None:
+    """Refuse --text_field for plain text: its lines (or paragraphs) are the text, with no field to name."""
+    if names.text is not None and fmt == "txt":
+        raise DataError(f"--text_field={names.text} names a field of JSON or CSV records, but '{source}' is plain "
+                        "text, whose lines (or paragraphs) are written as the column 'text' as they are. Convert "
+                        "it without --text_field (in a run of its own when other inputs need it).")
+
+
+def _named_in_errors(source: str, records: Iterator[Record]) -> Iterator[Record]:
+    """The records, with the file named in an error that stops the reading (the readers know only the line)."""
+    try:
+        yield from records
+    except DataError as error:
+        raise DataError(f"'{source}': {error}") from None
 
 
 def _layout_for(source: str, line: int, value: object, names: FieldNames) -> Layout:
@@ -198,9 +222,14 @@ def _nothing_converted(source: str, skipped: Skipped) -> DataError:
 
 def find_inputs(inputs: str | list[str]) -> list[str]:
     """The files to convert: each entry a file, a folder (every file below it with a suffix convert reads) or a
-    glob; sorted within each entry, in the order given."""
+    glob; sorted within each entry, in the order given, each file once."""
+    entries = [inputs] if isinstance(inputs, str) else list(inputs)
+    if not entries:
+        raise DataError(f"No input named: give the files to convert, folders (every one of their {_LOOKED_FOR} "
+                        "is converted) or globs, e.g. lowmem convert data/train.jsonl.")
     found: list[str] = []
-    for entry in [inputs] if isinstance(inputs, str) else inputs:
+    seen: set[str] = set()
+    for entry in entries:
         entry = os.fspath(entry)
         if os.path.isdir(entry):
             matches = sorted(str(path) for path in Path(entry).rglob("*")
@@ -210,32 +239,41 @@ def find_inputs(inputs: str | list[str]) -> list[str]:
         else:
             matches = [entry] if os.path.isfile(entry) else []
         if not matches:
-            raise DataError(f"Nothing to convert at '{entry}': no such file, or no .jsonl, .json, .csv, .tsv or .txt "
-                            "files (optionally .gz or .zst) in that folder or matching that pattern. Check the path.")
-        found.extend(path for path in matches if path not in found)
+            raise DataError(f"Nothing to convert at '{entry}': no such file, or no {_LOOKED_FOR} in that folder "
+                            "or matching that pattern. Check the path.")
+        for path in matches:  # the same file named twice (raw/a.jsonl, ./raw/a.jsonl) is converted once
+            if os.path.abspath(path) not in seen:
+                seen.add(os.path.abspath(path))
+                found.append(path)
     return found
 
 
 def plan_targets(sources: list[str], output: str | None) -> list[tuple[str, str]]:
     """Pair each source with its parquet file: beside it (same stem) without `output`; `output` itself for one
-    source and an output ending in .parquet; else `output` is a folder that receives each under its stem."""
+    source and an output ending in .parquet; else `output` is a folder that receives each under its stem. Two
+    sources with one stem are refused: the second would replace the first."""
     if output is None:
-        return [(source, f"{split_name(source)[0]}.parquet") for source in sources]
-    if len(sources) == 1 and output.endswith(".parquet") and not os.path.isdir(output):
+        pairs = [(source, f"{split_name(source)[0]}.parquet") for source in sources]
+    elif len(sources) == 1 and output.endswith(".parquet") and not os.path.isdir(output):
         return [(sources[0], output)]
-    targets = [os.path.join(output, os.path.basename(split_name(source)[0]) + ".parquet") for source in sources]
-    repeated = sorted({target for target in targets if targets.count(target) > 1})
-    if repeated:
-        raise DataError(f"Several inputs would be written to {', '.join(repeated)} (same file name). Convert them in "
-                        "separate runs, into separate folders.")
-    return list(zip(sources, targets))
+    else:
+        pairs = [(source, os.path.join(output, os.path.basename(split_name(source)[0]) + ".parquet"))
+                 for source in sources]
+    first: dict[str, str] = {}  # each target's first source
+    for source, target in pairs:
+        other = first.setdefault(os.path.abspath(target), source)
+        if other != source:
+            raise DataError(f"'{other}' and '{source}' would both be written to '{target}' (the same stem), the "
+                            "second replacing the first; nothing was written. Convert them one by one, each with "
+                            "--output=... naming its own .parquet file (or rename one of them).")
+    return pairs
 
 
 def convert(inputs: str | list[str], output: str | None = None, names: FieldNames | None = None,
             text_unit: str = "line", row_group_rows: int = 10_000, input_format: str | None = None,
             overwrite: bool = False) -> list[ConvertResult]:
     """Convert each input into a parquet file (see `plan_targets` for where), refusing to replace a file unless
-    `overwrite`; every output is checked before anything is written."""
+    `overwrite`; the inputs, their outputs and the flags are all checked before anything is written."""
     names = names or FieldNames()
     if row_group_rows < 1:
         raise DataError(f"row_group_rows must be at least 1; got {row_group_rows}. 10000 is a good size.")
@@ -243,6 +281,8 @@ def convert(inputs: str | list[str], output: str | None = None, names: FieldName
         raise DataError("--text_field writes one column of text, so --prompt_field and --response_field would not "
                         "be read. Give either --text_field or the prompt and response fields.")
     pairs = plan_targets(find_inputs(inputs), output)
+    for source, _ in pairs:  # each file's format now, so that a refusal comes before anything is written
+        check_text_field(source, file_format(source, input_format), names)
     for source, target in pairs:
         if os.path.exists(target) and os.path.samefile(source, target):
             raise DataError(f"The output '{target}' is the input itself. Pass --output=... with another name.")

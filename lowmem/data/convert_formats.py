@@ -1,9 +1,11 @@
 """Reading the records of text data files (JSON Lines, JSON arrays, CSV, TSV, plain text) as a stream.
 
 Every reader holds one record (and a read buffer) at a time, whatever the file's size, and numbers each record
-with the line it starts on, so that what is skipped can be named. A record that cannot be read is yielded with
-the reason instead of a value; only damage that makes the rest of the file unreadable (a broken JSON array, CSV
-that is not UTF-8) stops the reading, with a `DataError` that names the line.
+with the line it starts on, so that what is skipped can be named. No record larger than `MAX_RECORD_BYTES` is
+ever held: lines are read at most that long, and a longer record stops the reading. A record that cannot be
+read is yielded with the reason instead of a value; only damage that makes the rest of the file unreadable (a
+broken JSON array, CSV that is not UTF-8, a record over the cap) stops the reading, with a `DataError` that
+names the line.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, BinaryIO
 
 import pyarrow as pa
 
 from lowmem.errors import DataError
+from lowmem.units import MB
 
 FORMATS = ("jsonl", "json", "csv", "tsv", "txt")
 TEXT_UNITS = ("line", "paragraph")
@@ -31,9 +35,11 @@ SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv"
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}  # pyarrow decompresses both, no other package
 _READ_BUFFER_BYTES = 1 << 20
 _ARRAY_CHUNK_CHARS = 1 << 20
-# A JSON array's record that is still unfinished after this much text is taken as broken: reading further
-# would hold the rest of the file in memory looking for its end.
-_MAX_RECORD_CHARS = 64 << 20
+# The most text one record may hold (a line, a paragraph, a CSV row, an element of a JSON array), in bytes of
+# the file. Every reader holds a record whole, so memory is bounded by the row group and this cap, not by the
+# file: without it a text file with no blank line read by paragraph, a CSV quote never closed, or a file that
+# is one huge line would be held whole. 64 MB is far above any prompt, response or document worth a row.
+MAX_RECORD_BYTES = 64 * MB
 _SPACE = re.compile(r"[ \t\n\r]*")
 
 
@@ -114,9 +120,25 @@ def _starts_array(stream: Any) -> bool:
     return head[:1] == b"["
 
 
+def _lines(stream: BinaryIO) -> Iterator[bytes]:
+    """The file's lines, line endings kept. A line longer than MAX_RECORD_BYTES comes cut after
+    MAX_RECORD_BYTES + 1 bytes, which every reader takes for a record over the cap: no more of it is read."""
+    return iter(partial(stream.readline, MAX_RECORD_BYTES + 1), b"")
+
+
+def _record_too_long(line: int, advice: str) -> DataError:
+    """The error for a record over MAX_RECORD_BYTES starting at `line`; `advice` says what to do in that format."""
+    return DataError(f"The record that starts at line {line:,} holds more than {MAX_RECORD_BYTES / MB:g} MB of "
+                     f"text, the most convert holds at once (so that memory stays bounded). {advice}")
+
+
 def _json_lines(stream: BinaryIO) -> Iterator[Record]:
     decode = json.JSONDecoder().decode  # json.loads would guess each line's encoding again
-    for number, line in enumerate(stream, start=1):
+    for number, line in enumerate(_lines(stream), start=1):
+        if len(line) > MAX_RECORD_BYTES:
+            raise _record_too_long(number, "In JSON Lines a record is one line: split it into smaller records. A "
+                                   "file that is one JSON array is read as such when named .json (or with "
+                                   "--input_format=json).")
         if not line.strip():
             yield Record(number, None, "blank line")
             continue
@@ -148,8 +170,8 @@ class _ArrayReader:
         self.text = codecs.getincrementaldecoder("utf-8-sig")()
         self.buffer, self.pos, self.line, self.eof = "", 0, 1, False
 
-    def fill(self) -> None:
-        """Drop the text already read and append the next chunk (or note the end of the file)."""
+    def fill(self) -> int:
+        """Drop the text already read and append the next chunk (or note the end of the file); the bytes read."""
         data = self.stream.read(_ARRAY_CHUNK_CHARS)
         try:
             chunk = self.text.decode(data, final=not data)
@@ -157,6 +179,7 @@ class _ArrayReader:
             raise DataError(f"The JSON array is not UTF-8 text after line {self.line} ({error.reason}). Save the "
                             "file as UTF-8 (e.g. iconv -f GBK -t UTF-8) and convert it again.") from error
         self.buffer, self.pos, self.eof = self.buffer[self.pos:] + chunk, 0, not data
+        return len(data)
 
     def next_char(self) -> str:
         """The next character that is not white space ('' at the end of the file), left unread."""
@@ -169,7 +192,8 @@ class _ArrayReader:
             self.fill()
 
     def value(self) -> Any:
-        """Parse the value that starts here, reading more text while it is unfinished."""
+        """Parse the value that starts here, reading more text while it is unfinished, up to MAX_RECORD_BYTES."""
+        read = 0
         while True:
             try:
                 value, end = self.decoder.raw_decode(self.buffer, self.pos)
@@ -177,9 +201,15 @@ class _ArrayReader:
                 if end < len(self.buffer) or self.eof:
                     break
             except json.JSONDecodeError as error:
-                if self.eof or len(self.buffer) - self.pos > _MAX_RECORD_CHARS:
+                if self.eof:
                     raise self.broken(f"{error.msg}") from error
-            self.fill()
+                # Text cut mid-record and broken JSON fail alike: past the cap, the message names both.
+                if read > MAX_RECORD_BYTES:
+                    raise _record_too_long(self.line, "If it is not that long, the JSON is broken there "
+                                           f"({error.msg}): fix it, or write the file as JSON Lines, one record "
+                                           "per line, where a bad line is skipped and counted. If it is, split "
+                                           "the record.") from error
+            read += self.fill()
         self.line += self.buffer.count("\n", self.pos, end)
         self.pos = end
         return value
@@ -197,6 +227,8 @@ class _ArrayReader:
         while True:
             char = self.next_char()
             if char == "]":
+                self.pos += 1
+                yield from self.after_end()
                 return
             if not first:
                 if char != ",":
@@ -207,32 +239,59 @@ class _ArrayReader:
             first, start = False, self.line
             yield _json_record(start, self.value())
 
+    def after_end(self) -> Iterator[Record]:
+        """What follows the closing `]`: nothing, or text counted as left out; a second array is refused."""
+        char = self.next_char()
+        if char == "[":
+            raise DataError(f"A second JSON array starts at line {self.line} (after the first one's closing ']'); "
+                            "convert reads one array per file. Join them into one array, or write the records as "
+                            "JSON Lines, one per line.")
+        if char:
+            yield Record(self.line, None, "text after the array's closing ']'")
+
 
 def _json_array(stream: BinaryIO) -> Iterator[Record]:
     yield from _ArrayReader(stream).records()
 
 
-def _decoded_lines(stream: BinaryIO) -> Iterator[str]:
-    """The file's lines as text, line endings kept (the csv module reads quoted line breaks from them)."""
-    for number, line in enumerate(stream, start=1):
-        try:
-            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError as error:
-            raise DataError(f"Line {number} is not UTF-8 text ({error.reason}). Save the file as UTF-8 (e.g. iconv "
-                            "-f GBK -t UTF-8) and convert it again.") from error
+class _CsvLines:
+    """The file's lines as text, line endings kept (the csv module reads quoted line breaks from them), with the
+    bytes of the record being read counted: a quote never closed makes the rest of the file one field, which
+    stops at MAX_RECORD_BYTES instead of filling memory."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream, self.record_start, self.record_bytes = stream, 1, 0
+
+    def next_record(self, line: int) -> None:
+        """Count afresh from `line`, where the next record starts."""
+        self.record_start, self.record_bytes = line, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for number, line in enumerate(_lines(self.stream), start=1):
+            self.record_bytes += len(line)
+            if self.record_bytes > MAX_RECORD_BYTES:
+                raise _record_too_long(self.record_start, "A quote that is never closed makes the rest of the file "
+                                       "one field: fix the quote there (or split the record) and convert it again.")
+            try:
+                yield line.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"Line {number} is not UTF-8 text ({error.reason}). Save the file as UTF-8 (e.g. "
+                                "iconv -f GBK -t UTF-8) and convert it again.") from error
 
 
 def _delimited(stream: BinaryIO, delimiter: str) -> Iterator[Record]:
     """CSV or TSV with a header line: one dict per row, keyed by the header's names."""
-    # The default limit (128 KB per field) would refuse a long response.
-    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
-    reader = csv.reader(_decoded_lines(stream), delimiter=delimiter)
+    # The default limit (128 KB per field) would refuse a long response; no field is longer than its record.
+    csv.field_size_limit(MAX_RECORD_BYTES)
+    lines = _CsvLines(stream)
+    reader = csv.reader(lines, delimiter=delimiter)
     header = next(reader, None)
     if header is None:
         return
     header = [name.strip() for name in header]
     start = reader.line_num + 1
     while True:
+        lines.next_record(start)
         try:
             row = next(reader)
         except StopIteration:
@@ -250,7 +309,9 @@ def _delimited(stream: BinaryIO, delimiter: str) -> Iterator[Record]:
 
 
 def _text_lines(stream: BinaryIO) -> Iterator[Record]:
-    for number, line in enumerate(stream, start=1):
+    for number, line in enumerate(_lines(stream), start=1):
+        if len(line) > MAX_RECORD_BYTES:
+            raise _record_too_long(number, "Split the line into shorter ones and convert the file again.")
         text = _line_text(line, number)
         if text is None:
             yield Record(number, None, "not UTF-8")
@@ -263,16 +324,20 @@ def _text_lines(stream: BinaryIO) -> Iterator[Record]:
 def _paragraphs(stream: BinaryIO) -> Iterator[Record]:
     """Runs of lines that are not blank, each joined with line breaks; blank lines separate them."""
     lines: list[str] = []
-    start, damaged = 0, False
-    for number, line in enumerate(stream, start=1):
+    start, damaged, held = 0, False, 0  # held: the paragraph's bytes
+    for number, line in enumerate(_lines(stream), start=1):
         text = _line_text(line, number)
-        if text is not None and not text.strip():
+        if text is not None and not text.strip() and len(line) <= MAX_RECORD_BYTES:
             if lines or damaged:
                 yield Record(start, None, "not UTF-8") if damaged else Record(start, "\n".join(lines))
-            lines, damaged = [], False
+            lines, damaged, held = [], False, 0
             continue
         if not lines and not damaged:
             start = number
+        held += len(line)
+        if held > MAX_RECORD_BYTES:
+            raise _record_too_long(start, "A paragraph runs up to a blank line: put blank lines between the "
+                                   "paragraphs, or convert with --text_unit=line (a row per line).")
         if text is None:
             damaged = True
         else:

@@ -18,17 +18,16 @@ processes or workers shares out the rest of every source's epochs anew (`lowmem.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lowmem.data.elastic import EpochLayers, Layer, merge_rank_states
+from lowmem.data.elastic import Layer, merge_rank_states
 from lowmem.data.plan import consumer_range
 from lowmem.data.sources import DEFAULT_COLUMNS
-from lowmem.data.stream import _ROWS_IN_WINDOW, ParquetStream
+from lowmem.data.stream import ParquetStream
 from lowmem.config.train_sources import Source
 from lowmem.errors import DataError
 
@@ -147,7 +146,8 @@ class MixedStream(IterableDataset):
                           rank=rank, world_size=world_size, **stream_args)
             for i, (source, weight) in enumerate(zip(self.sources, self.weights))]
         self.epoch = 0
-        self._epoch_streams: dict[tuple[int, int], ParquetStream] = {}
+        self._epoch_streams: dict[tuple[int, int], ParquetStream] = {}  # (source, its epoch) → its stream here
+        self._ends: dict[tuple[int, int, int], list[int]] = {}  # (source, epoch, reader) → its end position
         self.num_workers = int(stream_args.get("num_workers", 0))
         self.worker_rotation = 0
         self._quota: dict[int, int] = {}  # rows each reader takes this epoch, when not the equal share
@@ -160,6 +160,7 @@ class MixedStream(IterableDataset):
     # ----- what ParquetStream offers too ------------------------------------------------------------
     @property
     def num_workers(self) -> int:
+        """DataLoader workers per rank that read this mixture (StreamLoader sets it); every source follows it."""
         return self._num_workers
 
     @num_workers.setter
@@ -170,6 +171,7 @@ class MixedStream(IterableDataset):
 
     @property
     def worker_rotation(self) -> int:
+        """Which reader DataLoader worker 0 reads (a resumed loader starts with the one whose batch was due)."""
         return self._worker_rotation
 
     @worker_rotation.setter
@@ -181,14 +183,17 @@ class MixedStream(IterableDataset):
 
     @property
     def workers_per_rank(self) -> int:
+        """Readers per rank: its DataLoader workers, or the rank itself."""
         return max(1, self.num_workers)
 
     @property
     def num_consumers(self) -> int:
+        """Readers in all: ranks × workers per rank."""
         return self.world_size * self.workers_per_rank
 
     @property
     def total_rows(self) -> int:
+        """Rows of every source together: an epoch of the mixture."""
         return sum(base.index.num_rows for base in self._bases)
 
     @property
@@ -202,10 +207,12 @@ class MixedStream(IterableDataset):
 
     @property
     def rows_decoded(self) -> int:
+        """Rows decoded from parquet by this process's source streams."""
         return sum(stream.rows_decoded for stream in self._epoch_streams.values())
 
     @property
     def skipped_rows(self) -> int:
+        """Rows skipped (null, empty, undecodable) by the source streams reading in this process."""
         return sum(stream.skipped_rows for stream in self._epoch_streams.values())
 
     @staticmethod
@@ -227,10 +234,12 @@ class MixedStream(IterableDataset):
         return stop - start
 
     def rank_consumer_rows(self) -> list[int]:
+        """Rows each of this rank's readers takes this epoch."""
         first = self.rank * self.workers_per_rank
         return [self.quota(consumer) for consumer in range(first, first + self.workers_per_rank)]
 
     def __len__(self) -> int:
+        """Rows this rank takes this epoch."""
         return sum(self.rank_consumer_rows())
 
     def current_consumer(self) -> tuple[int, int]:
@@ -240,6 +249,7 @@ class MixedStream(IterableDataset):
         return self.rank * workers + (worker_id + self.worker_rotation) % workers, self.world_size * workers
 
     def close(self) -> None:
+        """Close every source's open files (reading reopens them)."""
         for stream in [*self._bases, *self._epoch_streams.values()]:
             stream.close()
 
@@ -261,18 +271,29 @@ class MixedStream(IterableDataset):
         """Source `source`'s stream in its epoch `epoch`, from its saved state there if there is one."""
         key = (source, epoch)
         if key not in self._epoch_streams:
-            stream = copy.copy(self._bases[source])
-            stream.__dict__.update(_saved_layers=None, _closed=[], _current=None, _resume={}, _live={}, _reader=None)
-            stream.epoch, stream.num_workers, stream.worker_rotation = epoch, self._num_workers, self._worker_rotation
-            stream._content = self._bases[source]._content  # computed once, on the main process (see load_state_dict)
+            if get_worker_info() is None:
+                # Computed once, here, and taken along by every copy (and by DataLoader workers forked later):
+                # the copies check saved positions against it and write it into states.
+                self._bases[source].content_fingerprint()
+            stream = self._bases[source].for_epoch(epoch)
+            stream.num_workers, stream.worker_rotation = self._num_workers, self._worker_rotation
             if epoch in self._saved[source]:
                 stream.load_state_dict(self._saved[source][epoch])
             self._epoch_streams[key] = stream
         return self._epoch_streams[key]
 
+    def _end_position(self, source: int, epoch: int, consumer: int) -> list[int]:
+        """Reader `consumer`'s position at the end of its share of a source epoch (it has moved on)."""
+        key = (source, epoch, consumer)
+        if key not in self._ends:
+            self._ends[key] = self._source_at(source, epoch).end_position(consumer, self.num_consumers)
+        return self._ends[key]
+
     def _forget_before(self, source: int, epoch: int) -> None:
+        """Drop source `source`'s streams of epochs before `epoch`: no reader of this process goes back to them."""
         for key in [key for key in self._epoch_streams if key[0] == source and key[1] < epoch]:
             self._epoch_streams.pop(key).close()
+        self._ends = {key: end for key, end in self._ends.items() if key[0] != source or key[1] >= epoch}
 
     # ----- iteration ------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, str]]:
@@ -316,8 +337,18 @@ class MixedStream(IterableDataset):
             for row in rows:
                 return row, rows.__next__
             if epoch not in self._saved[source]:  # a whole fresh epoch without a row (a saved one may be done)
-                raise DataError(f"The source '{self.sources[source].path}' of the mixture gave no row in a whole "
-                                "epoch: every row has a null or empty value. Fix or remove that source.")
+                raise self._no_rows(source)
+
+    def _no_rows(self, source: int) -> DataError:
+        rows, readers = self._bases[source].index.num_rows, self.num_consumers
+        path = self.sources[source].path
+        if rows < readers:
+            return DataError(f"The source '{path}' of the mixture has {rows} rows, fewer than the {readers} readers "
+                             "(processes × DataLoader workers) that share each of its epochs equally, so each gets "
+                             "none. Give it more rows (repeat them in its file), or read with fewer workers "
+                             "(--dataloader_num_workers).")
+        return DataError(f"The source '{path}' of the mixture gave this reader no row in a whole epoch: every row of "
+                         "its share has a null or empty value. Fix or remove that source.")
 
     def position_of(self, consumer: int) -> MixturePosition:
         """A copy of reader `consumer`'s position (for readers iterating in this process)."""
@@ -328,7 +359,7 @@ class MixedStream(IterableDataset):
             if stream is None:
                 position = self._loaded_position(source, consumer, epoch)
             else:
-                position = stream.position_of(consumer) if consumer in stream._live else [0, 0, 0]
+                position = stream.position_of(consumer)  # iterating: `_next_row` starts it as it sets it
             at.append([epoch, *position])
         return {"taken": reading.taken_now(), "at": at}
 
@@ -354,12 +385,16 @@ class MixedStream(IterableDataset):
         for source, base in enumerate(self._bases):
             base.content_fingerprint()
             at = {consumer: int(positions[consumer]["at"][source][0]) for consumer in own}
+            first = min(at.values())
+            self._forget_before(source, first)  # epochs every reader here has left (none reads them again)
+            # Loaded epochs beyond every reader here are kept as they were loaded (after a change of readers they
+            # hold the old readers' progress), with this rank's readers not yet in them.
+            last = max([*at.values(), *(epoch for epoch in self._saved[source] if epoch >= first)])
             states = {}
-            for epoch in range(min(at.values()), max(at.values()) + 1):
+            for epoch in range(first, last + 1):
                 stream = self._source_at(source, epoch)
-                stream._content = base._content
                 here = {consumer: (list(positions[consumer]["at"][source][1:]) if at[consumer] == epoch
-                                   else _finished(stream, consumer, self.num_consumers))
+                                   else self._end_position(source, epoch, consumer))
                         for consumer in own if at[consumer] >= epoch}
                 states[str(epoch)] = stream.state_with_positions(here)
             source_states.append(states)
@@ -389,7 +424,8 @@ class MixedStream(IterableDataset):
         old_readers = int(state["consumers"])
         quota = {int(consumer): int(rows) for consumer, rows in state["quota"].items()}
         taken = {int(consumer): [int(rows) for rows in counts] for consumer, counts in state["taken"].items()}
-        self._exact = old_readers == self.num_consumers and int(state["world_size"]) == self.world_size
+        self._exact = (old_readers == self.num_consumers and int(state["world_size"]) == self.world_size
+                       and self._same_layouts(state))
         if self._exact:
             self._quota, self._taken = quota, taken
         else:
@@ -409,12 +445,21 @@ class MixedStream(IterableDataset):
         if not self._exact:
             for source in range(len(self.sources)):
                 self._complete_epochs(source, old_readers)
+        self._open_saved_epochs()
+
+    def _open_saved_epochs(self) -> None:
+        """The streams of every saved source epoch, built now, on the main process: other data is refused before
+        training starts, and DataLoader workers forked later find them built."""
         self._replace_epoch_streams()
         for source, saved in enumerate(self._saved):
-            if saved:
-                self._bases[source].content_fingerprint()  # once here, not in every worker
-            for epoch in saved:  # loaded now, so that other data is refused before training starts
+            for epoch in saved:
                 self._source_at(source, epoch)
+
+    def _same_layouts(self, state: dict[str, Any]) -> bool:
+        """Whether every saved source epoch was read in the layout each source reads now (the same readers, lanes
+        and windows): only then does every reader continue where it was."""
+        return all(Layer.from_dict(source_state["layers"][-1]).spec == base.layout_spec(self.num_consumers)
+                   for base, states in zip(self._bases, state["source_states"]) for source_state in states.values())
 
     def _complete_epochs(self, source: int, old_readers: int) -> None:
         """Every source epoch an old reader was in, with every old reader's position in it: a reader already past
@@ -436,17 +481,13 @@ class MixedStream(IterableDataset):
 
     def _finished_when_saved(self, source: int, state: dict[str, Any], consumer: int) -> list[int]:
         """The position of an old reader at the end of its share of a saved source epoch."""
-        stream = copy.copy(self._bases[source])
-        stream.epoch = int(state["epoch"])
         layers = [Layer.from_dict(layer) for layer in state["layers"]]
-        epoch_layers = EpochLayers(stream.plan(), layers[:-1], layers[-1].spec, stream.drop_remainder,
-                                   (stream.seed, stream.epoch, _ROWS_IN_WINDOW))
-        return [epoch_layers.layout(len(layers) - 1).consumer_order(consumer).num_windows, 0, 0]
+        return self._bases[source].for_epoch(int(state["epoch"])).end_position(consumer, saved_layers=layers)
 
     def _replace_epoch_streams(self) -> None:
         for stream in self._epoch_streams.values():
             stream.close()
-        self._epoch_streams, self._live = {}, {}
+        self._epoch_streams, self._ends, self._live = {}, {}, {}
 
     def loaded_positions(self) -> dict[int, MixturePosition]:
         """Loaded positions of this rank's readers (read the same way again), when they continue exactly."""
@@ -458,6 +499,7 @@ class MixedStream(IterableDataset):
 
     @property
     def continues_exactly(self) -> bool:
+        """True when the loaded position is read by the readers and layouts that saved it (row for row)."""
         return self._exact
 
     def forget_loaded_positions(self) -> None:
@@ -473,16 +515,10 @@ class MixedStream(IterableDataset):
             self._at = [{int(consumer): int(at) for consumer, at in ats.items()} for ats in carried["at"]]
             self._saved = [{int(at): state for at, state in states.items()} for states in carried["source_states"]]
             self._exact = True
-        self._replace_epoch_streams()
+        self._open_saved_epochs()
         self._quota, self._taken = {}, {}
         self.epoch = int(epoch)
         self.worker_rotation = 0  # a new epoch's readers start with worker 0, as StreamLoader expects
-
-
-def _finished(stream: ParquetStream, consumer: int, readers: int) -> list[int]:
-    """The position of `consumer` at the end of its share of `stream`'s epoch, read by `readers` readers."""
-    layers = stream.layers(readers)
-    return [layers.current_layout.consumer_order(consumer).num_windows, 0, 0]
 
 
 def _check_mixture_state(stream: MixedStream, state: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Any, Iterator, Sequence
@@ -156,6 +157,26 @@ class ParquetStream(IterableDataset):
         current = self._settle(num_consumers or self.num_consumers)
         return EpochLayers(self.plan(), self._closed, current, self.drop_remainder,
                            (self.seed, self.epoch, _ROWS_IN_WINDOW))
+
+    def for_epoch(self, epoch: int) -> "ParquetStream":
+        """A copy of this stream that reads epoch `epoch` from its start: the same files, index and settings (and
+        content fingerprint, once computed), no open files and no position."""
+        other = copy.copy(self)
+        other.__dict__.update(_saved_layers=None, _closed=[], _current=None, _resume={}, _live={}, _reader=None,
+                              epoch=int(epoch))
+        return other
+
+    def end_position(self, consumer: int, num_consumers: int | None = None,
+                     saved_layers: list[Layer] | None = None) -> Position:
+        """Where `consumer` stands once it has read its whole share of this epoch: in the layout read by
+        `num_consumers` consumers, or in the last layout of `saved_layers` (a saved state's)."""
+        if saved_layers is None:
+            layout = self.layers(num_consumers).current_layout
+        else:
+            layers = EpochLayers(self.plan(), saved_layers[:-1], saved_layers[-1].spec, self.drop_remainder,
+                                 (self.seed, self.epoch, _ROWS_IN_WINDOW))
+            layout = layers.layout(len(saved_layers) - 1)
+        return [layout.consumer_order(consumer).num_windows, 0, 0]
 
     def rank_consumer_rows(self) -> list[int]:
         """Rows per epoch of each of this rank's consumers (before null or empty values are skipped)."""
@@ -450,6 +471,10 @@ def _check_arguments(columns: Sequence[str], buffer_size: int, rank: int, world_
 
 def _saved_layers(state: dict[str, Any]) -> list[Layer]:
     """The layers of a saved state; a state from before layers (format 1) is one layer of single-lane windows."""
+    if isinstance(state, dict) and state.get("kind") == "mixture":
+        raise DataError("The saved data position is of a mixture of sources (--train_sources), not of one training "
+                        "file: resume with the --train_sources the run was started with, or start a new run "
+                        "(--output_dir) for this file.")
     if not isinstance(state, dict) or state.get("format") not in (1, STATE_FORMAT):
         raise DataError("This is not a ParquetStream position (unknown format); it cannot be resumed from.")
     processes = int(state["world_size"])
