@@ -197,6 +197,17 @@ def test_train_on_a_text_column_and_resume_exactly(tmp_path, text_data, text_tok
     assert EVERY_TOKEN_LINE in reference.stderr
     assert "chosen by validation loss" in reference.stderr and "BLEU-4 " not in reference.stderr
     assert "Sample\n  prompt:" in reference.stderr and "Model saved to" in reference.stderr
+    # evaluate and generate, not told of the text column, score and prompt the model as it was trained.
+    run_flags = [flag for flag in resume_overrides(tmp_path / "reference", text_data)
+                 if flag.startswith(("--output_dir", "--tokenizer_dir", "--test_file"))]
+    evaluated = run_command(["evaluate", *run_flags, f"--tokenizer_dir={text_tokenizer}"], cwd=tmp_path / "reference")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "--text_column=text" in evaluated.stderr and "--loss_on_response_only=False" in evaluated.stderr
+    summary = json.loads((tmp_path / "reference" / "run" / "eval" / "test_summary.json").read_text())
+    assert summary["loss_tokens"] == "loss on every token (one text column)" and summary["bleu4"] is None
+    generated = run_command(["generate", *run_flags, f"--tokenizer_dir={text_tokenizer}", "--prompt=春风",
+                             "--max_new_tokens=4"], cwd=tmp_path / "reference")
+    assert generated.returncode == 0 and generated.stdout.strip(), generated.stderr[-3000:]
 
     folder = tmp_path / "stopped"
     folder.mkdir()

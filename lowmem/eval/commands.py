@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -14,10 +15,11 @@ from lowmem.atomic_files import file_built_aside, write_json_atomic
 from lowmem.distributed.accelerator import create_accelerator
 from lowmem.eval.validation import EvalResult, bleu4, evaluate
 from lowmem.model import GPT
-from lowmem.checkpoint.export import find_model_folder, load_model_folder
+from lowmem.checkpoint.contents import TRAINER_STATE_FILE
+from lowmem.checkpoint.export import TRAIN_CONFIG_FILE, find_model_folder, load_model_folder
 from lowmem.checkpoint.run_lock import lock_run_folder
 from lowmem.config import TrainConfig, check_data_files
-from lowmem.config.columns import data_columns, response_only
+from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.data.tokenizer import Tokenizer
 from lowmem.train.performance import enable_tf32, inference_autocast
 
@@ -43,9 +45,33 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
             lock.release()
 
 
+def trained_like(config: TrainConfig, folder: Path) -> TrainConfig:
+    """`config` with the columns and the loss targets the model in `folder` was trained with, where the command
+    did not give them: a model pretrained on one text column is scored and prompted as such, and the loss counts
+    the tokens its training counted."""
+    saved: dict[str, Any] = {}
+    for path in (folder / TRAIN_CONFIG_FILE, folder / TRAINER_STATE_FILE):
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            saved = data.get("config", data) if path.name == TRAINER_STATE_FILE else data
+            break
+    changes: dict[str, Any] = {}
+    if not config.text_column and saved.get("text_column"):
+        changes["text_column"] = saved["text_column"]
+    if config.loss_on_response_only is None and saved.get("loss_on_response_only") is not None:
+        changes["loss_on_response_only"] = bool(saved["loss_on_response_only"])
+    if changes:
+        logger.info("As %s was trained: %s.", folder, ", ".join(f"--{name}={value}" for name, value in changes.items()))
+    return dataclasses.replace(config, **changes)
+
+
 def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | None, test_file: str | None,
                      bleu_samples: int) -> dict[str, Any]:
     folder = find_model_folder(config.output_dir, checkpoint)
+    config = trained_like(config, folder)
     config.test_file = test_file or config.test_file
     check_data_files(config, ("test_file",))
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, accelerator.device)
@@ -62,7 +88,8 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
                       no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
                       bf16_on_cpu=config.bf16_on_cpu, bad_text=config.bad_text)
     summary = {"model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
-               "loss": result.loss, "perplexity": result.perplexity, **_bleu_figures(result)}
+               "loss": result.loss, "perplexity": result.perplexity, "loss_tokens": describe_loss_targets(config),
+               **_bleu_figures(result)}
     if accelerator.is_main_process:
         out_dir = Path(config.output_dir) / "eval"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +148,7 @@ def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint:
     With `config.text_column` set (a model pretrained on one text column), the prompt is a beginning to continue."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = find_model_folder(config.output_dir, checkpoint)
+    config = trained_like(config, folder)
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, device)
     enable_tf32(device.type == "cuda")
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
