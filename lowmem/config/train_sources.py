@@ -61,9 +61,8 @@ def sources_text(value: Any) -> str:
 
 def training_paths(config: DataConfig) -> list[str]:
     """The paths the training rows come from: each source's with --train_sources, else --train_file."""
-    if config.train_sources:
-        return [source.path for source in parse_sources(config.train_sources)]
-    return [config.train_file]
+    data = training_data(config)
+    return [source.path for source in data] if isinstance(data, list) else [data]
 
 
 def training_data(config: DataConfig) -> "str | list[Source]":

@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from lowmem.data.elastic import Layer, merge_rank_states
 from lowmem.data.plan import consumer_range
 from lowmem.data.sources import DEFAULT_COLUMNS
-from lowmem.data.stream import ParquetStream
+from lowmem.data.stream import ConsumerNumbering, ParquetStream
 from lowmem.config.train_sources import Source
 from lowmem.errors import DataError
 
@@ -113,7 +113,7 @@ def _call(function: Any) -> Any:
     return function()
 
 
-class MixedStream(IterableDataset):
+class MixedStream(ConsumerNumbering, IterableDataset):
     """Rows of several sources, as dicts `{column: str}`, mixed by weight, in bounded memory, with exact resume.
 
     Args:
@@ -166,8 +166,7 @@ class MixedStream(IterableDataset):
     @num_workers.setter
     def num_workers(self, workers: int) -> None:
         self._num_workers = int(workers)
-        for stream in [*self._bases, *self._epoch_streams.values()]:
-            stream.num_workers = self._num_workers
+        self._set_on_sources("num_workers", self._num_workers)
 
     @property
     def worker_rotation(self) -> int:
@@ -178,18 +177,12 @@ class MixedStream(IterableDataset):
     def worker_rotation(self, rotation: int) -> None:
         # Forked DataLoader workers inherit the source streams already built here: they must number readers alike.
         self._worker_rotation = int(rotation)
+        self._set_on_sources("worker_rotation", self._worker_rotation)
+
+    def _set_on_sources(self, name: str, value: Any) -> None:
+        """Set a setting every source stream follows, on the sources and the streams built of them."""
         for stream in [*self._bases, *self._epoch_streams.values()]:
-            stream.worker_rotation = self._worker_rotation
-
-    @property
-    def workers_per_rank(self) -> int:
-        """Readers per rank: its DataLoader workers, or the rank itself."""
-        return max(1, self.num_workers)
-
-    @property
-    def num_consumers(self) -> int:
-        """Readers in all: ranks × workers per rank."""
-        return self.world_size * self.workers_per_rank
+            setattr(stream, name, value)
 
     @property
     def total_rows(self) -> int:
@@ -202,8 +195,7 @@ class MixedStream(IterableDataset):
 
     @allow_changed_content.setter
     def allow_changed_content(self, allow: bool) -> None:
-        for stream in [*self._bases, *self._epoch_streams.values()]:
-            stream.allow_changed_content = bool(allow)
+        self._set_on_sources("allow_changed_content", bool(allow))
 
     @property
     def rows_decoded(self) -> int:
@@ -241,12 +233,6 @@ class MixedStream(IterableDataset):
     def __len__(self) -> int:
         """Rows this rank takes this epoch."""
         return sum(self.rank_consumer_rows())
-
-    def current_consumer(self) -> tuple[int, int]:
-        """(reader id, number of readers) of the calling process or DataLoader worker, as ParquetStream numbers them."""
-        info = get_worker_info()
-        workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
-        return self.rank * workers + (worker_id + self.worker_rotation) % workers, self.world_size * workers
 
     def close(self) -> None:
         """Close every source's open files (reading reopens them)."""

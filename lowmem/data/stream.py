@@ -35,7 +35,33 @@ _ROWS_IN_WINDOW = 2
 DEFAULT_MIX_ROW_GROUPS = 16
 
 
-class ParquetStream(IterableDataset):
+class ConsumerNumbering:
+    """How the readers (consumers) of a stream are numbered: rank × workers per rank + the DataLoader worker,
+    rotated by `worker_rotation`. Needs `rank`, `world_size`, `num_workers` and `worker_rotation`."""
+
+    rank: int
+    world_size: int
+    num_workers: int
+    worker_rotation: int
+
+    @property
+    def workers_per_rank(self) -> int:
+        """Readers per rank: its DataLoader workers, or the rank itself."""
+        return max(1, self.num_workers)
+
+    @property
+    def num_consumers(self) -> int:
+        """Readers in all: ranks × workers per rank."""
+        return self.world_size * self.workers_per_rank
+
+    def current_consumer(self) -> tuple[int, int]:
+        """(consumer id, number of consumers) of the calling process or DataLoader worker."""
+        info = get_worker_info()
+        workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
+        return self.rank * workers + (worker_id + self.worker_rotation) % workers, self.world_size * workers
+
+
+class ParquetStream(ConsumerNumbering, IterableDataset):
     """An iterable over the rows of parquet files, as dicts `{column: str}`, in bounded memory.
 
     Args:
@@ -134,14 +160,6 @@ class ParquetStream(IterableDataset):
     @property
     def lanes(self) -> int:
         return self.mix_row_groups if self.shuffle else 1
-
-    @property
-    def workers_per_rank(self) -> int:
-        return max(1, self.num_workers)
-
-    @property
-    def num_consumers(self) -> int:
-        return self.world_size * self.workers_per_rank
 
     def layout_spec(self, num_consumers: int | None = None) -> LayoutSpec:
         """The layout this stream's settings give for `num_consumers` consumers (default: ranks × workers),
@@ -310,12 +328,6 @@ class ParquetStream(IterableDataset):
         return self._live[consumer].as_list()
 
     # ----- iteration ------------------------------------------------------------------------------
-    def current_consumer(self) -> tuple[int, int]:
-        """(consumer id, number of consumers) of the calling process or DataLoader worker."""
-        info = get_worker_info()
-        workers, worker_id = (info.num_workers, info.id) if info is not None else (1, 0)
-        return self.rank * workers + (worker_id + self.worker_rotation) % workers, self.world_size * workers
-
     def __iter__(self) -> Iterator[dict[str, str]]:
         consumer, num_consumers = self.current_consumer()
         layers = self.layers(num_consumers)
