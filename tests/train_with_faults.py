@@ -1,4 +1,5 @@
-"""Runs lowmem's command line with the test callbacks that LOWMEM_* variables ask for (see fault_injection.py beside it).
+"""Runs lowmem's command line with the test callbacks that LOWMEM_* variables ask for (see fault_injection.py
+beside it).
 
 Used like train_low_mem.py, alone or under `accelerate launch`: `python tests/train_with_faults.py train ...`.
 """

@@ -120,7 +120,8 @@ def measure(case: str, files: Sequence[str], buffer_size: int = 5000, mix_row_gr
     return {"case": case, **result, "rss_end": _rss(), "peak_rss": _peak_rss()}
 
 
-def run_case(case: str, files: Sequence[str | Path], buffer_size: int = 5000, mix_row_groups: int = 16) -> dict[str, Any]:
+def run_case(case: str, files: Sequence[str | Path], buffer_size: int = 5000,
+             mix_row_groups: int = 16) -> dict[str, Any]:
     """Run one case in a fresh Python process and return its figures.
 
     "spawn" starts a new interpreter (no copy of this process's heap, as a fork would give) that imports

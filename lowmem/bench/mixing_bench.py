@@ -3,8 +3,8 @@ number of row groups read at once (`mix_row_groups`).
 
 The file is the data benchmark's, sorted by id, so a row's row group is its id // row-group rows. Each setting
 runs in a fresh process: a timed pass over the whole file (rows/s, peak RSS), then the batches of the first
-`sample_rows` rows are scored. Every case runs several rounds, interleaved with the plain read. The reference is a uniform shuffle of the file: the expected number of row
-groups among `batch_size` rows drawn without replacement.
+`sample_rows` rows are scored. Every case runs several rounds, interleaved with the plain read. The reference is
+a uniform shuffle of the file: the expected number of row groups among `batch_size` rows drawn without replacement.
 """
 
 from __future__ import annotations
@@ -57,10 +57,13 @@ def measure_mixing(files: Sequence[str], mix_row_groups: int, buffer_size: int, 
     peak = _peak_rss()
     groups: list[int] = []
     for row in stream() if sample_rows else ():
-        groups.append(int(_ID.match(row["prompt"]).group(1)) // row_group_rows)
+        match = _ID.match(row["prompt"])
+        assert match is not None  # every generated prompt starts with 问<id>
+        groups.append(int(match.group(1)) // row_group_rows)
         if len(groups) == sample_rows:
             break
-    return {"rows": rows, "seconds": seconds, "peak_rss": peak, "groups_per_batch": groups_per_batch(groups, batch_size)}
+    return {"rows": rows, "seconds": seconds, "peak_rss": peak,
+            "groups_per_batch": groups_per_batch(groups, batch_size)}
 
 
 def _in_fresh_process(function: Any, *args: Any) -> dict[str, Any]:
@@ -79,7 +82,8 @@ def bench_mixing(rows: int = 2_000_000, row_group_rows: int = 10_000, buffer_siz
     with tempfile.TemporaryDirectory(prefix="lowmem-mixing-") as folder:
         path = generate_file(Path(folder) / f"sorted-{rows}.parquet", rows, row_group_rows)
         files = [str(path)]
-        ceilings, results = [], {mix: [] for mix in mixes}
+        ceilings: list[dict[str, Any]] = []
+        results: dict[int, list[dict[str, Any]]] = {mix: [] for mix in mixes}
         for round_ in range(rounds):
             ceilings.append(_in_fresh_process(_measure_ceiling, files))
             for mix in mixes:

@@ -12,6 +12,7 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -48,7 +49,8 @@ def run(batches: int = 10_000) -> str:
         single = _write(Path(folder) / "single.parquet", "A", rows)
         sources = [Source(_write(Path(folder) / f"s{i}.parquet", tag, round(rows * weight)), weight)
                    for i, (tag, weight) in enumerate(zip("AB", WEIGHTS))]
-        settings = dict(buffer_size=2000, mix_row_groups=16, ultra_low_mem=False, large_row_group_bytes=10**10)
+        settings: dict[str, Any] = dict(buffer_size=2000, mix_row_groups=16, ultra_low_mem=False,
+                                        large_row_group_bytes=10**10)
         single_seconds = min(_timed(StreamLoader(ParquetStream(single, **settings), BATCH), batches)[0]
                              for _ in range(2))
         measured = [_timed(StreamLoader(MixedStream(sources, **settings), BATCH), batches) for _ in range(2)]

@@ -123,7 +123,8 @@ def run_steps(name: str, batches: Iterator[dict[str, torch.Tensor]], steps: int,
         result.steps += 1
         sampler.sample()
     if result.steps == 0:
-        raise RuntimeError(f"The data ran out before the timed steps of phase {name}: use a larger file or fewer steps.")
+        raise RuntimeError(
+            f"The data ran out before the timed steps of phase {name}: use a larger file or fewer steps.")
     result.seconds = time.perf_counter() - started
     result.peak_rss = sampler.peak
     if on_gpu:
@@ -164,7 +165,8 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
     on_gpu = accelerator.device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="lowmem-bench-train-") as folder:
         if rows > 0:
-            data_file = broadcast_from_main(accelerator, lambda: str(generate_file(Path(folder) / "rows.parquet", rows)))
+            data_file = broadcast_from_main(
+                accelerator, lambda: str(generate_file(Path(folder) / "rows.parquet", rows)))
         config = dataclasses.replace(config, train_file=data_file or config.train_file)
         if rows > 0 and config.text_column:
             config = dataclasses.replace(config, text_column="response")  # the synthetic rows' longer column
@@ -219,8 +221,9 @@ def describe_run(config: TrainConfig, accelerator: Any, settings: Any, n_params:
             f"{config.gradient_accumulation_steps} per process, max_seq_len {config.max_seq_len}, "
             f"pack_rows={config.pack_rows}, compile={config.compile}, loss_chunk_tokens={config.loss_chunk_tokens}, "
             f"activation_checkpointing={config.activation_checkpointing}, "
-            f"malloc_mmap_threshold_mb={config.malloc_mmap_threshold_mb}, workers per process {settings.num_workers}, "
-            f"ultra_low_mem={settings.ultra_low_mem}; {steps} timed steps after {skip_steps}; data: {config.train_file}")
+            f"malloc_mmap_threshold_mb={config.malloc_mmap_threshold_mb}, "
+            f"workers per process {settings.num_workers}, ultra_low_mem={settings.ultra_low_mem}; "
+            f"{steps} timed steps after {skip_steps}; data: {config.train_file}")
 
 
 def _first(loader: Any, count: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -248,7 +251,8 @@ def format_table(per_rank: list[dict[str, Any]], flops_per_token: int, peak_tflo
     for name in phases:
         rate, wait, rss, gpu = combined(name)
         training = name != "data"
-        mfu = f"{rate * flops_per_token / (peak_tflops * 1e12 * len(per_rank)):.1%}" if training and peak_tflops else "-"
+        mfu = (f"{rate * flops_per_token / (peak_tflops * 1e12 * len(per_rank)):.1%}"
+               if training and peak_tflops else "-")
         lines.append(
             f"| {labels[name]} | {rate:,.0f} | {rate / ceiling_rate:.2f} | {f'{wait:.2%}' if training else '-'} | "
             f"{' / '.join(f'{value / DECIMAL_MB:,.0f}' for value in rss)} | "

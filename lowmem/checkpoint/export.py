@@ -6,7 +6,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -38,8 +38,8 @@ def export_model(model: GPT, config: TrainConfig, out_dir: Path, tokenizer_dir: 
 
     `model` is a whole GPT (see `lowmem.distributed.strategy.model_for_eval`), plain or wrapped by torch.compile.
     """
-    return _write_model_folder(out_dir, unwrap(model).config, config, tokenizer_dir,
-                               lambda path: save_weights(model, path))
+    plain = cast(GPT, unwrap(model))  # unwrap is typed for any module; inside `model` is a GPT
+    return _write_model_folder(out_dir, plain.config, config, tokenizer_dir, lambda path: save_weights(model, path))
 
 
 def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, tokenizer_dir: str) -> Path:

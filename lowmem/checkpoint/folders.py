@@ -150,7 +150,9 @@ def verify_checkpoint(checkpoint_dir: str | Path, check_hashes: bool = True) -> 
 
 
 def _step_of(path: Path) -> int:
-    return int(_FINAL.fullmatch(path.name).group(1))
+    match = _FINAL.fullmatch(path.name)
+    assert match is not None  # called only on `checkpoint-<step>` folders
+    return int(match.group(1))
 
 
 def _clean_score(score: float | None, step: int) -> float | None:
@@ -342,6 +344,7 @@ class CheckpointManager:
                     "are then lost)."
                 )
         for found in self._complete():
+            assert found.marker is not None  # _complete() keeps only folders with a readable marker
             if found.step in listed:
                 self._scores[found.step] = _clean_score(listed[found.step], found.step)
             elif found.marker.get("metric") == self.metric:
@@ -355,7 +358,7 @@ class CheckpointManager:
         Ties in score go to the earlier step, so a checkpoint's rank never drops because a later one equals it.
         """
         sign = 1.0 if self.mode == "min" else -1.0
-        scored = [(self._scores[f.step], f.step) for f in self._complete() if self._scores.get(f.step) is not None]
+        scored = [(score, f.step) for f in self._complete() if (score := self._scores.get(f.step)) is not None]
         ranked = sorted(scored, key=lambda item: (sign * item[0], item[1]))
         return [step for _score, step in ranked[: self.keep_best_n]]
 
@@ -492,6 +495,7 @@ class CheckpointManager:
             present = [name for name in self.resume_only if (found.path / name).exists()]
             if not present:
                 continue
+            assert found.marker is not None  # _complete() keeps only folders with a readable marker
             if not found.marker.get("weights_only"):
                 files = {rel: entry for rel, entry in found.marker["files"].items() if not self._resume_only(rel)}
                 marker = {**found.marker, "files": files, "weights_only": True,
@@ -554,8 +558,8 @@ class CheckpointManager:
                 continue
             if _TMP.fullmatch(path.name):
                 logger.info("Removing %s, left by an interrupted save.", path)
-            elif _OLD.fullmatch(path.name):
-                final = self.run_dir / f"checkpoint-{_OLD.fullmatch(path.name).group(1)}"
+            elif old := _OLD.fullmatch(path.name):
+                final = self.run_dir / f"checkpoint-{old.group(1)}"
                 if not final.exists():
                     logger.warning("Restoring %s from %s: its replacement was interrupted.", final, path)
                     os.replace(path, final)
@@ -655,12 +659,12 @@ class CheckpointManager:
 
     def _finish(self, step: int, tmp: Path, final: Path, score: float | None, info: dict[str, Any] | None) -> None:
         """Main process: marker last, rename into place, then retention (only now may anything be deleted)."""
-        files = {}
+        files: dict[str, dict[str, Any]] = {}
         for path in _files_in(tmp):
             size, crc = file_crc32(path, sync=self._fsync)
             files[path.relative_to(tmp).as_posix()] = {"size": size, "crc32": crc}
         clean = _clean_score(score, step)
-        marker = {
+        marker: dict[str, Any] = {
             "format": FORMAT_VERSION, "step": step, "created": _now(), "metric": self.metric, "score": clean,
             "info": info or {}, "hash": "crc32", "total_bytes": sum(f["size"] for f in files.values()),
             "files": files,
@@ -682,7 +686,11 @@ class CheckpointManager:
     def _previous_size(self) -> int:
         """Bytes of the newest complete checkpoint: the best guess of what the next one needs."""
         complete = self._complete()
-        return int(complete[-1].marker.get("total_bytes", 0)) if complete else 0
+        if not complete:
+            return 0
+        marker = complete[-1].marker
+        assert marker is not None  # _complete() keeps only folders with a readable marker
+        return int(marker.get("total_bytes", 0))
 
     def _describe(self, error: Exception, step: int, written: int) -> Exception:
         """Turn a write failure into a CheckpointError that says what happened and what to do; a failure that is

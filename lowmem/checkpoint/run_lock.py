@@ -18,6 +18,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import IO
 
 from accelerate import Accelerator
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lowmem.lock"
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # Windows: no flock; the folder is checked but not locked

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import fire
 
@@ -57,6 +57,7 @@ def document_options(preset: type | None = None) -> None:
     options = f"{sources}\n{describe_fields(preset())}".replace("\n", "\n        ")
     for command, text in _HELP_TEXTS.items():
         # Before "Args:", where fire's help still shows it.
+        assert text is not None  # every command in _HELP_TEXTS has a docstring
         head, args = text.split("    Args:", 1)
         command.__doc__ = f"{head}    Options ({preset.__name__} defaults):\n        {options}\n\n    Args:{args}"
 
@@ -77,7 +78,7 @@ def _preset_asked(argv: list[str]) -> type | None:
 
 document_options()
 
-COMMANDS = {
+COMMANDS: dict[str, Callable[..., Any]] = {
     "train": train,
     "plan": plan,
     "tokenizer": tokenizer,

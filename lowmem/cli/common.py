@@ -9,7 +9,8 @@ import inspect
 import json
 from typing import Any, Callable
 
-from lowmem.config import TrainConfig, apply_overrides, given_fields, with_demo_data, with_run_folders
+from lowmem.cli.run_folder import with_run_folders
+from lowmem.config import TrainConfig, apply_overrides, given_fields, with_demo_data
 from lowmem.config.overrides import parse_bool
 from lowmem.config.sources import choose_preset, read_config_file
 

@@ -92,7 +92,8 @@ def tokenizer(use_large_config: bool = False, **overrides: Any) -> None:
         use_large_config: take train_file, vocab_size and tokenizer_dir from TrainConfigPretrainLarge.
         overrides: config fields, e.g. --train_file=..., --vocab_size=8000, --tokenizer_dir=...
     """
-    from lowmem.config import check_data_files, validate_config
+    from lowmem.config import validate_config
+    from lowmem.data.path_checks import check_data_files
     from lowmem.train.setup import train_tokenizer_for
 
     config = build_config(use_large_config, overrides)

@@ -5,13 +5,13 @@ command-line overrides and up-front validation.
                                 OptimConfig, OutputConfig, EvalConfig); flat: `config.batch_size_per_gpu`
     PRESETS, TrainConfigPretrainLarge   named sets of defaults, and the class built from PRESETS["large"]
     option()                    how a field is declared: default, help, bounds, choices, resume role, aliases
-    apply_overrides, validate_config, check_data_files, describe_fields, with_demo_data, with_run_folders
+    apply_overrides, validate_config, describe_fields, with_demo_data
 """
 
-from lowmem.config.demo import DEMO_DATA_DIR, with_demo_data, with_run_folders
+from lowmem.config.demo import DEMO_DATA_DIR, with_demo_data
 from lowmem.config.option import OptionSpec, option, spec_of
 from lowmem.config.overrides import apply_overrides, describe_fields, given_fields
-from lowmem.config.validation import check_data_files, validate_config
+from lowmem.config.validation import validate_config
 from lowmem.config.sections import (DataConfig, EvalConfig, MemoryConfig, ModelConfig, OptimConfig, OutputConfig,
                                     TokenizerConfig)
 from lowmem.config.train_config import (MODEL_SHAPE_FIELDS, PRESETS, RESUME_EXACT_FIELDS, TrainConfig,
@@ -20,6 +20,6 @@ from lowmem.config.train_config import (MODEL_SHAPE_FIELDS, PRESETS, RESUME_EXAC
 __all__ = [
     "DEMO_DATA_DIR", "MODEL_SHAPE_FIELDS", "PRESETS", "RESUME_EXACT_FIELDS", "DataConfig", "EvalConfig", "MemoryConfig",
     "ModelConfig", "OptimConfig", "OptionSpec", "OutputConfig", "TokenizerConfig", "TrainConfig",
-    "TrainConfigPretrainLarge", "apply_overrides", "check_data_files", "describe_fields", "given_fields", "option", "spec_of",
-    "validate_config", "with_demo_data", "with_run_folders",
+    "TrainConfigPretrainLarge", "apply_overrides", "describe_fields", "given_fields", "option", "spec_of",
+    "validate_config", "with_demo_data",
 ]

@@ -1,5 +1,5 @@
 """The demo data set that ships inside the package, used when no data is given at all: every data path at its
-default, and none of them present in the current folder; and the run folder of data that is not the demo's.
+default, and none of them present in the current folder; the demo's run and tokenizer folders.
 
 `lowmem train` run from any folder then trains on the demo rows, while a user who gives any data of their own
 (a path on the command line, or files at data/train.parquet, the default paths relative to the current
@@ -13,10 +13,9 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Collection, TypeVar
+from typing import Any, TypeVar
 
 from lowmem.config.sections import DataConfig
-from lowmem.config.train_sources import training_paths
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +24,6 @@ DEMO_DATA_DIR = Path(__file__).resolve().parents[1] / "demo_data"
 DEMO_FILES = {"train_file": "train.parquet", "validation_file": "valid.parquet", "test_file": "test.parquet"}
 
 DataConfigT = TypeVar("DataConfigT", bound=DataConfig)
-ConfigT = TypeVar("ConfigT")
 
 
 def with_demo_data(config: DataConfigT) -> DataConfigT:
@@ -36,8 +34,8 @@ def with_demo_data(config: DataConfigT) -> DataConfigT:
                         for name in DEMO_FILES)
     if not no_data_given or config.train_sources:
         return config
-    changes = {name: str(DEMO_DATA_DIR / file_name) for name, file_name in DEMO_FILES.items()
-               if (DEMO_DATA_DIR / file_name).is_file()}
+    changes: dict[str, Any] = {name: str(DEMO_DATA_DIR / file_name) for name, file_name in DEMO_FILES.items()
+                               if (DEMO_DATA_DIR / file_name).is_file()}
     if not changes:
         return config
     logger.info("%s not found in %s: using the demo data set that ships with lowmem, in %s.",
@@ -61,31 +59,3 @@ def data_name(train_file: str) -> str:
     while any(char in path.name for char in "*?[") and path.parent != path:
         path = path.parent
     return (path.stem if path.suffix else path.name) or "run"
-
-
-def _earlier_run_on(train_file: str) -> bool:
-    """Whether the demo's run folder holds checkpoints of a run on `train_file` (made before data of one's own
-    got a folder of its own): that run goes on there."""
-    from lowmem.checkpoint.contents import newest_saved_config
-
-    saved = newest_saved_config(DEMO_OUTPUT_DIR) if Path(DEMO_OUTPUT_DIR).is_dir() else None
-    return saved is not None and saved.get("train_file") == train_file
-
-
-def with_run_folders(config: ConfigT, given: Collection[str]) -> ConfigT:
-    """`config` with folders of its own for data that is not the demo's: output_dir and tokenizer_dir left at the
-    demo's (`model_save/demo`, `model_save/tokenizer`) become `model_save/<data name>` and
-    `<output_dir>/tokenizer`, said in one line, so that a run on other data never resumes, overwrites or shares
-    the tokenizer of the demo's run. Unchanged when the demo's folder already holds a run on the same file."""
-    if uses_demo_data(config) or "output_dir" in given or config.output_dir != DEMO_OUTPUT_DIR:
-        return config
-    if not config.train_sources and _earlier_run_on(config.train_file):
-        logger.info("%s holds an earlier run on %s: it goes on there.", DEMO_OUTPUT_DIR, config.train_file)
-        return config
-    train_data = config.train_sources or config.train_file
-    changes = {"output_dir": f"model_save/{data_name(training_paths(config)[0])}"}
-    if "tokenizer_dir" not in given and config.tokenizer_dir == DEMO_TOKENIZER_DIR:
-        changes["tokenizer_dir"] = f"{changes['output_dir']}/tokenizer"
-    logger.info("Run folder for %s: %s (--output_dir=PATH chooses another).", train_data,
-                ", ".join(f"{name} {value}" for name, value in changes.items()))
-    return dataclasses.replace(config, **changes)

@@ -10,11 +10,14 @@ import dataclasses
 import difflib
 import numbers
 import typing
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lowmem.config.option import spec_of
 from lowmem.errors import ConfigError
 from lowmem.program import command_line
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _AUTO = ("auto", "none", "")
 # What a yes/no option accepts on the command line, in any case; anything else is an error, not "true".
@@ -35,17 +38,17 @@ def parse_bool(name: str, value: Any, optional: bool = False) -> bool:
         return value.strip().lower() in TRUE_WORDS
     expected = "True or False (also 1/0, yes/no, in any case)" + (", or None for automatic" if optional else "")
     raise ConfigError(f"--{name}={value!r} is not valid: {name} takes {expected}.")
-ConfigT = TypeVar("ConfigT")
+ConfigT = TypeVar("ConfigT", bound="DataclassInstance")
 
 
-def config_fields(config: object) -> dict[str, Any]:
+def config_fields(config: DataclassInstance | type[DataclassInstance]) -> dict[str, Any]:
     """Field name → declared type of a config dataclass or instance (with string annotations resolved)."""
     config_class = config if isinstance(config, type) else type(config)
     hints = typing.get_type_hints(config_class)
     return {field.name: hints[field.name] for field in dataclasses.fields(config_class)}
 
 
-def config_aliases(config: object) -> dict[str, str]:
+def config_aliases(config: DataclassInstance | type[DataclassInstance]) -> dict[str, str]:
     """Alias → field name, for the fields that have other command-line names (`--keep_best_n`)."""
     return {alias: field.name for field in dataclasses.fields(config) for alias in spec_of(field).aliases}
 
@@ -108,14 +111,14 @@ def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
     return dataclasses.replace(config, **changes)
 
 
-def given_fields(config: object, overrides: dict[str, Any]) -> frozenset[str]:
+def given_fields(config: DataclassInstance | type[DataclassInstance], overrides: dict[str, Any]) -> frozenset[str]:
     """The field names `overrides` set (`-` read as `_`, aliases resolved); unknown names are left out."""
     fields, aliases = config_fields(config), config_aliases(config)
     names = (aliases.get(name.replace("-", "_"), name.replace("-", "_")) for name in overrides)
     return frozenset(name for name in names if name in fields)
 
 
-def describe_fields(config: object) -> str:
+def describe_fields(config: DataclassInstance) -> str:
     """Every option with its value in `config` (its default, for a fresh one) and its help, one per line."""
     lines = []
     for field in dataclasses.fields(config):

@@ -1,19 +1,17 @@
 """The checks a config passes before any work starts; each failure says what to change.
 
 Each field is checked against the bounds and choices declared with it (see `lowmem.config.option`); then
-the few rules that involve two fields, and the data paths.
+the few rules that involve two fields. The data paths are checked by the data layer
+(`lowmem.data.path_checks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
-from lowmem.config.columns import data_columns
 from lowmem.config.option import spec_of
-from lowmem.config.sections import DataConfig
 from lowmem.config.train_config import TrainConfig
-from lowmem.config.train_sources import parse_sources, training_paths, validation_sources
+from lowmem.config.train_sources import parse_sources
 from lowmem.errors import ConfigError
 
 
@@ -36,7 +34,8 @@ def validate_config(config: TrainConfig) -> None:
     # Unset means llama for a new run; a resumed gpt2 run is settled to gpt2 only later, so it must pass here.
     _require(config.architecture == "gpt2" or (config.n_embd // config.n_head) % 2 == 0,
              f"The llama architecture rotates pairs of channels: --n_embd // --n_head "
-             f"({config.n_embd // config.n_head}) must be even. Choose another --n_head or --n_embd, or pass --architecture=gpt2.")
+             f"({config.n_embd // config.n_head}) must be even. Choose another --n_head or --n_embd, or pass "
+             "--architecture=gpt2.")
     if config.train_sources:
         _check_train_sources(config)
     if config.text_column:
@@ -68,55 +67,3 @@ def _check_train_sources(config: TrainConfig) -> None:
     _require(config.train_file == default,
              f"--train_sources={config.train_sources} replaces --train_file, so --train_file={config.train_file} "
              "would not be read. Add it to the sources with its weight, or leave one of the two out.")
-
-
-def _label(name: str) -> str:
-    return {"train_sources": "training source", "validation_sources": "validation source"}.get(
-        name, name.replace("_", " "))
-
-
-def check_data_files(config: DataConfig, names: tuple[str, ...] = ("train_file", "validation_file")) -> None:
-    """Fail early, with where to put the data, when a configured local data path does not exist, or names a
-    file that is not parquet (JSON Lines, CSV, text: the message says which, and how to convert it).
-
-    URIs (s3://, gs://, hdfs://) pass: checking them costs requests, and the data stream resolves them
-    with messages of its own (missing bucket, credentials, endpoint). Local files are checked by their
-    first 4 bytes only, so a folder of thousands of files costs little.
-    """
-    from lowmem.data.sources import not_parquet_problem, resolve_parquet_files  # the data layer loads torch
-
-    columns = data_columns(config)
-    for name, path in _named_paths(config, names):
-        if "://" in path:
-            continue
-        if not any(ch in path for ch in "*?[") and not os.path.exists(path):
-            raise ConfigError(
-                f"The {_label(name)} '{path}' does not exist (looked in '{os.getcwd()}'). Put your "
-                f"parquet files ({_string_columns(columns)}) there, or "
-                f"pass --{name}=PATH (a file, a directory or a glob). The demo data set that ships with lowmem "
-                "stands in only when no data path is given at all."
-            )
-        for file in resolve_parquet_files(path):
-            problem = not_parquet_problem(file, columns, f"--{name}")
-            if problem:
-                raise ConfigError(f"The {_label(name)} {problem}")
-
-
-def _named_paths(config: DataConfig, names: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(the option's name, a path) for each path to check: every source's in place of --train_file's with
-    --train_sources."""
-    named = []
-    for name in names:
-        if name == "train_file" and config.train_sources:
-            named += [("train_sources", path) for path in training_paths(config)]
-        else:
-            named.append((name, getattr(config, name)))
-        if name == "validation_file":
-            named += [("validation_sources", path) for path in validation_sources(config).values()]
-    return named
-
-
-def _string_columns(columns: tuple[str, ...]) -> str:
-    """The columns in words: string column 'text', or string columns 'prompt' and 'response'."""
-    named = " and ".join(f"'{column}'" for column in columns)
-    return f"string column{'s' if len(columns) > 1 else ''} {named}"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from lowmem.data.sources import DEFAULT_COLUMNS
-from lowmem.model.gpt import IGNORE_INDEX  # targets the loss skips: padding, and the prompt with response_only
+from lowmem.model.loss import IGNORE_INDEX  # targets the loss skips: padding, and the prompt with response_only
 
 # Batch widths are rounded up to a multiple of this: a handful of distinct tensor shapes instead of one per
 # length. With a new shape every step the CPU allocator's heap fragments and RSS creeps up (measured: +35%
@@ -101,10 +101,10 @@ class TokenizingCollate:
             for segment, row in enumerate(rows_in_bin, start=1):
                 ids, targets_start = encoded[row]
                 length = lengths[row]
-                ids = np.asarray(ids[: length + 1], dtype=np.int64)
+                row_ids = np.asarray(ids[: length + 1], dtype=np.int64)
                 end = start + length
-                input_ids[sequence, start:end] = ids[:-1]
-                targets[sequence, start:end] = ids[1:]
+                input_ids[sequence, start:end] = row_ids[:-1]
+                targets[sequence, start:end] = row_ids[1:]
                 segment_ids[sequence, start:end] = segment
                 if self.response_only:
                     # Position j predicts token j + 1: the prompt and separator are predicted before the response.

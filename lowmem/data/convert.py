@@ -167,6 +167,7 @@ def convert_file(source: str, target: str, names: FieldNames | None = None, text
                 if layout is None:
                     layout = _layout_for(source, record.line, record.value, names)
                     writer = _RowGroupWriter(partial, layout.columns, row_group_rows)
+                assert writer is not None  # made together with layout
                 if _write_rows(layout, writer, record.value, record.line, skipped):
                     bar.update(bytes_read() - bar.n)
             if writer is not None:
@@ -176,6 +177,7 @@ def convert_file(source: str, target: str, names: FieldNames | None = None, text
                 writer.close()
         if writer is None or writer.rows == 0:
             raise _nothing_converted(source, skipped)
+    assert layout is not None  # made together with writer
     return ConvertResult(source, target, writer.rows, writer.row_groups, layout.describe(), skipped,
                          time.perf_counter() - started, size)
 

@@ -184,7 +184,9 @@ class _ArrayReader:
     def next_char(self) -> str:
         """The next character that is not white space ('' at the end of the file), left unread."""
         while True:
-            end = _SPACE.match(self.buffer, self.pos).end()
+            space = _SPACE.match(self.buffer, self.pos)
+            assert space is not None  # _SPACE matches the empty string too
+            end = space.end()
             self.line += self.buffer.count("\n", self.pos, end)
             self.pos = end
             if self.pos < len(self.buffer) or self.eof:

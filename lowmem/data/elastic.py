@@ -57,7 +57,8 @@ class Layer:
         return cls(LayoutSpec.from_dict(data), positions)
 
 
-def remainder_pieces(layout: Layout, positions: dict[int, Position], layer: int) -> tuple[list[Piece], list[WindowRest]]:
+def remainder_pieces(layout: Layout, positions: dict[int, Position],
+                     layer: int) -> tuple[list[Piece], list[WindowRest]]:
     """The rows no consumer of `layout` (layer `layer`) has sent, given each consumer's position, as pieces and
     the WindowRests their sources below 0 stand for (see the module doc)."""
     pieces: list[Piece] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -12,7 +12,7 @@ from torch.utils.data import default_convert
 from lowmem.data.stream import ParquetStream, Position
 
 if TYPE_CHECKING:
-    from lowmem.data.mixture import MixedStream
+    from lowmem.data.mixture import MixedStream, MixturePosition
 
 Collate = Callable[[list[dict[str, str]]], Any]
 
@@ -41,7 +41,7 @@ class _BatchedStream(IterableDataset):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn, self.drop_last = stream, batch_size, collate_fn, drop_last
 
-    def __iter__(self) -> Iterator[tuple[Any, int, Position]]:
+    def __iter__(self) -> Iterator[tuple[Any, int, Position | MixturePosition]]:
         rows = iter(self.stream)
         consumer, _ = self.stream.current_consumer()
         batch: list[dict[str, str]] = []
@@ -91,8 +91,9 @@ class StreamLoader:
         self.drop_last = drop_last
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None
         stream.num_workers = self.num_workers
-        self._loaded: dict[int, Position] = {}  # positions from load_state_dict, until a batch supersedes them
-        self._delivered: dict[int, Position] = {}  # positions after the last batch handed to the caller
+        # Positions are the stream's own (Position, or MixturePosition for a MixedStream), handed back to it.
+        self._loaded: dict[int, Any] = {}  # positions from load_state_dict, until a batch supersedes them
+        self._delivered: dict[int, Any] = {}  # positions after the last batch handed to the caller
         self._next_worker = 0  # the rank-local consumer whose batch the DataLoader hands over next
 
     def __len__(self) -> int:
@@ -112,8 +113,8 @@ class StreamLoader:
         they stopped) is given the readers' positions after the last batches handed out."""
         if epoch == self.stream.epoch:
             return
-        if getattr(self.stream, "carries_positions", False):
-            self.stream.set_epoch(epoch, {**self._loaded, **self._delivered})
+        if getattr(self.stream, "carries_positions", False):  # a MixedStream
+            cast("MixedStream", self.stream).set_epoch(epoch, {**self._loaded, **self._delivered})
             self._loaded = self.stream.loaded_positions()
         else:
             self.stream.set_epoch(epoch)
@@ -129,7 +130,8 @@ class StreamLoader:
         loader = DataLoader(
             _BatchedStream(self.stream, self.batch_size, self.collate_fn, self.drop_last),
             batch_size=None,
-            collate_fn=_convert_batch,
+            # torch types collate_fn for batched loading (a list of items); with batch_size=None it gets each item.
+            collate_fn=_convert_batch,  # type: ignore[arg-type]
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor,

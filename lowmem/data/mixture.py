@@ -91,7 +91,8 @@ class _Reading:
         self._after = np.cumsum(chosen, axis=0) + np.asarray(self.taken, dtype=np.int64)
         self._block = [*block, end_mark]
         choices = iter(self._block)
-        self._left = choices.__length_hint__
+        # A list iterator has __length_hint__ (the choices not yet taken); typeshed types iter(list) as an Iterator.
+        self._left = choices.__length_hint__  # type: ignore[attr-defined]
         return choices
 
     def last_choice(self) -> int:
@@ -99,6 +100,7 @@ class _Reading:
         return self._block[len(self._block) - 1 - self._left()]
 
     def end_block(self) -> None:
+        assert self._after is not None  # set by start_block
         self.taken = self._after[-1].tolist()
         self._after, self._left = None, None
 
@@ -142,7 +144,8 @@ class MixedStream(ConsumerNumbering, IterableDataset):
         self.rank, self.world_size = int(rank), int(world_size)
         self._bases = [
             ParquetStream(source.path, columns=columns, buffer_size=max(1, round(buffer_size * weight)),
-                          mix_row_groups=max(1, round(mix_row_groups * weight)), seed=self.seed + _SOURCE_SEED_STRIDE * i,
+                          mix_row_groups=max(1, round(mix_row_groups * weight)),
+                          seed=self.seed + _SOURCE_SEED_STRIDE * i,
                           rank=rank, world_size=world_size, **stream_args)
             for i, (source, weight) in enumerate(zip(self.sources, self.weights))]
         self.epoch = 0
@@ -318,8 +321,8 @@ class MixedStream(ConsumerNumbering, IterableDataset):
                 self._forget_before(source, reading.at_epoch[source])
             advance = True
             epoch = reading.at_epoch[source]
-            streams[source] = self._source_at(source, epoch)
-            rows = iter(streams[source])
+            streams[source] = stream = self._source_at(source, epoch)
+            rows = iter(stream)
             for row in rows:
                 return row, rows.__next__
             if epoch not in self._saved[source]:  # a whole fresh epoch without a row (a saved one may be done)
@@ -419,7 +422,8 @@ class MixedStream(ConsumerNumbering, IterableDataset):
                 raise DataError("Resuming a mixture on another number of processes or workers needs every process's "
                                 "saved position (merged); this state holds only some of them.")
             left = sum(quota[consumer] - sum(taken[consumer]) for consumer in quota)
-            ranges = (consumer_range(consumer, self.num_consumers, left, True) for consumer in range(self.num_consumers))
+            ranges = (consumer_range(consumer, self.num_consumers, left, True)
+                      for consumer in range(self.num_consumers))
             self._quota = {consumer: stop - start for consumer, (start, stop) in enumerate(ranges)}
             self._taken = {}
             logger.info("Data: the rest of epoch %d of the mixture (%d rows), saved by %d readers, is shared out anew "
@@ -551,5 +555,6 @@ def merge_mixture_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             str(epoch): merge_rank_states([state["source_states"][source][str(epoch)] for state in states
                                            if str(epoch) in state["source_states"][source]])
             for epoch in epochs})
-    merged["next_workers"] = {str(state["rank"]): int(state.get("next_worker", 0)) for state in states if "rank" in state}
+    merged["next_workers"] = {str(state["rank"]): int(state.get("next_worker", 0))
+                              for state in states if "rank" in state}
     return merged

@@ -70,6 +70,9 @@ def group_order(group_rows: np.ndarray, seed: int, epoch: int) -> np.ndarray:
             best, best_correlation = order, correlation
         if correlation <= GROUP_ORDER_MAX_CORRELATION:
             break
+    # The first draw is kept: every row group has rows (the index leaves out empty ones), so the correlation is
+    # a number, below inf.
+    assert best is not None
     return best
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import numpy as np
 import pyarrow as pa
@@ -138,9 +138,12 @@ class ParquetStream(ConsumerNumbering, IterableDataset):
         self._content: dict[str, Any] | None = None  # the files' content fingerprint, computed when first needed
 
         budget = MemoryBudget.detect() if ultra_low_mem is None or large_row_group_bytes is None else None
-        self.ultra_low_mem = budget.is_low(ultra_low_mem_threshold_gb) if ultra_low_mem is None else bool(ultra_low_mem)
+        # budget is detected whenever either of them is None: the casts below only tell mypy so.
+        self.ultra_low_mem = (cast(MemoryBudget, budget).is_low(ultra_low_mem_threshold_gb) if ultra_low_mem is None
+                              else bool(ultra_low_mem))
         self.large_row_group_bytes = (
-            int(budget.total_bytes * LARGE_ROW_GROUP_FRACTION) if large_row_group_bytes is None else int(large_row_group_bytes)
+            int(cast(MemoryBudget, budget).total_bytes * LARGE_ROW_GROUP_FRACTION) if large_row_group_bytes is None
+            else int(large_row_group_bytes)
         )
         if self.rank == 0:
             warn_large_row_groups(self.index, self.large_row_group_bytes // self.lanes, self.lanes)
@@ -203,7 +206,8 @@ class ParquetStream(ConsumerNumbering, IterableDataset):
         if self._saved_layers is None and not self._closed:
             # Counting a whole epoch needs only the total, not the epoch's order: no plan is built.
             total = self.index.num_rows if self.max_rows is None else min(self.index.num_rows, self.max_rows)
-            ranges = (consumer_range(consumer, self.num_consumers, total, self.drop_remainder) for consumer in consumers)
+            ranges = (consumer_range(consumer, self.num_consumers, total, self.drop_remainder)
+                      for consumer in consumers)
             return [stop - start for start, stop in ranges]
         layout = self.layers().current_layout
         return [layout.consumer_rows(consumer) for consumer in consumers]
@@ -444,7 +448,9 @@ class _Cursor:
 
     def follow(self, start: int, chunk: list) -> Iterator:
         rows = iter(chunk)
-        self._base, self._chunk_len, self._rows_left = start, len(chunk), rows.__length_hint__
+        # A list iterator has __length_hint__ (the rows not yet taken); typeshed types iter(list) as an Iterator.
+        self._base, self._chunk_len, self._rows_left = (
+            start, len(chunk), rows.__length_hint__)  # type: ignore[attr-defined]
         return rows
 
     @property
@@ -470,7 +476,8 @@ class _Cursor:
 def _check_arguments(columns: Sequence[str], buffer_size: int, rank: int, world_size: int, num_workers: int,
                      mix_row_groups: int) -> None:
     if isinstance(columns, str) or not columns:
-        raise DataError(f"columns must be a non-empty list of column names, e.g. ('prompt', 'response'); got {columns!r}.")
+        raise DataError(
+            f"columns must be a non-empty list of column names, e.g. ('prompt', 'response'); got {columns!r}.")
     if buffer_size < 1:
         raise DataError(f"buffer_size must be at least 1 row; got {buffer_size}.")
     if world_size < 1 or not 0 <= rank < world_size:

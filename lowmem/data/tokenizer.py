@@ -408,7 +408,8 @@ class Tokenizer:
         if found != (PAD_ID, BOS_ID, EOS_ID, UNK_ID, SEP_ID):
             raise ConfigError(
                 f"{source} has special ids pad/bos/eos/unk/sep = {found}, expected "
-                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID, SEP_ID)}; it was not trained by lowmem, retrain with `{command_line('tokenizer')}`"
+                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID, SEP_ID)}; it was not trained by lowmem, "
+                f"retrain with `{command_line('tokenizer')}`"
             )
 
     # Pickling: SentencePieceProcessor wraps a C++ object, so carry the model bytes instead.
@@ -416,7 +417,7 @@ class Tokenizer:
         return {"model_proto": self._sp.serialized_model_proto(), "num_threads": self.num_threads}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["model_proto"], num_threads=state["num_threads"])
+        type(self).__init__(self, state["model_proto"], num_threads=state["num_threads"])
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"

@@ -4,6 +4,7 @@ table in the order the rows are sent."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +29,8 @@ class SourceCache:
         release_after_drop: hand the Arrow pool's free memory back whenever a source is dropped.
     """
 
-    def __init__(self, reader: RowGroupReader, layers: EpochLayers, layer: int, release_after_drop: bool):
+    def __init__(self, reader: RowGroupReader | _OriginReader, layers: EpochLayers, layer: int,
+                 release_after_drop: bool):
         self.reader, self.layers, self.layer, self.release_after_drop = reader, layers, layer, release_after_drop
         self.source: int | None = None
         self.table: pa.Table | None = None  # the source's rows in its own order
@@ -45,10 +47,11 @@ class SourceCache:
                 del table
             else:
                 rest = self.layers.rest(piece.source, self.layer)
-                order = self.layers.layout(rest.layer).consumer_order(rest.consumer)
-                self.table = raw_window(order, rest.window, self.reader, self.layers, rest.layer,
+                consumer_order = self.layers.layout(rest.layer).consumer_order(rest.consumer)
+                self.table = raw_window(consumer_order, rest.window, self.reader, self.layers, rest.layer,
                                         self.release_after_drop).slice(rest.sent)
             self.source = piece.source
+        assert self.table is not None  # read above for this source (clear() empties both together)
         return self.table.slice(piece.start, piece.rows)
 
     def clear(self) -> None:
@@ -58,8 +61,8 @@ class SourceCache:
             release_arrow_memory()
 
 
-def raw_window(order: ConsumerOrder, window: int, reader: RowGroupReader, layers: EpochLayers, layer: int,
-               release_after_drop: bool, caches: list[SourceCache] | None = None) -> pa.Table:
+def raw_window(order: ConsumerOrder, window: int, reader: RowGroupReader | _OriginReader, layers: EpochLayers,
+               layer: int, release_after_drop: bool, caches: list[SourceCache] | None = None) -> pa.Table:
     """Every row of `window` (empty values included) in the order they are sent.
 
     `caches` holds one SourceCache per lane, kept from window to window; without them (an earlier layout's
@@ -67,9 +70,9 @@ def raw_window(order: ConsumerOrder, window: int, reader: RowGroupReader, layers
     """
     lanes = order.window_pieces(window)
     single = None if caches is not None else SourceCache(reader, layers, layer, release_after_drop)
-    parts = []
+    parts: list[pa.Table] = []
     for lane, pieces in enumerate(lanes):
-        cache = single or caches[lane]
+        cache = single or cast("list[SourceCache]", caches)[lane]  # single is made only when caches is None
         parts.extend(cache.piece(piece) for piece in pieces)
     if single is not None:
         single.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ def broadcast_from_main(accelerator: Accelerator, compute: Callable[[], T]) -> T
     value = [compute() if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         broadcast_object_list(value, from_process=0)
-    return value[0]
+    return cast(T, value[0])  # compute()'s result: the main process's own, or the broadcast's elsewhere
 
 
 def run_on_main(accelerator: Accelerator, work: Callable[[], T]) -> T | None:
@@ -116,7 +116,7 @@ def host_group(accelerator: Accelerator) -> dist.ProcessGroup | None:
     return _HOST_GROUP[0]
 
 
-def _all_reduce(accelerator: Accelerator, values: list[float], op: dist.ReduceOp) -> list[float]:
+def _all_reduce(accelerator: Accelerator, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)  # on the host: no wait for the GPU to read it back
     if accelerator.num_processes > 1:
         dist.all_reduce(tensor, op=op, group=host_group(accelerator))

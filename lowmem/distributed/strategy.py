@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 import torch
 from accelerate import Accelerator
@@ -45,10 +45,14 @@ from lowmem.distributed.accelerator import offloads_optimizer
 from lowmem.distributed.collectives import broadcast_from_main
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
-from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict, save_model_config,
-                                  save_weights, strip_prefixes, tied_names, uncompiled, unwrap)
+from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict,
+                                  save_model_config, save_weights, strip_prefixes, tied_names, uncompiled, unwrap)
 
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+_DTensor: type[DTensor] | None
 try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # a torch build without distributed support has no DTensor either
@@ -180,10 +184,15 @@ def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
+def _plain_gpt(model: torch.nn.Module) -> GPT:
+    """The GPT inside `model`'s wrappers (DDP, FSDP, DeepSpeed's engine, torch.compile)."""
+    return cast(GPT, unwrap(model))  # unwrap is typed for any module
+
+
 def _plain_ties(model: torch.nn.Module) -> list[list[str]]:
     """The plain GPT's groups of tied parameter names, whatever FSDP made of the parameters."""
     with torch.device("meta"):
-        return tied_names(GPT(unwrap(model).config))
+        return tied_names(GPT(_plain_gpt(model).config))
 
 
 def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_rank: bool = False,
@@ -196,7 +205,9 @@ def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_
         # cpu_offload gathers into the main process's host memory only; without it every rank gets the
         # whole model on its GPU.
         options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
-        state = get_model_state_dict(uncompiled(model), options=options)
+        # torch types the result for every option; with full_state_dict its values are whole tensors.
+        state: dict[str, torch.Tensor] = get_model_state_dict(  # type: ignore[assignment]
+            uncompiled(model), options=options)
         state = {strip_prefixes(name): tensor for name, tensor in state.items()}
         # Each name of a tied parameter comes back as a tensor of its own: keep the one the other strategies'
         # files keep (the alphabetically first), rather than write the tied matrix twice.
@@ -219,12 +230,15 @@ def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     kind = strategy(accelerator)
     state = full_model_state(model, accelerator)
     if accelerator.is_main_process:
+        assert state is not None  # full_model_state gives the main process the weights
         save_weights(state, folder / WEIGHTS_FILE)
-        save_model_config(unwrap(model).config, folder)
+        save_model_config(_plain_gpt(model).config, folder)
     del state
     if kind == DEEPSPEED:
         # Every rank writes its own optimizer shard; rank 0 also the engine's module states.
-        model.save_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+        # model is DeepSpeed's engine here: typed as a Module, its methods reach mypy as Module.__getattr__'s.
+        model.save_checkpoint(  # type: ignore[operator]
+            str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
     elif kind == FSDP:
         _save_sharded_optimizer(folder / FSDP_OPTIMIZER_DIR, model, optimizer)
     elif accelerator.is_main_process:
@@ -306,7 +320,8 @@ def _load_full_weights_from_main(path: Path, model: torch.nn.Module, accelerator
         raise CheckpointError(f"The main process could not read {path}: {problem}")
     # One process (and no process group to broadcast over) loads its own full dict, as a plain model would.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=accelerator.num_processes > 1)
-    set_model_state_dict(uncompiled(model), state, options=options)
+    # torch types the dict as invariant dict[str, ValueType], where tensors are among the values it takes.
+    set_model_state_dict(uncompiled(model), state, options=options)  # type: ignore[arg-type]
 
 
 def _saved_strategy(folder: Path) -> str:
@@ -340,8 +355,10 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
         )
     if kind == DEEPSPEED:
         # The engine restores the module's weights and the optimizer's fp32 master weights and moments.
-        load_path, _ = model.load_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
-                                             load_optimizer_states=True, load_lr_scheduler_states=False)
+        # model is DeepSpeed's engine here: typed as a Module, its methods reach mypy as Module.__getattr__'s.
+        load_path, _ = model.load_checkpoint(  # type: ignore[operator]
+            str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_optimizer_states=True,
+            load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {folder / DEEPSPEED_DIR}.")
         return
@@ -369,12 +386,13 @@ def model_for_eval(model: torch.nn.Module, accelerator: Accelerator) -> Iterator
     float32 and runs without the training autocast. Every rank must enter the context together under FSDP.
     """
     if strategy(accelerator) != FSDP:
-        yield unwrap(model)
+        yield _plain_gpt(model)
         return
     state = full_model_state(model, accelerator, on_every_rank=True)
+    assert state is not None  # on_every_rank: every rank has it
     with torch.device(accelerator.device):
         # The same memory savers: the validation loss without whole logits here too.
-        replica = GPT(unwrap(model).config).use_memory_savers(**unwrap(model).memory_savers)
+        replica = GPT(_plain_gpt(model).config).use_memory_savers(**_plain_gpt(model).memory_savers)
     load_model_state_dict(replica, state)
     del state
     replica.eval()

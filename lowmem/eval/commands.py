@@ -18,10 +18,11 @@ from lowmem.model import GPT
 from lowmem.checkpoint.contents import TRAINER_STATE_FILE
 from lowmem.checkpoint.export import TRAIN_CONFIG_FILE, find_model_folder, load_model_folder
 from lowmem.checkpoint.run_lock import lock_run_folder
-from lowmem.config import TrainConfig, check_data_files
+from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
+from lowmem.data.path_checks import check_data_files
 from lowmem.data.tokenizer import Tokenizer
-from lowmem.train.performance import enable_tf32, inference_autocast
+from lowmem.distributed.performance import enable_tf32, inference_autocast
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +142,10 @@ def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 
     return tokenizer.decode(out[0, idx.size(1):].tolist())
 
 
-def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint: str | None = None, max_new_tokens: int = 128,
-                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                     seed: int | None = None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint: str | None = None,
+                     max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
+                     top_p: float | None = None, seed: int | None = None, stdin: TextIO = sys.stdin,
+                     stdout: TextIO = sys.stdout) -> None:
     """Print the answer to `prompt`; without one, answer each line typed until an empty line or end of input.
     With `config.text_column` set (a model pretrained on one text column), the prompt is a beginning to continue."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -151,8 +153,10 @@ def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint:
     config = trained_like(config, folder)
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, device)
     enable_tf32(device.type == "cuda")
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu, continue_text=bool(config.text_column))
+    # answer()'s keyword arguments, each of its own type.
+    options: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, seed=seed, bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu,
+                                   continue_text=bool(config.text_column))
     if prompt is not None:
         print(answer(model, tokenizer, str(prompt), **options), file=stdout)
         return

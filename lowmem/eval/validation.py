@@ -17,7 +17,7 @@ from lowmem.data.sources import DEFAULT_COLUMNS
 from lowmem.distributed.collectives import all_reduce_sum
 from lowmem.model import GPT, IGNORE_INDEX
 from lowmem.data.tokenizer import Tokenizer
-from lowmem.train.performance import inference_autocast
+from lowmem.distributed.performance import inference_autocast
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 METRIC_MODES = {"bleu4": "max", "val_loss": "min"}
@@ -58,9 +58,11 @@ def _forget_tokenized_lines(tokenizer: object) -> None:
     # A tokenizer may hand its output to another one (zh and 13a pass it through a regexp tokenizer), which
     # keeps a cache of its own.
     for part in (tokenizer, *vars(tokenizer).values()):
-        cached = getattr(type(part), "__call__", None)
-        if callable(getattr(cached, "cache_clear", None)):
-            cached.cache_clear()
+        # The class's __call__ itself (an lru_cache wrapper), not a test of callability: callable() would not do.
+        cached = getattr(type(part), "__call__", None)  # noqa: B004
+        clear = getattr(cached, "cache_clear", None)
+        if callable(clear):
+            clear()
 
 
 @dataclass
@@ -103,7 +105,8 @@ def _stream(files: str, columns: Sequence[str], accelerator: Accelerator, max_ro
 
 
 @torch.no_grad()
-def evaluate_loss(model: GPT, loader: StreamLoader, accelerator: Accelerator, max_batches: int = 0) -> tuple[float, int, int]:
+def evaluate_loss(model: GPT, loader: StreamLoader, accelerator: Accelerator,
+                  max_batches: int = 0) -> tuple[float, int, int]:
     """(mean token loss, rows, target tokens) over the loader's rows on all ranks."""
     was_training = model.training
     model.eval()

@@ -106,7 +106,8 @@ def pack_installed(distribution: metadata.Distribution, folder: Path) -> Path:
         for path in files:
             if path.parts[0] == dist_info and path.name in INSTALLATION_FILES:
                 continue
-            data = Path(distribution.locate_file(path)).read_bytes()
+            # typeshed types locate_file as its SimplePath protocol; installed distributions give a pathlib.Path.
+            data = Path(distribution.locate_file(path)).read_bytes()  # type: ignore[arg-type]
             wheel.writestr(str(path), data)
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             record_lines.append(f"{path},sha256={digest},{len(data)}")

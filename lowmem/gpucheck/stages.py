@@ -262,6 +262,7 @@ def memory_log(settings: CheckSettings) -> dict[str, Any]:
     warmup = settings.save_steps + settings.memory_log_steps
     summaries = {rank: summarize(records, warmup_steps=warmup) for rank, records in sorted(records_by_rank.items())
                  if records}
+    figures: dict[str, Any]  # a figures dict per rank, and the notes
     figures = {f"rank{rank}": {"verdict": summary.verdict, "explanation": summary.explanation,
                                "records": summary.records, "peak_rss_mb": round(summary.peak_rss / 2**20),
                                "planned_peak_mb": None if summary.predicted_peak is None

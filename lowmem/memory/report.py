@@ -72,8 +72,8 @@ def find_run(path: str | Path | None = None, log_dir: str | Path = "logs") -> li
         raise DataError(f"No memory log {path}: it is neither a file, a directory nor a run id in {directory}/ "
                         f"(runs there: {known}).")
     if not runs:
-        raise DataError(f"No memory logs in {directory}/: training writes {LOG_NAME.format(run='<run>', rank='<rank>')} "
-                        "there every memory_log_steps steps.")
+        raise DataError(f"No memory logs in {directory}/: training writes "
+                        f"{LOG_NAME.format(run='<run>', rank='<rank>')} there every memory_log_steps steps.")
     newest = max(runs, key=lambda run: (_run_started(run, runs[run]), run))
     return _by_rank(runs[newest])
 
@@ -192,7 +192,7 @@ def read_run(files: Sequence[Path], expect_all_ranks: bool = True) -> tuple[dict
         parsed = parse_log_name(file)
         rank = parsed[1] if parsed else int(records[0].get("rank", 0)) if records else 0
         by_rank.setdefault(rank, []).extend(records)
-    world_sizes = {record.get("world_size") for records in by_rank.values() for record in records}
+    world_sizes: set[Any] = {record.get("world_size") for records in by_rank.values() for record in records}
     world_sizes.discard(None)
     if len(world_sizes) > 1:
         notes.append(f"the files disagree on the number of ranks: {sorted(world_sizes)}")
@@ -328,8 +328,9 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
     available = _values(records, "sys_available")
     return RankSummary(
         run=records[0].get("run"), rank=records[0].get("rank"), world_size=records[0].get("world_size"),
-        records=len(records), first_step=first_step, last_step=last_step, start_rss=rss[0], peak_rss=highest[peak_index],
-        peak_rss_step=steps[peak_index], predicted_peak=(_values(records, "predicted_high_water") or [None])[-1],
+        records=len(records), first_step=first_step, last_step=last_step, start_rss=rss[0],
+        peak_rss=highest[peak_index],
+        peak_rss_step=steps[peak_index], predicted_peak=(_values(records, "predicted_high_water") or (None,))[-1],
         end_rss=rss[-1], fit_from_step=fit[0][0] if fit else None,
         fit_records=len(fit), slope_mb_per_1k_steps=slope, slope_stderr_mb_per_1k_steps=stderr,
         recent_slope_mb_per_1k_steps=recent_slope,
@@ -422,8 +423,9 @@ def plot_memory(records_by_rank: Mapping[int, list[dict[str, Any]]], summaries: 
         if summary and summary.verdict == "GROWING" and summary.fit_from_step is not None:
             _draw_trend(axes[0], records, summary, color)
         if has_gpu:
-            gpu = [(record["step"], record.get("cuda_allocated"), record.get("cuda_reserved")) for record in records
-                   if record.get("cuda_allocated") is not None]
+            gpu: list[tuple[Any, Any, Any]] = [
+                (record["step"], record.get("cuda_allocated"), record.get("cuda_reserved")) for record in records
+                if record.get("cuda_allocated") is not None]
             if not gpu:
                 continue
             axes[1].plot([g[0] for g in gpu], [g[1] / MB for g in gpu], color=color, label=f"rank {rank} allocated")

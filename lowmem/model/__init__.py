@@ -1,5 +1,8 @@
-"""The GPT model: modules, KV-cache generation and the weights' file format."""
+"""The GPT model: its config and presets, modules, KV-cache generation and the weights' file format."""
 
-from lowmem.model.gpt import GPT, IGNORE_INDEX, PRESETS, GPTConfig, KVCache
+from lowmem.model.config import MODEL_PRESETS, GPTConfig
+from lowmem.model.generation import KVCache
+from lowmem.model.gpt import GPT
+from lowmem.model.loss import IGNORE_INDEX
 
-__all__ = ["GPT", "GPTConfig", "IGNORE_INDEX", "KVCache", "PRESETS"]
+__all__ = ["GPT", "GPTConfig", "IGNORE_INDEX", "KVCache", "MODEL_PRESETS"]

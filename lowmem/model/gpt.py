@@ -1,18 +1,14 @@
-"""A GPT (decoder-only transformer) in plain PyTorch, in two architectures.
+"""A GPT (decoder-only transformer) in plain PyTorch, in two architectures: the modules and the forward pass.
 
 The model is deliberately small and explicit: token embeddings, a stack of pre-norm blocks (norm ->
 causal self-attention -> residual, norm -> MLP -> residual), a final norm and a language-model head that
-shares its weight with the token embedding. `GPTConfig.architecture` chooses the parts:
-
-    architecture  positions                   norm       MLP
-    gpt2          learned table, added        LayerNorm  GELU, 4 x n_embd wide
-    llama         rotary, on queries and keys RMSNorm    SwiGLU, about 8/3 x n_embd wide (about as many weights)
+shares its weight with the token embedding. `GPTConfig.architecture` chooses the parts: gpt2 (learned
+positions, LayerNorm, GELU MLP) or llama (rotary positions, RMSNorm, SwiGLU); see `lowmem.model.config`.
 
 Both keep the same module names where the parts play the same role (`tok_emb`, `blocks.i.attn.qkv`,
 `blocks.i.mlp.out_proj`, `ln_f`, ...), so memory savers, FSDP units, compile and checkpoints treat them alike.
 
-Generation can keep a key/value cache (`KVCache`): the keys and values of positions already run are
-stored, so each new token costs one position's work instead of a pass over the whole context.
+Generation (`GPT.generate`) and its key/value cache live in `lowmem.model.generation`.
 
 Shapes in comments use B = batch size, T = sequence length, C = n_embd, nh = n_head, hs = C // nh and
 V = padded vocabulary size.
@@ -23,9 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import numbers
-from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Iterable, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -34,20 +28,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from lowmem.errors import ConfigError
+from lowmem.model import generation
+# ARCHITECTURES is re-exported: the architectures this module builds, defined with the config that checks them.
+from lowmem.model.config import ARCHITECTURES as ARCHITECTURES
+from lowmem.model.config import GPTConfig
+from lowmem.model.generation import KVCache, LayerKVCache, _attention_mask, _DecodingState
 from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
 from lowmem.model.rotary import apply_rotary, rotary_angles
 
 # The rotary cosines and sines of the positions a forward pass runs, each (B or 1, 1, T, hs); None for gpt2.
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
-
-# The architectures `GPTConfig.architecture` accepts (see the module docstring).
-ARCHITECTURES: tuple[str, ...] = ("gpt2", "llama")
-
-# Matmuls whose inner dimension is a multiple of 64 map cleanly onto GPU tensor cores; padding the vocabulary
-# (the largest matmul in a small model) up to it is cheap in parameters and noticeably faster.
-VOCAB_PAD_MULTIPLE = 64
-# The SwiGLU hidden width is rounded up to this, for the same reason.
-MLP_WIDTH_MULTIPLE = 64
 
 
 # SDPA kernels allowed for attention with an explicit mask (packed rows, padded prompts) on a GPU. Flash
@@ -74,205 +64,6 @@ def _sdpa_context(device: torch.device, masked: bool) -> ContextManager[Any]:
     """
     backends = sdpa_backends(device, masked)
     return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
-
-
-@dataclass
-class GPTConfig:
-    """Sizes of a GPT model.
-
-    Args:
-        vocab_size: number of token ids the tokenizer produces. The embedding table is padded up to
-            `padded_vocab_size`; the extra rows are never produced by `GPT.generate`.
-        max_seq_len: longest sequence (context) the model accepts; sets the size of the position embedding.
-        n_layer: number of transformer blocks.
-        n_head: attention heads per block; must divide `n_embd`.
-        n_embd: width of the residual stream.
-        dropout: dropout probability on embeddings, attention weights and residual branches (0.0 for
-            pretraining on a lot of data, 0.1 or so when fine-tuning on little).
-        bias: whether Linear and LayerNorm layers have biases (False is slightly faster and as good).
-        architecture: "gpt2" or "llama" (see the module docstring). Model files written before the field
-            existed hold a "gpt2" model, hence that default here; new training runs choose theirs in the config.
-        rope_theta: base of the rotary frequencies (llama only).
-        norm_eps: the epsilon of LayerNorm / RMSNorm.
-    """
-
-    vocab_size: int
-    max_seq_len: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-    dropout: float = 0.0
-    bias: bool = False
-    architecture: str = "gpt2"
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            # bool is an int subclass; `n_layer=True` is a typo, not a size.
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ConfigError(f"GPTConfig.{name} must be an integer, got {value!r}; pass a whole number.")
-            if value < 1:
-                raise ConfigError(f"GPTConfig.{name} must be at least 1, got {value}; set a positive {name}.")
-        if self.n_embd % self.n_head != 0:
-            lower = (self.n_embd // self.n_head) * self.n_head
-            upper = lower + self.n_head
-            hint = f"n_embd={upper}" if lower == 0 else f"n_embd={lower} or n_embd={upper}"
-            raise ConfigError(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): each head gets "
-                f"n_embd // n_head channels. Use for example {hint}, or an n_head that divides {self.n_embd}."
-            )
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real):
-            raise ConfigError(f"GPTConfig.dropout must be a number, got {self.dropout!r}; use e.g. 0.0 or 0.1.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(
-                f"GPTConfig.dropout must be in [0, 1), got {self.dropout}; use 0.0 to disable dropout."
-            )
-        if not isinstance(self.bias, bool):
-            raise ConfigError(f"GPTConfig.bias must be True or False, got {self.bias!r}.")
-        if self.architecture not in ARCHITECTURES:
-            raise ConfigError(f"GPTConfig.architecture must be one of {', '.join(ARCHITECTURES)}, "
-                              f"got {self.architecture!r}.")
-        if self.architecture == "llama" and self.head_dim % 2:
-            raise ConfigError(f"The llama architecture rotates channel pairs: n_embd // n_head ({self.head_dim}) "
-                              "must be even. Choose another n_head or n_embd.")
-        for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
-                raise ConfigError(f"GPTConfig.{name} must be a number above 0, got {value!r}.")
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """`vocab_size` rounded up to a multiple of 64: the number of rows in the embedding and logits."""
-        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-
-    @property
-    def mlp_hidden(self) -> int:
-        """Width of the MLP's hidden layer: 4 x n_embd for GELU; for SwiGLU, whose three matrices would
-        otherwise hold 1.5 times the parameters, 8/3 x n_embd rounded up to a multiple of 64 (as many
-        parameters at widths of 256 and more; at 128, 12% more)."""
-        if self.architecture == "gpt2":
-            return 4 * self.n_embd
-        return math.ceil(8 * self.n_embd / 3 / MLP_WIDTH_MULTIPLE) * MLP_WIDTH_MULTIPLE
-
-    @property
-    def head_dim(self) -> int:
-        """Channels per attention head (`n_embd // n_head`)."""
-        return self.n_embd // self.n_head
-
-    @classmethod
-    def demo(cls, vocab_size: int, **overrides: Any) -> GPTConfig:
-        """A tiny model that trains on a 2-core laptop CPU in minutes.
-
-        About 3.2 M parameters besides the embeddings (4 layers, 4 heads, width 256, context 256).
-
-        Args:
-            vocab_size: the tokenizer's vocabulary size.
-            **overrides: any other GPTConfig field, e.g. `max_seq_len=128`.
-        """
-        sizes: dict[str, Any] = dict(max_seq_len=256, n_layer=4, n_head=4, n_embd=256)
-        return cls(vocab_size=vocab_size, **{**sizes, **overrides})
-
-    @classmethod
-    def gpt2_small(cls, vocab_size: int, **overrides: Any) -> GPTConfig:
-        """A GPT-2-small-sized model (12 layers, 12 heads, width 768, context 1024): ~85 M parameters
-        besides the embeddings. Randomly initialised; nothing is downloaded.
-
-        Args:
-            vocab_size: the tokenizer's vocabulary size.
-            **overrides: any other GPTConfig field, e.g. `dropout=0.1`.
-        """
-        sizes: dict[str, Any] = dict(max_seq_len=1024, n_layer=12, n_head=12, n_embd=768)
-        return cls(vocab_size=vocab_size, **{**sizes, **overrides})
-
-    @classmethod
-    def from_preset(cls, name: str, vocab_size: int, **overrides: Any) -> GPTConfig:
-        """Build a config from a preset name (for configs and the command line).
-
-        Args:
-            name: one of `PRESETS` ("demo", "gpt2_small").
-            vocab_size: the tokenizer's vocabulary size.
-            **overrides: any other GPTConfig field.
-
-        Raises:
-            ConfigError: if the name is not a known preset.
-        """
-        if name not in PRESETS:
-            raise ConfigError(f"Unknown model preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}.")
-        return getattr(cls, name)(vocab_size, **overrides)
-
-
-# Preset names usable with `GPTConfig.from_preset`; each is a classmethod of GPTConfig of the same name.
-PRESETS: tuple[str, ...] = ("demo", "gpt2_small")
-
-
-class LayerKVCache:
-    """Keys and values of one attention layer for the positions run so far.
-
-    The buffers are allocated once, at the first `append`, for the longest context the generation can
-    reach; each step writes its new positions in place. Concatenating instead would copy the whole cache
-    at every step, which adds up to a cost quadratic in the number of generated tokens.
-
-    Args:
-        max_len: positions the buffers hold.
-    """
-
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
-        self.length = 0  # positions filled
-        self.k: torch.Tensor | None = None  # (B, nh, max_len, hs) once allocated
-        self.v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the keys and values k, v (B, nh, T, hs) of the next T positions.
-
-        Returns:
-            Keys and values of every position so far, each (B, nh, length, hs): views of the buffers.
-        """
-        B, nh, T, hs = k.shape
-        if self.k is None or self.v is None:
-            self.k = k.new_empty(B, nh, self.max_len, hs)
-            self.v = v.new_empty(B, nh, self.max_len, hs)
-        end = self.length + T
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; cannot append {T} after {self.length}.")
-        self.k[:, :, self.length : end] = k
-        self.v[:, :, self.length : end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, end, hs)
-
-
-class KVCache:
-    """Keys and values of every attention layer for the positions run so far (see `LayerKVCache`).
-
-    Args:
-        n_layer: number of transformer blocks.
-        max_len: longest context the cache must hold; at most `max_seq_len`.
-    """
-
-    def __init__(self, n_layer: int, max_len: int) -> None:
-        self.max_len = max_len
-        self.layers = [LayerKVCache(max_len) for _ in range(n_layer)]
-
-    @property
-    def length(self) -> int:
-        """Positions stored (the same in every layer between forward passes)."""
-        return self.layers[0].length
-
-
-@dataclass
-class _DecodingState:
-    """What `GPT._next_token_logits` needs besides the tokens while `GPT.generate` runs.
-
-    It lives on the model for the duration of `generate` rather than being passed along, so that
-    `_next_token_logits(idx)` keeps one argument: tests and tools replace that method to script the logits.
-    """
-
-    # (B,) left-padding tokens at the start of each prompt row; None when no row is padded.
-    n_pad: torch.Tensor | None = None
-    # None when not caching, and from the step at which the context outgrows max_seq_len.
-    cache: KVCache | None = None
 
 
 class CausalSelfAttention(nn.Module):
@@ -473,7 +264,8 @@ class GPT(nn.Module):
         # Each block adds two branches to the residual stream; shrinking their output projections keeps
         # the variance of the stream roughly constant with depth (GPT-2's 1/sqrt(2 * n_layer)).
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)
-        for block in self.blocks:
+        # nn.ModuleList is typed as holding any Module; these are the Blocks built above.
+        for block in cast("Iterable[Block]", self.blocks):
             nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.out_proj.weight, mean=0.0, std=residual_std)
         # Set only while `generate` runs.
@@ -495,9 +287,10 @@ class GPT(nn.Module):
             The model itself.
         """
         if isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 0:
-            raise ConfigError(f"loss_chunk_tokens must be a whole number >= 0 (0 = no chunks), got {loss_chunk_tokens!r}.")
+            raise ConfigError("loss_chunk_tokens must be a whole number >= 0 (0 = no chunks), "
+                              f"got {loss_chunk_tokens!r}.")
         self.loss_chunk_tokens = loss_chunk_tokens
-        for block in self.blocks:
+        for block in cast("Iterable[Block]", self.blocks):  # nn.ModuleList is typed as holding any Module
             block.checkpoint_activations = bool(checkpoint_activations)
         return self
 
@@ -546,7 +339,8 @@ class GPT(nn.Module):
 
         - N counts the parameters that take part in a matmul: every parameter except the position
           embedding (a lookup, no arithmetic; the llama architecture has none). The token embedding counts
-          because, tied to `lm_head`, it is the weight of the logits matmul. Each such weight costs 2 FLOPs per token forward and 4 backward.
+          because, tied to `lm_head`, it is the weight of the logits matmul. Each such weight costs 2 FLOPs
+          per token forward and 4 backward.
         - 12 * n_layer * n_embd * T is attention itself: q @ k^T and att @ v are 2 * T * n_embd FLOPs each
           per token and layer forward, times 3 for forward + backward. The causal mask is ignored, as in
           the usual convention (kernels that skip the masked half do less work).
@@ -638,9 +432,9 @@ class GPT(nn.Module):
 
         Returns:
             (logits, loss): logits (B, T, padded_vocab_size), or None when `targets` is given without
-            `return_logits` (then, with `loss_chunk_tokens` set, no (B, T, V) tensor exists at all); loss is a float32 scalar, the weighted mean over counted positions (0.0 when
-            no position counts, so a fully masked batch cannot turn the loss or the gradients into NaN),
-            or None without targets.
+            `return_logits` (then, with `loss_chunk_tokens` set, no (B, T, V) tensor exists at all); loss is
+            a float32 scalar, the weighted mean over counted positions (0.0 when no position counts, so a
+            fully masked batch cannot turn the loss or the gradients into NaN), or None without targets.
         """
         x = self._hidden(idx, segment_ids=segment_ids)  # (B, T, C)
         if targets is None:
@@ -732,146 +526,8 @@ class GPT(nn.Module):
         # Only the last position is needed: skip the (B, T, V) logits tensor.
         return self.lm_head(x[:, -1, :])  # (B, V)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        greedy: bool = False,
-        generator: torch.Generator | None = None,
-        pad_id: int | None = None,
-        *,
-        use_cache: bool = True,
-        prompt_lengths: torch.Tensor | None = None,
-        no_repeat_ngram_size: int = 0,
-    ) -> torch.Tensor:
-        """Continue each sequence in `idx` by up to `max_new_tokens` tokens.
-
-        The model runs in eval mode (no dropout) for the duration and is put back in its previous mode
-        afterwards. Contexts longer than `max_seq_len` are cropped to their last `max_seq_len` tokens.
-
-        With `use_cache`, the keys and values of every position are kept, so each step runs only the new
-        token; the chosen tokens are those of the uncached path (up to float rounding in near-ties). The
-        cache covers contexts up to `max_seq_len`. Once the context outgrows it, the position of every
-        kept token changes with each step (positions count from the window's start), so the cache is dropped and
-        each further step recomputes the last `max_seq_len` tokens, as the uncached path does.
-
-        Args:
-            idx: prompt token ids, LongTensor (B, T) with T >= 1; left-padded when `prompt_lengths` is given.
-            max_new_tokens: the most tokens to append.
-            temperature: divides the logits before sampling; below 1 sharpens, above 1 flattens.
-                0 means greedy.
-            top_k: sample only among the k most likely tokens.
-            top_p: sample only among the most likely tokens whose probabilities sum to at least top_p
-                (nucleus sampling), in (0, 1].
-            eos_id: stop a sequence once it produces this id; generation ends early when all have.
-            greedy: take the most likely token instead of sampling (ignores temperature, top_k, top_p).
-            generator: random generator for reproducible sampling; must be on the model's device.
-            pad_id: what finished sequences emit while others continue; defaults to `eos_id`.
-            use_cache: keep a key/value cache (much faster for long generations); False recomputes the
-                whole context at every step.
-            no_repeat_ngram_size: with n > 0, never produce a token that would repeat an n-gram already in
-                the row's answer (the prompt is not counted).
-            prompt_lengths: (B,) number of real tokens in each row of `idx`, for a batch of prompts of
-                different lengths: row b's prompt is its last `prompt_lengths[b]` tokens and whatever
-                precedes them is padding (any ids), never attended to. Each row then gets the tokens it
-                would get alone. None means every row is a full prompt.
-
-        Returns:
-            LongTensor (B, T + n) holding the prompt (padding included) followed by the n <= max_new_tokens
-            new tokens. Ids are always < `config.vocab_size`: the padding rows of the vocabulary are never
-            chosen.
-        """
-        if idx.dim() != 2 or idx.size(1) < 1:
-            raise ValueError(f"idx must have shape (batch, seq_len) with seq_len >= 1, got {tuple(idx.shape)}.")
-        if max_new_tokens < 0:
-            raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-        if temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
-        if top_k is not None and top_k < 1:
-            raise ConfigError(f"top_k must be >= 1 or None (no limit), got {top_k}.")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1] or None (no limit), got {top_p}.")
-        greedy = greedy or temperature == 0
-        vocab_size = self.config.vocab_size
-        fill_id = eos_id if pad_id is None else pad_id
-        B, T = idx.shape
-        max_len = self.config.max_seq_len
-        n_pad = _left_padding(prompt_lengths, B, T, idx.device)  # (B,) or None
-        # A prompt that already fills the context would use the cache for its first step only.
-        cache = KVCache(self.config.n_layer, min(T + max_new_tokens, max_len)) if use_cache and T < max_len else None
-
-        was_training = self.training
-        self.eval()
-        self._decoding = _DecodingState(n_pad=n_pad, cache=cache)
-        try:
-            finished = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
-            answer_start = idx.size(1)
-            for _ in range(max_new_tokens):
-                # The whole context: `_next_token_logits` crops it, or runs only what the cache lacks.
-                logits = self._next_token_logits(idx).float()  # (B, V)
-                # The padding rows of the vocabulary are not tokens the tokenizer can decode.
-                logits[:, vocab_size:] = float("-inf")
-                if no_repeat_ngram_size > 0:
-                    _ban_repeated_ngrams(logits, idx[:, answer_start:], no_repeat_ngram_size)
-                if greedy:
-                    next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-                else:
-                    probs = F.softmax(_filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
-                    next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
-                if eos_id is not None:
-                    # Finished rows keep emitting padding so the batch stays rectangular.
-                    next_id = torch.where(finished.unsqueeze(1), torch.full_like(next_id, fill_id), next_id)
-                    finished |= next_id.squeeze(1) == eos_id
-                idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
-                if eos_id is not None and bool(finished.all()):
-                    break
-        finally:
-            self._decoding = None  # also frees the cache
-            self.train(was_training)
-        return idx
-
-
-def _left_padding(prompt_lengths: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:
-    """Left-padding tokens per row (B,) from the prompt lengths, or None when no row is padded.
-
-    Raises:
-        ValueError: if `prompt_lengths` is not B lengths in [1, T].
-    """
-    if prompt_lengths is None:
-        return None
-    lengths = torch.as_tensor(prompt_lengths, device=device)
-    if lengths.shape != (B,) or lengths.is_floating_point() or lengths.dtype == torch.bool:
-        raise ValueError(
-            f"prompt_lengths must be {B} integers (one per row of idx), got shape {tuple(lengths.shape)} "
-            f"and dtype {lengths.dtype}."
-        )
-    if bool((lengths < 1).any()) or bool((lengths > T).any()):
-        raise ValueError(f"prompt_lengths must lie in [1, {T}] (the width of idx), got {lengths.tolist()}.")
-    n_pad = T - lengths.long()  # (B,)
-    # Without padding the plain causal path is exact and faster.
-    return n_pad if bool(n_pad.any()) else None
-
-
-def _attention_mask(Tq: int, Tk: int, n_pad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Boolean attention mask (B or 1, 1, Tq, Tk), True where a query may attend to a key.
-
-    The Tq queries are the last Tq of the Tk key positions. A query sees itself and earlier keys, except
-    the first n_pad[b] (left padding) of its row. A padding query still sees itself so that no row of the
-    softmax has every key masked: some SDPA kernels return NaN for such a row, and the NaN would reach real
-    positions through the values of the next layer (a zero attention weight times NaN is NaN).
-    """
-    q_pos = torch.arange(Tk - Tq, Tk, device=device).unsqueeze(1)  # (Tq, 1)
-    k_pos = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
-    mask = k_pos <= q_pos  # (Tq, Tk), causal
-    if n_pad is not None:
-        real_key = k_pos >= n_pad.view(-1, 1, 1)  # (B, 1, Tk)
-        mask = (mask & real_key) | (k_pos == q_pos)  # (B, Tq, Tk)
-    return mask.view(-1, 1, Tq, Tk)  # (B or 1, 1, Tq, Tk), broadcast over heads
+    # Generation with a KV cache lives in lowmem.model.generation; as a method, `model.generate(idx, ...)`.
+    generate = generation.generate
 
 
 def _segment_positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -887,33 +543,3 @@ def _segment_positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor
     same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)  # (B, T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()  # (T, T)
     return index - first, (same & causal).unsqueeze(1)
-
-
-def _ban_repeated_ngrams(logits: torch.Tensor, answer: torch.Tensor, n: int) -> None:
-    """Set to -inf, in place, each token that would repeat an n-gram already in the row's answer (B, t).
-
-    A small model's greedy answers fall into loops of one phrase; forbidding repeated n-grams within the
-    answer (not the prompt, which a continuation may echo) is the usual remedy.
-    """
-    for row, tokens in enumerate(answer.tolist()):
-        if len(tokens) < n:
-            continue
-        prefix = tokens[len(tokens) - n + 1:]  # the n-1 tokens a new token would extend
-        banned = {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i:i + n - 1] == prefix}
-        logits[row, list(banned)] = float("-inf")
-
-
-def _filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Set to -inf the logits (B, V) outside the top-k and outside the top-p nucleus."""
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1), the k-th largest logit
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-        sorted_probs = F.softmax(sorted_logits, dim=-1)
-        # Drop a token when the more likely tokens before it already reach top_p; the most likely token
-        # is always kept because nothing precedes it.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # back to vocabulary order
-    return logits

@@ -58,7 +58,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Σ_i w_i · CE(hidden_i · weightᵀ, target_i), with both gradients computed in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 weights: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         dtype = _compute_dtype(hidden)
         # Autocast off inside: each matmul below is given its dtype explicitly, and the float32 gradient
@@ -85,7 +85,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return loss_sum
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         # The loss is a scalar: the chain rule only scales the gradients computed in the forward pass.
         return ((grad_hidden * grad_output).to(ctx.hidden_dtype), (grad_weight * grad_output).to(ctx.weight_dtype),

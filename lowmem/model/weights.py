@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 
-from lowmem.model.gpt import GPTConfig
+from lowmem.model.config import GPTConfig
 
 WEIGHTS_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"  # the GPT's sizes, beside its weights: together they rebuild the model
@@ -30,7 +31,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         elif type(model).__name__ in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine",
                                       "FullyShardedDataParallel"):
-            model = model.module
+            model = cast(torch.nn.Module, model.module)  # typed by Module.__getattr__ as a Tensor or a Module
         else:
             return model
 

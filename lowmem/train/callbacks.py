@@ -8,29 +8,18 @@ rank at the next step, which then saves a checkpoint and exits as on SIGTERM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from lowmem.train.step import StepResult  # what `on_step_end` is given
+
 if TYPE_CHECKING:
     from lowmem.train.trainer import Trainer
 
 
-@dataclass
-class StepResult:
-    """One optimizer step, as this rank saw it, with the totals over every rank."""
-
-    micro_batches: list[dict[str, torch.Tensor]]
-    loss_sum: torch.Tensor  # this rank's summed token loss, on the device (float() of it waits for the GPU)
-    grad_norm: float  # before clipping, over every rank
-    applied: bool  # False: the gradient norm was not finite and the update was skipped, on every rank
-    lr: float
-    target_tokens: int  # this rank's tokens the loss counted
-    input_tokens: int  # this rank's real (non-padding) input tokens
-    global_target_tokens: float  # over every rank
-    global_input_tokens: float
+__all__ = ["Callback", "StepResult"]
 
 
 class Callback:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum
 from lowmem.log_format import log_formatter, open_log_file
-from lowmem.train.callbacks import StepResult
+from lowmem.train.step import StepResult
 from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ def attach_run_log(run_log: str | Path) -> Path | None:
     if pending is None:
         return None
     run_log = Path(run_log)
+    assert pending.formatter is not None  # set with the handler, in setup_training_log
     file = open_log_file(run_log, pending.formatter)
     root.removeHandler(pending)
     if file is None:

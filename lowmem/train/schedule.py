@@ -1,12 +1,14 @@
-"""The learning-rate schedule: linear warmup, then cosine decay to a floor."""
+"""The learning-rate schedule: linear warmup, then cosine decay to a floor; stretched after a resume on another
+number of processes; a stateful part of the run."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
-def get_lr(step: int, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
-    """Learning rate for optimizer step `step` (0-based).
+def get_lr(step: float, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
+    """Learning rate for optimizer step `step` (0-based; a fraction where a stretched schedule falls between steps).
 
     Rises linearly from peak_lr / warmup_steps to peak_lr over `warmup_steps`, then follows half a cosine
     down to `peak_lr * min_lr_ratio` at `total_steps`, and stays there. A pure function of the step, so a
@@ -43,3 +45,67 @@ def stretched_step(step: int, anchor_step: int, anchor_virtual: float, virtual_t
     and ends the decay at the run's new end.
     """
     return anchor_virtual + (step - anchor_step) * (virtual_total - anchor_virtual) / max(total - anchor_step, 1)
+
+
+class LearningRateSchedule:
+    """The learning rate of every optimizer step, as a stateful part of the run (saved in each checkpoint).
+
+    Linear warmup, then cosine decay to a floor over `total_steps` (`get_lr`). A resume on another number of
+    processes changes the steps left: `stretch` then runs the rest of the decay over the new number from where it
+    stood, so the rate stays continuous and the decay ends at the run's new end. Its state is the run's length as
+    last planned and, once stretched, where the stretch began.
+
+    Args:
+        peak_lr, warmup_steps, min_lr_ratio: the schedule's shape (`--learn_rate`, `--warmup_steps`,
+            `--min_lr_ratio`).
+        total_steps: the run's optimizer steps in all.
+    """
+
+    def __init__(self, peak_lr: float, warmup_steps: int, min_lr_ratio: float, total_steps: int) -> None:
+        self.peak_lr, self.warmup_steps, self.min_lr_ratio = peak_lr, warmup_steps, min_lr_ratio
+        self.total_steps = total_steps
+        # Once stretched, step s follows the schedule of `virtual_total` steps at
+        # anchor_virtual + (s - anchor_step) * (virtual_total - anchor_virtual) / (total_steps - anchor_step).
+        self.anchor_step = 0
+        self.anchor_virtual = 0.0
+        self.virtual_total = 0  # 0: not stretched, the schedule runs over total_steps
+
+    @property
+    def stretched(self) -> bool:
+        return bool(self.virtual_total)
+
+    def lr(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based)."""
+        if not self.virtual_total:
+            return get_lr(step, self.peak_lr, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+        virtual = stretched_step(step, self.anchor_step, self.anchor_virtual, self.virtual_total, self.total_steps)
+        return get_lr(virtual, self.peak_lr, self.warmup_steps, self.virtual_total, self.min_lr_ratio)
+
+    def stretch(self, step: int, new_total: int) -> None:
+        """From optimizer step `step` on, run the rest of the schedule over a run of `new_total` steps in all."""
+        if self.virtual_total:
+            virtual = stretched_step(step, self.anchor_step, self.anchor_virtual, self.virtual_total,
+                                     self.total_steps)
+        else:
+            virtual, self.virtual_total = float(step), self.total_steps
+        self.anchor_step, self.anchor_virtual = step, virtual
+        self.total_steps = new_total
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total_steps": self.total_steps, "anchor_step": self.anchor_step,
+                "anchor_virtual": self.anchor_virtual, "virtual_total": self.virtual_total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A total of 0 comes from a checkpoint that did not record one: this run's total stands.
+        self.total_steps = int(state.get("total_steps") or self.total_steps)
+        self.anchor_step = int(state.get("anchor_step", 0))
+        self.anchor_virtual = float(state.get("anchor_virtual", 0.0))
+        self.virtual_total = int(state.get("virtual_total", 0))
+
+
+def schedule_state_of_train_state(train_state: dict[str, Any]) -> dict[str, Any]:
+    """The schedule's state as checkpoints written before it was a part of its own kept it: fields of the
+    `train` part (`total_steps`, `lr_anchor_step`, `lr_anchor_virtual`, `lr_virtual_total`)."""
+    return {"total_steps": train_state.get("total_steps", 0), "anchor_step": train_state.get("lr_anchor_step", 0),
+            "anchor_virtual": train_state.get("lr_anchor_virtual", 0.0),
+            "virtual_total": train_state.get("lr_virtual_total", 0)}

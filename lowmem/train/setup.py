@@ -10,9 +10,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from lowmem.checkpoint.contents import VALUES_BEFORE_THE_FIELD, newest_saved_config, read_trainer_state
 from lowmem.config import TrainConfig
-from lowmem.config.columns import data_columns, response_only
+from lowmem.config.columns import data_columns
 from lowmem.config.train_sources import Source, training_paths
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.mixture import MixedStream
@@ -32,56 +31,13 @@ from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
 from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
-from lowmem.train.performance import enable_tf32, maybe_compile
+from lowmem.distributed.performance import enable_tf32, maybe_compile
 
 logger = logging.getLogger(__name__)
-LOG_DIR = LAUNCH_LOG_DIR
-
 
 # The architecture of a new run whose config leaves it unset: the one that reached the lower validation loss
 # on the demo data in the same training time (README, "Architectures").
 NEW_RUN_ARCHITECTURE = "llama"
-
-
-def settle_architecture(config: TrainConfig, is_keep_training: bool) -> TrainConfig:
-    """`config` with its architecture decided: as given; else, when resuming, the run's checkpoints' (gpt2
-    for those saved before the option existed); else NEW_RUN_ARCHITECTURE. A resumed run thus keeps its
-    model whatever the default, and an explicit other value is refused by the resume check."""
-    if config.architecture is not None:
-        return config
-    saved = newest_saved_config(config.output_dir) if is_keep_training else None
-    if saved is None:
-        return dataclasses.replace(config, architecture=NEW_RUN_ARCHITECTURE)
-    return dataclasses.replace(config, architecture={**VALUES_BEFORE_THE_FIELD, **saved}["architecture"])
-
-
-def settle_loss_targets(config: TrainConfig, is_keep_training: bool) -> TrainConfig:
-    """`config` with --loss_on_response_only decided: as given; else, when resuming a run of the same columns,
-    its checkpoints' (runs saved when every token was the default keep it); else from the data
-    (`lowmem.config.columns.response_only`). Checkpoints thus always record a concrete value."""
-    if config.loss_on_response_only is not None:
-        return config
-    saved = newest_saved_config(config.output_dir) if is_keep_training else None
-    saved = {**VALUES_BEFORE_THE_FIELD, **saved} if saved is not None else {}
-    kept = saved.get("loss_on_response_only")
-    if kept is None or saved.get("text_column") != config.text_column:  # other columns: the resume check says so
-        return dataclasses.replace(config, loss_on_response_only=response_only(config))
-    if kept != response_only(config):
-        logger.info("The run in %s was saved with --loss_on_response_only=%s: kept (a new run of this data would "
-                    "take %s).", config.output_dir, kept, response_only(config))
-    return dataclasses.replace(config, loss_on_response_only=bool(kept))
-
-
-def resumed_tokenizer_dir(config: TrainConfig, checkpoint: str | Path | None = None) -> TrainConfig:
-    """`config` with the tokenizer folder the checkpoint it resumes from was trained with (`checkpoint`, else the
-    run's newest): a resume that does not name one continues with the run's own, wherever today's defaults
-    point."""
-    saved = read_trainer_state(Path(checkpoint))["config"] if checkpoint else newest_saved_config(config.output_dir)
-    saved_dir = (saved or {}).get("tokenizer_dir")
-    if not saved_dir or saved_dir == config.tokenizer_dir:
-        return config
-    logger.info("Tokenizer of the run in %s: %s.", config.output_dir, saved_dir)
-    return dataclasses.replace(config, tokenizer_dir=saved_dir)
 
 
 def settle_best_metric(config: TrainConfig) -> TrainConfig:
@@ -177,11 +133,11 @@ def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerat
                          settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """`model` and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked
     (with the compiler's worker pool bounded on a low memory budget)."""
-    model, optimizer = prepare_model_and_optimizer(model, config, accelerator)
+    prepared, optimizer = prepare_model_and_optimizer(model, config, accelerator)
     logger.info("Parallelism: %s.", describe(accelerator))
     if enable_tf32(accelerator.device.type == "cuda"):
         logger.info("TF32 matmuls on: float32 work runs on the tensor cores.")
-    return maybe_compile(model, config, settings), optimizer
+    return maybe_compile(prepared, config, settings), optimizer
 
 
 def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, vocab_size: int,
@@ -200,8 +156,9 @@ def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: A
         mix_row_groups=config.dataloader_mix_row_groups, bad_text=config.bad_text,
     )
     if isinstance(files, list):
-        stream: ParquetStream | MixedStream = MixedStream(files, shuffle=shuffle, **arguments)
-        logger.info("Training sources: %s.", stream.describe())
+        mixture = MixedStream(files, shuffle=shuffle, **arguments)
+        logger.info("Training sources: %s.", mixture.describe())
+        stream: ParquetStream | MixedStream = mixture
     else:
         stream = ParquetStream(files, shuffle=shuffle, **arguments)
     return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate,
@@ -232,7 +189,7 @@ def make_memory_monitor(config: TrainConfig, accelerator: Accelerator, settings:
     share = settings.per_process_bytes
     memory_logger = MemoryLogger(run_log_dir(config.output_dir), run_id, accelerator.process_index,
                                  accelerator.num_processes, share, predicted_high_water=predicted_high_water,
-                                 link_dir=LOG_DIR)
+                                 link_dir=LAUNCH_LOG_DIR)
     watchdog = MemoryWatchdog(share, fraction=config.memory_watchdog_fraction)
     return MemoryMonitor(memory_logger, watchdog, on_gpu=accelerator.device.type == "cuda",
                          cleanup_steps=config.cleanup_steps, memory_log_steps=config.memory_log_steps)

@@ -25,13 +25,6 @@ class TrainState:
     val_loss_start: float = float("nan")  # validation loss before the first step
     skipped_steps: int = 0  # steps whose gradients were not finite: counted, but not applied
     rows_not_trained: int = 0  # rows of short last accumulation steps that ended epochs, all ranks
-    total_steps: int = 0  # the run's optimizer steps in all, as last planned
-    # After a resume on another number of processes the schedule is stretched over the new number of steps
-    # left: step s follows the schedule of `lr_virtual_total` steps at
-    # lr_anchor_virtual + (s - lr_anchor_step) * (lr_virtual_total - lr_anchor_virtual) / (total_steps - lr_anchor_step).
-    lr_anchor_step: int = 0
-    lr_anchor_virtual: float = 0.0
-    lr_virtual_total: int = 0  # 0: not stretched, the schedule runs over total_steps
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

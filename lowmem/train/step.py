@@ -1,8 +1,10 @@
-"""One optimizer step over a few micro-batches: the loss scaled so that accumulation is exact, and a step\nwhose gradients are not finite skipped on every rank."""
+"""One optimizer step over a few micro-batches: the loss scaled so that accumulation is exact, and a step
+whose gradients are not finite skipped on every rank."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -12,6 +14,21 @@ from lowmem.distributed.strategy import plain_tensor
 from lowmem.model import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, as this rank saw it, with the totals over every rank."""
+
+    micro_batches: list[dict[str, torch.Tensor]]
+    loss_sum: torch.Tensor  # this rank's summed token loss, on the device (float() of it waits for the GPU)
+    grad_norm: float  # before clipping, over every rank
+    applied: bool  # False: the gradient norm was not finite and the update was skipped, on every rank
+    lr: float
+    target_tokens: int  # this rank's tokens the loss counted
+    input_tokens: int  # this rank's real (non-padding) input tokens
+    global_target_tokens: float  # over every rank
+    global_input_tokens: float
 
 
 def take(batches: Iterator[Batch], count: int) -> list[Batch]:

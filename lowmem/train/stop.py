@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import Any
 from types import FrameType
 
 from lowmem.distributed.launcher_watch import LAUNCHER_GONE_SIGNAL, launcher_watched
@@ -25,7 +26,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.requested_by: str | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # the handlers found, as signal.signal returned them
 
     def install(self) -> "GracefulStop":
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -26,8 +26,8 @@ from accelerate import Accelerator
 from lowmem.config import TrainConfig
 from lowmem.errors import ConfigError
 from lowmem.eval.validation import EvalResult
+from lowmem.run_files import LAUNCH_LOG_DIR
 from lowmem.train.log import LineFigures
-from lowmem.train.setup import LOG_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ INSTALL = {"tensorboard": ("tensorboard", 'pip install "lowmem[tensorboard]"'), 
 RUN_FOLDER_FILE = "run_folder.txt"  # in logs/tensorboard/<name>/: the run folder that owns the name
 
 
-def run_name(output_dir: str | Path, log_dir: str | Path = LOG_DIR, claim: bool = False) -> str:
+def run_name(output_dir: str | Path, log_dir: str | Path = LAUNCH_LOG_DIR, claim: bool = False) -> str:
     """The run's name for the trackers: the basename of its output folder (`model_save/demo` → `demo`), or,
     when another run folder of that basename already owns the name (`exp1/model`, `exp2/model`), the basename
     and a hash of the whole path (`model-1f3a9c2e`), so that two runs never write into one TensorBoard run.
@@ -84,7 +84,7 @@ def _owner(owner_file: Path) -> str | None:
         return None
 
 
-def tensorboard_dir(output_dir: str | Path, log_dir: str | Path = LOG_DIR) -> Path:
+def tensorboard_dir(output_dir: str | Path, log_dir: str | Path = LAUNCH_LOG_DIR) -> Path:
     """Where a run's TensorBoard event files go: logs/tensorboard/<run name>/ (see `run_name`).
 
     Relative to the working directory, beside the training log and the memory logs. The same output_dir gives
@@ -106,7 +106,7 @@ def check_installed(report_to: str) -> None:
                           f"still has every figure, one line per logging step.")
 
 
-def tracker_arguments(report_to: str, log_dir: str | Path = LOG_DIR) -> dict[str, Any]:
+def tracker_arguments(report_to: str, log_dir: str | Path = LAUNCH_LOG_DIR) -> dict[str, Any]:
     """The Accelerator's arguments for `report_to` (none for "none"): `log_with` and the logging folder
     (logs/<tracker>/, under which each run has its folder). Checks that the tracker is installed."""
     check_installed(report_to)
@@ -150,9 +150,9 @@ class Tracking:
         name = run_name(self.config.output_dir, claim=claim)
         # TensorBoard drops earlier points at steps >= purge_step (a start event in the new file).
         purge_step = step + 1 if resumed else 0
-        init_kwargs = {"tensorboard": {"purge_step": purge_step}, "wandb": {"dir": LOG_DIR, "name": name}}
+        init_kwargs = {"tensorboard": {"purge_step": purge_step}, "wandb": {"dir": LAUNCH_LOG_DIR, "name": name}}
         if self.accelerator.is_main_process and self.config.report_to == "wandb":
-            Path(LOG_DIR).mkdir(parents=True, exist_ok=True)  # wandb writes its run folder into logs/wandb/
+            Path(LAUNCH_LOG_DIR).mkdir(parents=True, exist_ok=True)  # wandb writes its run folder into logs/wandb/
         self._quiet_writer_threads()
         self._guarded(lambda: self.accelerator.init_trackers(name, config=hyperparameters(self.config),
                                                              init_kwargs=init_kwargs))

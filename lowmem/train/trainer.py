@@ -3,6 +3,7 @@
 A Trainer is made of small parts, each keeping its own state and saying itself when it is due:
 
     state        TrainState: epoch, step, tokens seen                       (checkpoint: shared)
+    schedule     LearningRateSchedule: the learning rate of every step      (checkpoint: shared)
     checkpoints  CheckpointManager: atomic folders, retention, `due(step)`   (checkpoint: shared)
     data         LoaderPosition: the training loader and its exact position (checkpoint: per rank)
     rng          RngState: this process's random states                     (checkpoint: per rank)
@@ -12,8 +13,9 @@ A Trainer is made of small parts, each keeping its own state and saying itself w
     tracking     Tracking: the training curves (--report_to), from the main process
     stopper      GracefulStop: SIGINT/SIGTERM, or `request_stop(reason)`
 
-A checkpoint is the model, the optimizer and the dict of the stateful parts (`TrainingCheckpoint`).
-`fit()` reads top to bottom: next batches, step, log, then validate and/or save when due.
+A checkpoint is the model, the optimizer and the dict of the stateful parts (`TrainingCheckpoint`); a resume
+(`lowmem.train.resume`) loads them back. `fit()` is the whole loop, one step at a time: take the step's batches,
+agree with every rank (a stop, the end of the epoch), train, then validate and save when due.
 """
 
 from __future__ import annotations
@@ -30,42 +32,39 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from lowmem.atomic_files import write_json_atomic
-from lowmem.checkpoint.contents import (RESUME_ONLY, TrainingCheckpoint, check_resume, check_weights_only,
-                                       read_trainer_state)
+from lowmem.checkpoint.contents import RESUME_ONLY, TrainingCheckpoint
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder, start_fresh_run
-from lowmem.config import TrainConfig, check_data_files, validate_config
+from lowmem.config import TrainConfig, validate_config
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.config.train_sources import training_data
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
-from lowmem.data.tokenizer_identity import check_same_tokenizer
+from lowmem.data.path_checks import check_data_files
 from lowmem.disk_errors import writing
 from lowmem.distributed.accelerator import create_accelerator
-from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
-                                           end_process_group, run_on_main)
+from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, check_shared_folder, end_process_group,
+                                           run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.peers import PeerWatch
 from lowmem.distributed.strategy import model_for_eval
-from lowmem.errors import ConfigError, DataContentChanged, DataError
 from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
 from lowmem.model.weights import WEIGHTS_FILE
 from lowmem.program import command_line
 from lowmem.progress import progress_bar
-from lowmem.run_files import run_training_log, tokenizer_record_file
-from lowmem.train.callbacks import Callback, StepResult
+from lowmem.run_files import LAUNCH_LOG_DIR, run_training_log, tokenizer_record_file
+from lowmem.train.callbacks import Callback
 from lowmem.train.log import StepLog, attach_run_log, setup_training_log
 from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
-from lowmem.train.rescale import merged_data_state, processes_changed, readers_changed, rescale_line
-from lowmem.train.schedule import get_lr, stretched_step, total_steps
-from lowmem.train.setup import (LOG_DIR, build_model_and_optimizer, ensure_tokenizer, make_loader, make_memory_monitor,
-                                resumed_tokenizer_dir, settle_architecture, settle_best_metric, settle_loss_targets,
-                                shared_memory_settings, steps_per_epoch)
+from lowmem.train.resume import resume_from_checkpoint, resumed_tokenizer_dir, settle_architecture, settle_loss_targets
+from lowmem.train.schedule import LearningRateSchedule, total_steps
+from lowmem.train.setup import (build_model_and_optimizer, ensure_tokenizer, make_loader, make_memory_monitor,
+                                settle_best_metric, shared_memory_settings, steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
-from lowmem.train.step import Batch, count_rows, count_tokens, take, train_step
+from lowmem.train.step import Batch, StepResult, count_rows, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
 from lowmem.train.tracking import Tracking, tracker_arguments
 
@@ -94,7 +93,10 @@ class LoaderPosition:
         self._untrained = True
 
     def state_dict(self) -> dict[str, Any]:
-        return self._before_step if self._untrained else self.loader.state_dict()
+        if self._untrained:
+            assert self._before_step is not None  # batches were taken before any could be given back
+            return self._before_step
+        return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
@@ -155,9 +157,11 @@ class Trainer:
                                     pack=config.pack_rows)
         loader = make_loader(training_data(config), config, self.accelerator, collate, settings, shuffle=True)
         self.steps_per_epoch = steps_per_epoch(loader, config)
-        self.total_steps = total_steps(self.steps_per_epoch, config.epochs, config.max_steps)
+        planned_steps = total_steps(self.steps_per_epoch, config.epochs, config.max_steps)
 
-        self.state = TrainState(total_steps=self.total_steps)
+        self.state = TrainState()
+        self.schedule = LearningRateSchedule(config.learn_rate, config.warmup_steps, config.min_lr_ratio,
+                                             planned_steps)
         self.checkpoints = CheckpointManager(
             config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
             mode=METRIC_MODES[config.best_metric], is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,
@@ -167,16 +171,15 @@ class Trainer:
         self.memory = make_memory_monitor(config, self.accelerator, settings,
                                           predicted_high_water=memory.predicted_high_water(self.is_main))
         self.validator = Validator(config, self.tokenizer, self.accelerator)
-        self.step_log = StepLog(self.accelerator, self.total_steps, config.logging_steps)
+        self.step_log = StepLog(self.accelerator, planned_steps, config.logging_steps)
         self.stopper = GracefulStop()
         self.checkpoint = TrainingCheckpoint(
-            self.model, self.optimizer, self.accelerator, shared={"train": self.state, "checkpoints": self.checkpoints},
+            self.model, self.optimizer, self.accelerator,
+            shared={"train": self.state, "schedule": self.schedule, "checkpoints": self.checkpoints},
             per_rank={"rng": self.rng, "data": self.data, "memory": self.memory}, config=config,
             run_facts={"world_size": self.accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers),
                        SAVED_KEY: memory.saved_record(), "tokenizer": self.tokenizer_identity})
         self.resumed_from: Path | None = None
-        self.epoch_ended = False
-        self.epoch_rows_not_trained = 0  # rows of the short last step that ended the epoch, all ranks (`end_epoch`)
         self.lr = float("nan")  # the current step's learning rate (set by `begin`, then by every step)
         self.progress: tqdm | None = None
         logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all; %s.",
@@ -189,13 +192,24 @@ class Trainer:
         try:
             self.begin()
             try:
-                while self.running:
-                    for micro_batches, agreed in self.epoch_steps():
-                        result = self.optimizer_step(micro_batches, agreed)
-                        self.after_step(result)
-                        self.validate_and_save_when_due()
-                    if self.epoch_ended:
-                        self.end_epoch()
+                batches: Iterator[Batch] | None = None
+                while self.steps_remain:
+                    if batches is None:
+                        batches = self.data.epoch_batches(self.state.epoch)
+                    micro_batches = self.data.take(batches, self.config.gradient_accumulation_steps)
+                    agreed = self.agree(micro_batches)  # one small collective: every rank decides alike
+                    if agreed.stop:
+                        self.stop_and_save()  # the batches just taken go back: saved where the last step left off
+                        break
+                    if agreed.ranks_out:
+                        # Training a last step of fewer micro-batches would not be safe: under FSDP every forward
+                        # is a collective (ranks may hold different numbers), and the schedule counts whole steps.
+                        self.end_epoch(rows_not_trained=agreed.global_rows)  # validates and saves
+                        batches = None
+                        continue
+                    result = self.optimizer_step(micro_batches, agreed)
+                    self.after_step(result)  # count, callbacks, memory schedule, log line
+                    self.validate_and_save_when_due()
                 if not self.stopper.requested:
                     self.validate_and_save_when_due(final=True)
             except Exception as error:
@@ -209,28 +223,22 @@ class Trainer:
             self.tracking.end()  # stopped or failed too: the curves so far are flushed and closed
 
     @property
-    def running(self) -> bool:
-        return (not self.stopper.requested and self.state.step < self.total_steps
-                and self.state.epoch < self.config.epochs)
+    def steps_remain(self) -> bool:
+        """Steps and epochs are left (the same on every rank: a stop is agreed at the next step instead)."""
+        return self.state.step < self.total_steps and self.state.epoch < self.config.epochs
 
-    def epoch_steps(self) -> Iterator[tuple[list[Batch], StepAgreement]]:
-        """The micro-batches of each step of the current epoch, until the step budget ends, a rank runs out of
-        rows (`epoch_ended`) or a stop is agreed (then saved here)."""
-        batches = self.data.epoch_batches(self.state.epoch)
-        self.epoch_ended, self.epoch_rows_not_trained = False, 0
-        while self.state.step < self.total_steps:
-            micro_batches = self.data.take(batches, self.config.gradient_accumulation_steps)
-            agreed = self.agree(micro_batches)
-            if agreed.stop:
-                self.stop_and_save()
-                return
-            if agreed.ranks_out:
-                # Training a last step of fewer micro-batches would not be safe: under FSDP every forward is a
-                # collective (ranks may hold different numbers), and the schedule counts whole steps. Said at
-                # the epoch's end instead.
-                self.epoch_ended, self.epoch_rows_not_trained = True, agreed.global_rows
-                return
-            yield micro_batches, agreed
+    @property
+    def running(self) -> bool:
+        return not self.stopper.requested and self.steps_remain
+
+    @property
+    def total_steps(self) -> int:
+        """The run's optimizer steps in all, as the schedule plans them."""
+        return self.schedule.total_steps
+
+    @total_steps.setter
+    def total_steps(self, total: int) -> None:
+        self.schedule.total_steps = self.step_log.total_steps = total
 
     def agree(self, micro_batches: list[Batch]) -> StepAgreement:
         """One small collective per step carries the step's token counts, whether any rank ran out of data
@@ -247,46 +255,13 @@ class Trainer:
     def optimizer_step(self, micro_batches: list[Batch], agreed: StepAgreement) -> StepResult:
         """One optimizer step at the scheduled learning rate."""
         config = self.config
-        self.lr = self.learning_rate(self.state.step)
+        self.lr = self.schedule.lr(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         loss_sum, grad_norm, applied = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
                                                   agreed.global_target_tokens, config.grad_clip)
         return StepResult(micro_batches, loss_sum, grad_norm, applied, self.lr, agreed.target_tokens,
                           agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens)
-
-    def learning_rate(self, step: int) -> float:
-        """The schedule's learning rate for optimizer step `step` (0-based), stretched after a resume on another
-        number of processes (see `continue_schedule`)."""
-        config, state = self.config, self.state
-        if not state.lr_virtual_total:
-            return get_lr(step, config.learn_rate, config.warmup_steps, self.total_steps, config.min_lr_ratio)
-        virtual = stretched_step(step, state.lr_anchor_step, state.lr_anchor_virtual, state.lr_virtual_total,
-                                 self.total_steps)
-        return get_lr(virtual, config.learn_rate, config.warmup_steps, state.lr_virtual_total, config.min_lr_ratio)
-
-    def set_total_steps(self, total: int) -> None:
-        self.total_steps = self.state.total_steps = total
-        self.step_log.total_steps = total
-
-    def continue_schedule(self) -> int:
-        """After a resume on another number of processes: the steps left are this epoch's rest and the later
-        epochs at the new rate; the schedule is stretched over them from where it stood. Returns the steps left."""
-        config, state = self.config, self.state
-        saved_total = state.total_steps or self.total_steps
-        if state.lr_virtual_total:
-            virtual = stretched_step(state.step, state.lr_anchor_step, state.lr_anchor_virtual, state.lr_virtual_total,
-                                     saved_total)
-        else:
-            virtual, state.lr_virtual_total = float(state.step), saved_total
-        steps_left = (len(self.data.loader) // config.gradient_accumulation_steps
-                      + max(0, config.epochs - state.epoch - 1) * self.steps_per_epoch)
-        total = state.step + steps_left
-        if config.max_steps:
-            total = min(total, config.max_steps)
-        state.lr_anchor_step, state.lr_anchor_virtual = state.step, virtual
-        self.set_total_steps(total)
-        return total - state.step
 
     def after_step(self, result: StepResult) -> None:
         """Count the step, run the callbacks and the memory schedule, and write the log line when due."""
@@ -300,6 +275,7 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_step_end(self, result)
         self.step_log.add(result)
+        assert self.progress is not None  # made by begin()
         self.progress.update(1)
         self.memory.after_step(self.state.epoch, self.state.step)
         if self.step_log.due(self.state.step):
@@ -336,14 +312,15 @@ class Trainer:
         return result
 
     # ----- epochs, stops and saves ------------------------------------------------------------------------
-    def end_epoch(self) -> None:
-        """Some rank ran out of rows: every rank counts the epoch as done, validates and saves."""
+    def end_epoch(self, rows_not_trained: int = 0) -> None:
+        """Some rank ran out of rows: every rank counts the epoch as done, validates and saves. `rows_not_trained`:
+        the rows, on every rank, of the short last step that was not taken."""
         self.state.epoch += 1
-        if self.epoch_rows_not_trained:
-            self.state.rows_not_trained += self.epoch_rows_not_trained
+        if rows_not_trained:
+            self.state.rows_not_trained += rows_not_trained
             logger.info("Epoch %d done at step %d: %s rows of a last, short accumulation step (fewer than %d "
                         "micro-batches on some process) were not trained in this epoch.", self.state.epoch,
-                        self.state.step, f"{self.epoch_rows_not_trained:,}", self.config.gradient_accumulation_steps)
+                        self.state.step, f"{rows_not_trained:,}", self.config.gradient_accumulation_steps)
         else:
             logger.info("Epoch %d done at step %d.", self.state.epoch, self.state.step)
         self.validate_and_save_when_due(epoch_end=True)
@@ -353,10 +330,12 @@ class Trainer:
         self.stopper.request(reason)
 
     def stop_and_save(self) -> None:
-        """A stop was agreed: save where the last trained step left off (the batches just taken go back)."""
+        """A stop was agreed: save where the last trained step left off (the batches just taken go back), unless
+        that step is saved already (at an epoch's end, or when a save was due): that checkpoint keeps its score."""
         self.stopper.request("another process")  # when the request came from another rank
         self.data.give_back_last_batches()
-        self.save(score=None)
+        if self.checkpoints.last_saved_step != self.state.step:
+            self.save(score=None)
 
     def save(self, score: float | None) -> Path:
         """Save a checkpoint of every part at the current step; every rank calls it."""
@@ -377,57 +356,7 @@ class Trainer:
         since the save are read on from the saved position, and a checkpoint kept for its score only (no optimizer
         state) resumes with a fresh optimizer. Checkpoints that exist but are all damaged stop the resume.
         """
-        if start_from is not None:
-            if not allow_config_change:  # refused before newer checkpoints are set aside
-                check_weights_only(Path(start_from), allow_config_change, self.is_main)
-            folder = broadcast_from_main(self.accelerator, lambda: str(self.checkpoints.start_from(start_from)))
-            folder = Path(folder)
-        else:
-            folder, refusal = broadcast_from_main(self.accelerator, self._checkpoint_to_resume)
-            if refusal is not None:  # asked to resume, and only damaged checkpoints: never start fresh over them
-                raise ConfigError(refusal if self.is_main else "")
-        if folder is None:
-            logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
-            return None
-        saved = read_trainer_state(folder)
-        check_same_tokenizer(saved.get("tokenizer"), self.tokenizer_identity, folder)
-        changes = check_resume(folder, saved, self.config, allow_config_change, self.steps_per_epoch)
-        with_optimizer = check_weights_only(folder, allow_config_change, self.is_main, self.checkpoints.damage)
-        if not with_optimizer:
-            changes.append("optimizer state started afresh")
-        self.checkpoint.load(folder, saved, skip=("data",), with_optimizer=with_optimizer)
-        run_facts = self.checkpoint.run_facts
-        rescaled = processes_changed(saved, run_facts)
-        # Files rewritten with the same row counts: refused, or with the flag continued from the saved position.
-        self.data.loader.stream.allow_changed_content = allow_config_change
-        try:
-            if readers_changed(saved, self.config, run_facts):
-                # Another layout of readers needs every old rank's position to share the rest out.
-                self.data.load_state_dict(merged_data_state(folder, int(saved.get("world_size", 1))))
-            else:
-                self.checkpoint.load_part(folder, "data")
-        except DataError as error:
-            if isinstance(error, DataContentChanged) or (not changes and not rescaled):
-                raise  # other rows under a saved position: refused, whatever else changed
-            logger.warning("The saved data position does not fit the changed settings (%s): epoch %d restarts.",
-                           error, self.state.epoch)
-        if rescaled:
-            steps_left = self.continue_schedule()
-            logger.info(rescale_line(saved, self.config, run_facts, len(self.data.loader.stream), steps_left))
-        elif self.state.lr_virtual_total:
-            self.set_total_steps(self.state.total_steps)  # a stretched schedule keeps the total it planned
-        else:
-            self.state.total_steps = self.total_steps
-        self.checkpoints.last_saved_step = self.state.step
-        self.resumed_from = folder
-        logger.info("Resumed from %s: epoch %d, step %d, %s tokens seen%s.", folder, self.state.epoch,
-                    self.state.step, f"{self.state.tokens_seen:,}", f" (changed: {'; '.join(changes)})" if changes else "")
-        return folder
-
-    def _checkpoint_to_resume(self) -> tuple[Path | None, str | None]:
-        """(the newest intact checkpoint, or None; the refusal when checkpoints exist but all are damaged)."""
-        found = self.checkpoints.latest_complete()
-        return found, self.checkpoints.no_usable_checkpoint(found)
+        return resume_from_checkpoint(self, allow_config_change, start_from)
 
     # ----- start and end ----------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -440,7 +369,7 @@ class Trainer:
         run_on_main(self.accelerator, write_record)
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
-        self.lr = self.learning_rate(self.state.step)
+        self.lr = self.schedule.lr(self.state.step)
         self.memory.start(self.state.epoch, self.state.step)
         self.stopper.install()
         self.progress = progress_bar(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
@@ -572,7 +501,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
                                      **tracker_arguments(config.report_to))
     config, memory = settle_memory(config, accelerator, explicit_fields(config, given), is_keep_training,
                                    allow_config_change)
-    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LOG_DIR)
+    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LAUNCH_LOG_DIR)
     log_decision(memory)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     lock = lock_run_folder(accelerator, config.output_dir, "training")

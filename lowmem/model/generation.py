@@ -1,0 +1,266 @@
+"""Generation with a key/value cache: the decoding loop behind `GPT.generate` and its helpers.
+
+The cache (`KVCache`) keeps the keys and values of positions already run, so each new token costs one
+position's work instead of a pass over the whole context. Prompts of different lengths are left-padded and
+masked (`_attention_mask`); the loop bans repeated n-grams and filters the logits (top-k, top-p) before
+sampling.
+
+Shapes in comments use B = batch size, T = sequence length, nh = n_head, hs = head size and V = padded
+vocabulary size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from lowmem.errors import ConfigError
+
+if TYPE_CHECKING:  # only for annotations: lowmem.model.gpt imports this module
+    from lowmem.model.gpt import GPT
+
+
+class LayerKVCache:
+    """Keys and values of one attention layer for the positions run so far.
+
+    The buffers are allocated once, at the first `append`, for the longest context the generation can
+    reach; each step writes its new positions in place. Concatenating instead would copy the whole cache
+    at every step, which adds up to a cost quadratic in the number of generated tokens.
+
+    Args:
+        max_len: positions the buffers hold.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0  # positions filled
+        self.k: torch.Tensor | None = None  # (B, nh, max_len, hs) once allocated
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys and values k, v (B, nh, T, hs) of the next T positions.
+
+        Returns:
+            Keys and values of every position so far, each (B, nh, length, hs): views of the buffers.
+        """
+        B, nh, T, hs = k.shape
+        if self.k is None or self.v is None:
+            self.k = k.new_empty(B, nh, self.max_len, hs)
+            self.v = v.new_empty(B, nh, self.max_len, hs)
+        end = self.length + T
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; cannot append {T} after {self.length}.")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, end, hs)
+
+
+class KVCache:
+    """Keys and values of every attention layer for the positions run so far (see `LayerKVCache`).
+
+    Args:
+        n_layer: number of transformer blocks.
+        max_len: longest context the cache must hold; at most `max_seq_len`.
+    """
+
+    def __init__(self, n_layer: int, max_len: int) -> None:
+        self.max_len = max_len
+        self.layers = [LayerKVCache(max_len) for _ in range(n_layer)]
+
+    @property
+    def length(self) -> int:
+        """Positions stored (the same in every layer between forward passes)."""
+        return self.layers[0].length
+
+
+@dataclass
+class _DecodingState:
+    """What `GPT._next_token_logits` needs besides the tokens while `GPT.generate` runs.
+
+    It lives on the model for the duration of `generate` rather than being passed along, so that
+    `_next_token_logits(idx)` keeps one argument: tests and tools replace that method to script the logits.
+    """
+
+    # (B,) left-padding tokens at the start of each prompt row; None when no row is padded.
+    n_pad: torch.Tensor | None = None
+    # None when not caching, and from the step at which the context outgrows max_seq_len.
+    cache: KVCache | None = None
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    pad_id: int | None = None,
+    *,
+    use_cache: bool = True,
+    prompt_lengths: torch.Tensor | None = None,
+    no_repeat_ngram_size: int = 0,
+) -> torch.Tensor:
+    """Continue each sequence in `idx` by up to `max_new_tokens` tokens; `GPT.generate` is this function.
+
+    The model runs in eval mode (no dropout) for the duration and is put back in its previous mode
+    afterwards. Contexts longer than `max_seq_len` are cropped to their last `max_seq_len` tokens.
+
+    With `use_cache`, the keys and values of every position are kept, so each step runs only the new
+    token; the chosen tokens are those of the uncached path (up to float rounding in near-ties). The
+    cache covers contexts up to `max_seq_len`. Once the context outgrows it, the position of every
+    kept token changes with each step (positions count from the window's start), so the cache is dropped and
+    each further step recomputes the last `max_seq_len` tokens, as the uncached path does.
+
+    Args:
+        model: the GPT; while it runs, `model._decoding` holds the left padding and the key/value cache that
+            `model._next_token_logits` reads.
+        idx: prompt token ids, LongTensor (B, T) with T >= 1; left-padded when `prompt_lengths` is given.
+        max_new_tokens: the most tokens to append.
+        temperature: divides the logits before sampling; below 1 sharpens, above 1 flattens.
+            0 means greedy.
+        top_k: sample only among the k most likely tokens.
+        top_p: sample only among the most likely tokens whose probabilities sum to at least top_p
+            (nucleus sampling), in (0, 1].
+        eos_id: stop a sequence once it produces this id; generation ends early when all have.
+        greedy: take the most likely token instead of sampling (ignores temperature, top_k, top_p).
+        generator: random generator for reproducible sampling; must be on the model's device.
+        pad_id: what finished sequences emit while others continue; defaults to `eos_id`.
+        use_cache: keep a key/value cache (much faster for long generations); False recomputes the
+            whole context at every step.
+        no_repeat_ngram_size: with n > 0, never produce a token that would repeat an n-gram already in
+            the row's answer (the prompt is not counted).
+        prompt_lengths: (B,) number of real tokens in each row of `idx`, for a batch of prompts of
+            different lengths: row b's prompt is its last `prompt_lengths[b]` tokens and whatever
+            precedes them is padding (any ids), never attended to. Each row then gets the tokens it
+            would get alone. None means every row is a full prompt.
+
+    Returns:
+        LongTensor (B, T + n) holding the prompt (padding included) followed by the n <= max_new_tokens
+        new tokens. Ids are always < `config.vocab_size`: the padding rows of the vocabulary are never
+        chosen.
+    """
+    if idx.dim() != 2 or idx.size(1) < 1:
+        raise ValueError(f"idx must have shape (batch, seq_len) with seq_len >= 1, got {tuple(idx.shape)}.")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"top_k must be >= 1 or None (no limit), got {top_k}.")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p must be in (0, 1] or None (no limit), got {top_p}.")
+    greedy = greedy or temperature == 0
+    vocab_size = model.config.vocab_size
+    fill_id = eos_id if pad_id is None else pad_id
+    B, T = idx.shape
+    max_len = model.config.max_seq_len
+    n_pad = _left_padding(prompt_lengths, B, T, idx.device)  # (B,) or None
+    # A prompt that already fills the context would use the cache for its first step only.
+    cache = KVCache(model.config.n_layer, min(T + max_new_tokens, max_len)) if use_cache and T < max_len else None
+
+    was_training = model.training
+    model.eval()
+    model._decoding = _DecodingState(n_pad=n_pad, cache=cache)
+    try:
+        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
+        answer_start = idx.size(1)
+        for _ in range(max_new_tokens):
+            # The whole context: `_next_token_logits` crops it, or runs only what the cache lacks.
+            logits = model._next_token_logits(idx).float()  # (B, V)
+            # The padding rows of the vocabulary are not tokens the tokenizer can decode.
+            logits[:, vocab_size:] = float("-inf")
+            if no_repeat_ngram_size > 0:
+                _ban_repeated_ngrams(logits, idx[:, answer_start:], no_repeat_ngram_size)
+            if greedy:
+                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                probs = F.softmax(_filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
+                next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            if eos_id is not None:
+                # Finished rows keep emitting padding so the batch stays rectangular.
+                assert fill_id is not None  # pad_id if given, else eos_id, which is set here
+                next_id = torch.where(finished.unsqueeze(1), torch.full_like(next_id, fill_id), next_id)
+                finished |= next_id.squeeze(1) == eos_id
+            idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
+            if eos_id is not None and bool(finished.all()):
+                break
+    finally:
+        model._decoding = None  # also frees the cache
+        model.train(was_training)
+    return idx
+
+
+def _left_padding(prompt_lengths: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """Left-padding tokens per row (B,) from the prompt lengths, or None when no row is padded.
+
+    Raises:
+        ValueError: if `prompt_lengths` is not B lengths in [1, T].
+    """
+    if prompt_lengths is None:
+        return None
+    lengths = torch.as_tensor(prompt_lengths, device=device)
+    if lengths.shape != (B,) or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise ValueError(
+            f"prompt_lengths must be {B} integers (one per row of idx), got shape {tuple(lengths.shape)} "
+            f"and dtype {lengths.dtype}."
+        )
+    if bool((lengths < 1).any()) or bool((lengths > T).any()):
+        raise ValueError(f"prompt_lengths must lie in [1, {T}] (the width of idx), got {lengths.tolist()}.")
+    n_pad = T - lengths.long()  # (B,)
+    # Without padding the plain causal path is exact and faster.
+    return n_pad if bool(n_pad.any()) else None
+
+
+def _attention_mask(Tq: int, Tk: int, n_pad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Boolean attention mask (B or 1, 1, Tq, Tk), True where a query may attend to a key.
+
+    The Tq queries are the last Tq of the Tk key positions. A query sees itself and earlier keys, except
+    the first n_pad[b] (left padding) of its row. A padding query still sees itself so that no row of the
+    softmax has every key masked: some SDPA kernels return NaN for such a row, and the NaN would reach real
+    positions through the values of the next layer (a zero attention weight times NaN is NaN).
+    """
+    q_pos = torch.arange(Tk - Tq, Tk, device=device).unsqueeze(1)  # (Tq, 1)
+    k_pos = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
+    mask = k_pos <= q_pos  # (Tq, Tk), causal
+    if n_pad is not None:
+        real_key = k_pos >= n_pad.view(-1, 1, 1)  # (B, 1, Tk)
+        mask = (mask & real_key) | (k_pos == q_pos)  # (B, Tq, Tk)
+    return mask.view(-1, 1, Tq, Tk)  # (B or 1, 1, Tq, Tk), broadcast over heads
+
+
+def _ban_repeated_ngrams(logits: torch.Tensor, answer: torch.Tensor, n: int) -> None:
+    """Set to -inf, in place, each token that would repeat an n-gram already in the row's answer (B, t).
+
+    A small model's greedy answers fall into loops of one phrase; forbidding repeated n-grams within the
+    answer (not the prompt, which a continuation may echo) is the usual remedy.
+    """
+    for row, tokens in enumerate(answer.tolist()):
+        if len(tokens) < n:
+            continue
+        prefix = tokens[len(tokens) - n + 1:]  # the n-1 tokens a new token would extend
+        banned = {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i:i + n - 1] == prefix}
+        logits[row, list(banned)] = float("-inf")
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Set to -inf the logits (B, V) outside the top-k and outside the top-p nucleus."""
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1), the k-th largest logit
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        sorted_probs = F.softmax(sorted_logits, dim=-1)
+        # Drop a token when the more likely tokens before it already reach top_p; the most likely token
+        # is always kept because nothing precedes it.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # back to vocabulary order
+    return logits

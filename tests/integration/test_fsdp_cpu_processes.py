@@ -1,0 +1,204 @@
+"""FSDP2 end to end on the CPU: 3 processes on gloo, started the way users start it,
+
+    accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 3 --main_process_port 0 \
+        train_low_mem.py train ...
+
+with the training code, checkpoints and evaluation that FSDP runs on GPUs. Accelerate alone would run DDP
+there (it builds FSDP on accelerators only); `lowmem.distributed.accelerator.fsdp_on_cpu` makes it FSDP.
+A run killed with SIGKILL after a save and resumed trains the same rows with the same losses as an
+uninterrupted one, and its checkpoints keep the optimizer state sharded, one file per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_resume_runs import chat_data as chat_data  # the resume tests' data, made once per module
+from training_helpers import (ROOT, assert_losses_match, kill_all, resumed_from, start_run,
+                              traced_losses, traced_run, wait_for_step)
+
+FSDP_CONFIG = ROOT / "configs" / "accelerate" / "fsdp.yaml"
+FSDP_LAUNCHER = ["accelerate", "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "3",
+                 "--main_process_port", "0"]
+# No GPU even where the machine has one: this is FSDP on the CPU. One thread per process on a small machine.
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+EXTRA = ("--epochs=1", "--save_steps=5")  # 19 steps with 3 ranks, a save every 5
+STRATEGY_LINE = "Parallelism: FSDP2, 3 processes."
+
+WORLD = 3
+needs_launcher = pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, chat_data):
+    """An uninterrupted FSDP run: its output, trace folder and run folder."""
+    folder = tmp_path_factory.mktemp("fsdp-reference")
+    done, trace = traced_run(folder, chat_data, env=CPU_ENV, extra=EXTRA, launcher=FSDP_LAUNCHER)
+    return done, trace, folder / "run"
+
+
+@pytest.mark.slow
+@needs_launcher
+def test_fsdp_on_three_cpu_processes_resumes_exactly_after_sigkill(tmp_path, chat_data, reference):
+    _, reference_trace, _ = reference
+    process = start_run(tmp_path, chat_data, env={**CPU_ENV, "LOWMEM_TEST_STEP_SECONDS": "0.05"},
+                        launcher=FSDP_LAUNCHER, extra=EXTRA)
+    wait_for_step(process, 11)  # after the save at step 10
+    kill_all(process)
+    resumed, trace = traced_run(tmp_path, chat_data, env=CPU_ENV, extra=[*EXTRA, "--is_keep_training=True"],
+                                launcher=FSDP_LAUNCHER)
+    assert STRATEGY_LINE in resumed.stderr
+    start = resumed_from(resumed.stderr)
+    assert start in (10, 15), "resumed from the last save before the kill (10, or 15 if the kill landed late)"
+    for rank in range(3):
+        expected = json.loads((reference_trace / f"trace-rank{rank}.json").read_text())
+        got = json.loads((trace / f"trace-rank{rank}.json").read_text())
+        # No row twice, none left out: each rank's rows after the resume are the reference's last ones.
+        assert len(got["rows"]) > 0 and got["rows"] == expected["rows"][-len(got["rows"]):], rank
+        assert got["steps"] == expected["steps"]
+        # Bit for bit, unlike DDP (whose gradient buckets are rebuilt after a process's first step, so a resumed
+        # run adds in another order): FSDP2 reduces each unit's gradients in the same order in every run, and
+        # the weights and optimizer state come back exactly.
+        assert got["weights"] == expected["weights"], rank
+    assert_losses_match(traced_losses(trace), traced_losses(reference_trace), start)
+
+
+@pytest.mark.slow
+@needs_launcher
+def test_fsdp_checkpoints_keep_the_optimizer_state_sharded(reference):
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reference_run, _, run_dir = reference
+    assert STRATEGY_LINE in reference_run.stderr, "the log names the strategy that ran"
+    checkpoints = sorted(run_dir.glob("checkpoint-*"))
+    assert checkpoints, "the run kept no checkpoint"
+    for checkpoint in checkpoints:
+        assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "optimizer.pt").exists()
+        with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as weights:
+            names = set(weights.keys())
+        assert "lm_head.weight" in names and "tok_emb.weight" not in names, "one name of the tied pair, as DDP's"
+        optimizer = checkpoint / "optimizer"
+        assert sorted(path.name for path in optimizer.glob("*.distcp")) == [f"__{rank}_0.distcp" for rank in range(3)]
+        # Every moment tensor is stored in 3 pieces, one per rank: no process wrote (or held) all of it.
+        metadata = FileSystemReader(str(optimizer)).read_metadata()
+        moments = {name: entry for name, entry in metadata.state_dict_metadata.items()
+                   if isinstance(entry, TensorStorageMetadata) and name.endswith(("exp_avg", "exp_avg_sq"))}
+        assert moments
+        for name, entry in moments.items():
+            files = {metadata.storage_data[index].relative_path for index in metadata.storage_data
+                     if index.fqn == name}
+            assert len(entry.chunks) == 3 and len(files) == 3, (name, entry.chunks, files)
+
+
+# ----- loading the weights: the main process reads the file --------------------------------------------------
+def fsdp_launch_environment() -> dict[str, str]:
+    """The variables `accelerate launch --config_file configs/accelerate/fsdp.yaml` sets for its processes."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(FSDP_CONFIG), "--num_processes", str(WORLD),
+                                               "train_low_mem.py", "train"])
+    args, _, _ = _validate_launch_command(args)
+    launched = prepare_multi_gpu_env(args)
+    return {name: value for name, value in launched.items() if os.environ.get(name) != value}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepared_gpt(seed: int, accelerator):
+    from lowmem.config import OptimConfig
+    from lowmem.distributed.strategy import prepare_model_and_optimizer
+    from lowmem.model import GPT, GPTConfig
+
+    torch.manual_seed(seed)  # the same weights on every rank
+    model = GPT(GPTConfig(vocab_size=96, max_seq_len=16, n_layer=2, n_head=2, n_embd=32))
+    return prepare_model_and_optimizer(model, OptimConfig(), accelerator)
+
+
+def moments(optimizer) -> list[torch.Tensor]:
+    """This rank's shard of every AdamW moment, in parameter order."""
+    inner = optimizer.optimizer
+    return [inner.state[p][key].to_local() for group in inner.param_groups for p in group["params"]
+            for key in ("exp_avg", "exp_avg_sq")]
+
+
+def load_worker(rank: int, port: int, folder: Path, launch_env: dict[str, str]) -> None:
+    """Train a step, save, and load into a model with other weights, where only rank 0 may read the weights file;
+    then load from a checkpoint whose weights file is missing."""
+    import safetensors.torch
+
+    from lowmem.distributed.accelerator import create_accelerator
+    from lowmem.distributed.strategy import (describe, full_model_state, load_model_and_optimizer,
+                                             save_model_and_optimizer)
+    from lowmem.errors import CheckpointError
+    from lowmem.model.weights import unwrap
+
+    os.environ.update({**launch_env, **CPU_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    accelerator = create_accelerator(1, bf16=True, process_group_timeout_minutes=2)
+    model, optimizer = prepared_gpt(0, accelerator)
+    tokens = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(rank))  # (B, T)
+    _, loss = model(tokens, tokens)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    save_model_and_optimizer(folder, model, optimizer, accelerator)
+    accelerator.wait_for_everyone()
+    saved = full_model_state(model, accelerator, on_every_rank=True)
+
+    restored, restored_optimizer = prepared_gpt(1, accelerator)
+    if rank != 0:
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"rank {rank} read the weights file")
+        safetensors.torch.load_file = refuse
+    load_model_and_optimizer(folder, restored, restored_optimizer, accelerator)
+    loaded = full_model_state(restored, accelerator, on_every_rank=True)
+    plain = unwrap(restored)
+
+    missing = folder.parent / "missing"  # an FSDP checkpoint without its weights file
+    (missing / "optimizer").mkdir(parents=True, exist_ok=True)
+    try:
+        load_model_and_optimizer(missing, restored, restored_optimizer, accelerator)
+        error = ""
+    except CheckpointError as raised:
+        error = str(raised)
+    result = {"strategy": describe(accelerator), "device": accelerator.device.type,
+              "same_names": sorted(loaded) == sorted(saved),
+              "same_weights": all(torch.equal(loaded[name], saved[name]) for name in saved),
+              "same_moments": all(torch.equal(a, b) for a, b in zip(moments(optimizer), moments(restored_optimizer))),
+              "still_tied": plain.lm_head.weight is plain.tok_emb.weight, "names": sorted(saved), "error": error}
+    (folder.parent / f"rank{rank}.json").write_text(json.dumps(result))
+    accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_fsdp_weights_are_read_by_the_main_process_only(tmp_path):
+    """Resuming an FSDP checkpoint: rank 0 reads model.safetensors and the weights reach the other ranks' shards
+    by broadcast (they never open the file), tied lm_head/tok_emb included; a file rank 0 cannot read fails on
+    every rank with a message instead of leaving the others waiting in the broadcast."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    mp.spawn(load_worker, args=(free_port(), checkpoint, fsdp_launch_environment()), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["strategy"] == "FSDP2, 3 processes" and result["device"] == "cpu", result
+        assert result["same_names"] and result["same_weights"] and result["same_moments"], (rank, result)
+        assert result["still_tied"], rank
+        assert "lm_head.weight" in result["names"] and "tok_emb.weight" not in result["names"]
+        assert "The main process could not read" in result["error"] and "model.safetensors" in result["error"]

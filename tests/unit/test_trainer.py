@@ -1,0 +1,331 @@
+"""The Trainer in-process: stopping, epoch ends, a rank out of rows, validation and saves when due, the final
+export, and resume, each through the Trainer's own methods (one process; the multi-process paths are tested
+through the launcher in test_resume_runs.py and test_training.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from fault_injection import StopAfterStep, TrainingTrace
+from training_helpers import write_chat_rows
+
+from lowmem.checkpoint.folders import file_crc32
+from lowmem.config import TrainConfig, apply_overrides
+from lowmem.train.callbacks import Callback, StepResult
+from lowmem.train.schedule import get_lr, stretched_step
+from lowmem.train.trainer import Trainer
+
+ROWS, BATCH, ACCUMULATION = 200, 8, 2
+STEPS_PER_EPOCH = ROWS // (BATCH * ACCUMULATION)  # 12
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chat")
+    return (write_chat_rows(folder / "train.parquet", ROWS, seed=1),
+            write_chat_rows(folder / "valid.parquet", 20, seed=2))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, chat_data):
+    """One tokenizer for every test here: training it is the slow part of a tiny run."""
+    from lowmem.train.setup import train_tokenizer_for
+
+    folder = tmp_path_factory.mktemp("tok")
+    train_tokenizer_for(tiny_config(folder, chat_data, folder))
+    return folder
+
+
+def tiny_config(folder: Path, chat_data, tokenizer_dir: Path, **overrides) -> TrainConfig:
+    train, valid = chat_data
+    values = dict(train_file=str(train), validation_file=str(valid), test_file=str(valid),
+                  tokenizer_dir=str(tokenizer_dir), output_dir=str(folder / "run"), vocab_size=400, n_layer=2,
+                  n_head=2, n_embd=32, max_seq_len=64, batch_size_per_gpu=BATCH,
+                  gradient_accumulation_steps=ACCUMULATION, dataloader_buffer_size=50, logging_steps=5,
+                  warmup_steps=2, sample_max_new_tokens=8, eval_bleu_samples=0, eval_max_new_tokens=8, epochs=1,
+                  dropout=0.1, save_steps=100, keep_latest_n_ckp=1, best_metric="val_loss")
+    values.update(overrides)
+    return apply_overrides(TrainConfig(), values)
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the memory and training logs go to ./logs
+    return tmp_path
+
+
+class Recorder(Callback):
+    """Remembers the steps, validations and saves it saw."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.saves: list[int] = []
+        self.started_at: int | None = None
+        self.ended_with_model = False
+
+    def on_train_start(self, trainer) -> None:
+        self.started_at = trainer.state.step
+
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        self.steps.append(trainer.state.step)
+        assert result.global_target_tokens >= result.target_tokens > 0
+
+    def on_checkpoint_write(self, trainer, folder: Path) -> None:
+        self.saves.append(trainer.state.step)
+        assert folder.name.endswith(".tmp"), "written into the temporary folder, before it is complete"
+
+    def on_train_end(self, trainer, model) -> None:
+        self.ended_with_model = model is not None
+
+
+def validation_steps(caplog) -> list[int]:
+    return [int(record.getMessage().split()[3].rstrip(":")) for record in caplog.records
+            if record.getMessage().startswith("Validation at step")]
+
+
+def test_a_full_run_validates_and_saves_when_due_and_exports(in_tmp, chat_data, tokenizer_dir, caplog):
+    config = tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2, eval_steps=5, save_steps=8)
+    recorder = Recorder()
+    with caplog.at_level("INFO"):
+        summary = Trainer(config, callbacks=[recorder]).fit()
+    total = 2 * STEPS_PER_EPOCH
+    assert recorder.steps == list(range(1, total + 1)) and recorder.started_at == 0
+    # Saves: every 8 steps, at each epoch's end (12, 24); the last step is already saved then.
+    assert recorder.saves == [8, 12, 16, 24]
+    # Validations: before the first step (0), every 5 steps, and before each save.
+    assert validation_steps(caplog) == [0, 5, 8, 10, 12, 15, 16, 20, 24]
+    assert summary["steps"] == total and summary["stopped_by"] is None
+    assert summary["val_loss_end"] < summary["val_loss_start"]
+    assert recorder.ended_with_model
+    run = in_tmp / "run"
+    assert (run / "final" / "model.safetensors").is_file() and (run / "best" / "model.safetensors").is_file()
+    marker = json.loads((run / "checkpoint-24" / "COMPLETE.json").read_text())
+    assert marker["info"]["epoch"] == 1, "the step budget ended the run inside the second epoch"
+
+
+def test_request_stop_saves_where_training_stands_and_exports_nothing(in_tmp, chat_data, tokenizer_dir):
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir), callbacks=[StopAfterStep(5)])
+    summary = trainer.fit()
+    assert summary["stopped_by"] == "LOWMEM_STOP_AFTER_STEP=5" and summary["steps"] == 5
+    run = in_tmp / "run"
+    assert (run / "checkpoint-5" / "COMPLETE.json").is_file()
+    assert not (run / "final").exists(), "a stopped run exports nothing"
+    state = json.loads((run / "checkpoint-5" / "trainer_state.json").read_text())
+    assert state["train"]["step"] == 5 and state["checkpoints"]["last_saved_step"] == 5
+    assert {p.name for p in (run / "checkpoint-5" / "rank0").iterdir()} == {"rng.pt", "data.json", "memory.json"}
+
+
+def test_a_stop_right_after_a_save_keeps_that_checkpoint_and_its_score(in_tmp, chat_data, tokenizer_dir):
+    # The stop is asked for in step 5's hooks; step 5's save is due (with a validation): the stop, agreed at the
+    # next step, finds the step saved and writes it no second time.
+    recorder = Recorder()
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, save_steps=5),
+                      callbacks=[StopAfterStep(5), recorder])
+    summary = trainer.fit()
+    assert summary["steps"] == 5 and recorder.saves == [5]
+    marker = json.loads((in_tmp / "run" / "checkpoint-5" / "COMPLETE.json").read_text())
+    assert marker["score"] == pytest.approx(trainer.validator.last.loss)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_a_resumed_trainer_continues_exactly(in_tmp, chat_data, tokenizer_dir, architecture):
+    def config(folder: Path) -> TrainConfig:
+        return tiny_config(folder, chat_data, tokenizer_dir, epochs=2, architecture=architecture)
+
+    reference = TrainingTrace(in_tmp / "reference")
+    Trainer(config(in_tmp / "a"), callbacks=[reference]).fit()
+
+    stopped = Trainer(config(in_tmp / "b"), callbacks=[StopAfterStep(7)])
+    stopped.fit()
+    saved = json.loads((in_tmp / "b" / "run" / "checkpoint-7" / "trainer_state.json").read_text())
+    assert saved["config"]["architecture"] == architecture
+    resumed_trace = TrainingTrace(in_tmp / "resumed")
+    resumed = Trainer(config(in_tmp / "b"), callbacks=[resumed_trace])
+    assert resumed.resume() == in_tmp / "b" / "run" / "checkpoint-7"
+    assert (resumed.state.step, resumed.checkpoints.last_saved_step) == (7, 7)
+    resumed.fit()
+    assert sorted(resumed_trace.losses) == list(range(8, 2 * STEPS_PER_EPOCH + 1))
+    for step, loss in resumed_trace.losses.items():
+        assert loss == pytest.approx(reference.losses[step], rel=1e-6), step
+    rows_before = 7 * ACCUMULATION * BATCH
+    assert resumed_trace.rows == reference.rows[rows_before:]
+
+
+def run_epoch(trainer: Trainer) -> int | None:
+    """The steps of the current epoch as `fit` takes them, until a rank runs out of rows (returns the rows, on every
+    rank, of the short step not taken: the epoch ended) or the step budget ends (returns None)."""
+    batches = trainer.data.epoch_batches(trainer.state.epoch)
+    while trainer.state.step < trainer.total_steps:
+        micro_batches = trainer.data.take(batches, trainer.config.gradient_accumulation_steps)
+        agreed = trainer.agree(micro_batches)
+        if agreed.ranks_out:
+            return agreed.global_rows
+        trainer.after_step(trainer.optimizer_step(micro_batches, agreed))
+    return None
+
+
+def test_running_out_of_rows_ends_the_epoch_and_the_step_budget_does_not(in_tmp, chat_data, tokenizer_dir):
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2))
+    trainer.begin()
+    try:
+        epoch_ended = run_epoch(trainer)
+        assert epoch_ended is not None and trainer.state.step == STEPS_PER_EPOCH
+        trainer.end_epoch(epoch_ended)
+        assert trainer.state.epoch == 1 and trainer.checkpoints.last_saved_step == STEPS_PER_EPOCH
+        assert (in_tmp / "run" / f"checkpoint-{STEPS_PER_EPOCH}" / "COMPLETE.json").is_file()
+        trainer.total_steps = STEPS_PER_EPOCH + 3  # the budget now ends inside the second epoch
+        epoch_ended = run_epoch(trainer)
+        assert epoch_ended is None and trainer.state.step == STEPS_PER_EPOCH + 3 and not trainer.running
+    finally:
+        trainer.end()
+
+
+@pytest.mark.parametrize("batch,pack,not_trained", [(BATCH, True, BATCH), (BATCH, False, BATCH), (10, True, 0)])
+def test_the_rows_of_a_short_last_accumulation_step_are_reported_at_the_epoch_end(in_tmp, chat_data, tokenizer_dir,
+                                                                                    caplog, batch, pack, not_trained):
+    # 200 rows in batches of 8: 25 batches, so 12 steps of 2 and one batch of 8 rows that is not trained (a step
+    # of fewer micro-batches is not taken). In batches of 10: 20 batches, 10 whole steps, nothing left.
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2, batch_size_per_gpu=batch,
+                                  pack_rows=pack))
+    steps = ROWS // (batch * ACCUMULATION)
+    trainer.begin()
+    try:
+        with caplog.at_level("INFO"):
+            epoch_ended = run_epoch(trainer)
+            assert epoch_ended is not None and trainer.state.step == steps
+            trainer.end_epoch(epoch_ended)
+    finally:
+        trainer.end()
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Epoch ")]
+    said = (f": {not_trained} rows of a last, short accumulation step (fewer than {ACCUMULATION} micro-batches on "
+            "some process) were not trained in this epoch." if not_trained else ".")
+    assert lines == [f"Epoch 1 done at step {steps}{said}"]
+    assert trainer.summary()["rows_not_trained"] == not_trained
+    state = json.loads((in_tmp / "run" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+    assert state["train"]["rows_not_trained"] == not_trained
+
+
+def test_resume_without_a_checkpoint_starts_fresh(in_tmp, chat_data, tokenizer_dir, caplog):
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir))
+    with caplog.at_level("INFO"):
+        assert trainer.resume() is None
+    assert f"No complete checkpoint in {in_tmp / 'run'}: starting fresh." in caplog.text
+    assert trainer.state.step == 0
+
+
+def test_a_longer_run_continues_exactly_while_the_steps_taken_keep_their_learning_rates(in_tmp, chat_data,
+                                                                                       tokenizer_dir):
+    # All 6 steps taken are in the warmup (20 steps): their learning rates do not depend on the run's length.
+    reference = TrainingTrace(in_tmp / "reference")
+    Trainer(tiny_config(in_tmp / "a", chat_data, tokenizer_dir, max_steps=10, warmup_steps=20),
+            callbacks=[reference]).fit()
+    Trainer(tiny_config(in_tmp / "b", chat_data, tokenizer_dir, max_steps=6, warmup_steps=20)).fit()
+    longer_trace = TrainingTrace(in_tmp / "longer")
+    longer = Trainer(tiny_config(in_tmp / "b", chat_data, tokenizer_dir, max_steps=10, warmup_steps=20),
+                     callbacks=[longer_trace])
+    assert longer.resume() is not None and longer.state.step == 6
+    longer.fit()
+    assert sorted(longer_trace.losses) == [7, 8, 9, 10]
+    for step, loss in longer_trace.losses.items():
+        assert loss == pytest.approx(reference.losses[step], rel=1e-6), step
+
+
+def test_a_longer_run_whose_schedule_already_differs_is_refused(in_tmp, chat_data, tokenizer_dir):
+    from lowmem.errors import ConfigError
+
+    Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=6, warmup_steps=2)).fit()
+    longer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=10, warmup_steps=2))
+    with pytest.raises(ConfigError, match=r"max_steps: 6 → 10.*--allow_config_change=True"):
+        longer.resume()
+    assert longer.resume(allow_config_change=True) is not None
+
+
+def test_a_step_with_non_finite_gradients_is_skipped_and_training_goes_on(in_tmp, chat_data, tokenizer_dir,
+                                                                           caplog):
+    from fault_injection import NonFiniteAtStep
+
+    from lowmem.model.weights import model_state_dict
+
+    class Weights(Callback):
+        """The weights after each step."""
+
+        def __init__(self) -> None:
+            self.after: dict[int, dict] = {}
+
+        def on_step_end(self, trainer, result) -> None:
+            self.after[trainer.state.step] = {k: v.clone() for k, v in model_state_dict(trainer.model).items()}
+            self.applied = getattr(self, "applied", {})
+            self.applied[trainer.state.step] = (result.applied, result.grad_norm)
+
+    weights = Weights()
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=6),
+                      callbacks=[NonFiniteAtStep(4), weights])
+    with caplog.at_level("WARNING"):
+        summary = trainer.fit()
+    applied, norm = weights.applied[4]
+    assert not applied and not math.isfinite(norm)
+    assert all(weights.applied[step][0] for step in (1, 2, 3, 5, 6))
+    assert all(torch.equal(weights.after[3][name], weights.after[4][name]) for name in weights.after[3]), \
+        "the skipped step changed the weights"
+    assert any(not torch.equal(weights.after[4][name], weights.after[5][name]) for name in weights.after[4])
+    assert summary["skipped_steps"] == 1 and trainer.state.skipped_steps == 1
+    assert "Step 4: the gradient norm is nan, so the update was skipped on every rank" in caplog.text
+    assert math.isfinite(summary["val_loss_end"])
+    state = json.loads((in_tmp / "run" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["train"]["skipped_steps"] == 1
+
+
+def write_as_saved(state_file: Path, state: dict) -> None:
+    """Rewrite a checkpoint's trainer state, with the sizes and CRC-32 its completeness marker lists."""
+    state_file.write_text(json.dumps(state))
+    marker_file = state_file.parent / "COMPLETE.json"
+    marker = json.loads(marker_file.read_text())
+    size, crc = file_crc32(state_file)
+    marker["files"][state_file.name].update(size=size, crc32=crc)
+    marker_file.write_text(json.dumps(marker))
+
+
+def test_a_checkpoint_saved_before_the_schedule_was_a_part_of_its_own_resumes_exactly(in_tmp, chat_data,
+                                                                                      tokenizer_dir):
+    # Checkpoints written before the schedule had its own part kept its state as fields of `train`.
+    def config(folder: Path) -> TrainConfig:
+        return tiny_config(folder, chat_data, tokenizer_dir, epochs=2)
+
+    reference = TrainingTrace(in_tmp / "reference")
+    Trainer(config(in_tmp / "a"), callbacks=[reference]).fit()
+    Trainer(config(in_tmp / "b"), callbacks=[StopAfterStep(7)]).fit()
+    state_file = in_tmp / "b" / "run" / "checkpoint-7" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    schedule = state.pop("schedule")
+    assert schedule == {"total_steps": 2 * STEPS_PER_EPOCH, "anchor_step": 0, "anchor_virtual": 0.0,
+                        "virtual_total": 0}
+
+    # A stretched schedule (after a resume on another number of processes) kept in `train` goes on stretched.
+    state["train"].update(total_steps=20, lr_anchor_step=7, lr_anchor_virtual=7.0, lr_virtual_total=30)
+    write_as_saved(state_file, state)
+    stretched = Trainer(config(in_tmp / "b"))
+    stretched.resume()
+    assert stretched.schedule.state_dict() == {"total_steps": 20, "anchor_step": 7, "anchor_virtual": 7.0,
+                                               "virtual_total": 30}
+    assert stretched.total_steps == 20 and stretched.step_log.total_steps == 20
+    settings = stretched.config
+    assert stretched.schedule.lr(10) == pytest.approx(get_lr(stretched_step(10, 7, 7.0, 30, 20), settings.learn_rate,
+                                                             settings.warmup_steps, 30, settings.min_lr_ratio))
+
+    # Not stretched: the run continues exactly, at the same learning rates.
+    state["train"].update(total_steps=schedule["total_steps"], lr_anchor_step=0, lr_anchor_virtual=0.0,
+                          lr_virtual_total=0)
+    write_as_saved(state_file, state)
+    resumed_trace = TrainingTrace(in_tmp / "resumed")
+    resumed = Trainer(config(in_tmp / "b"), callbacks=[resumed_trace])
+    assert resumed.resume() == state_file.parent
+    assert resumed.schedule.state_dict() == schedule
+    resumed.fit()
+    assert sorted(resumed_trace.losses) == list(range(8, 2 * STEPS_PER_EPOCH + 1))
+    for step, loss in resumed_trace.losses.items():
+        assert loss == pytest.approx(reference.losses[step], rel=1e-6), step
+        assert resumed_trace.lrs[step] == reference.lrs[step], step
