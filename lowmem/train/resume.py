@@ -236,7 +236,7 @@ def resume_differences(saved: dict[str, Any], config: TrainConfig, steps_per_epo
         changed = []
     inexact = [f"{name}: {saved_config.get(name)!r} → {getattr(config, name)!r}" for name in changed]
     # Another number of processes or workers is no reason to refuse: the data layer shares the rest of the
-    # epoch out anew (`lowmem.train.rescale`), and the trainer says so.
+    # epoch out anew (`processes_changed`, `merged_data_state` below), and the resume says so.
     unusable = [f"{name}: {saved_config.get(name)!r} → {getattr(config, name)!r}" for name in MODEL_SHAPE_FIELDS
                 if saved_config.get(name) != getattr(config, name)]
     return inexact, unusable

@@ -180,6 +180,8 @@ class Trainer:
             run_facts={"world_size": self.accelerator.num_processes, "workers_per_rank": max(1, settings.num_workers),
                        SAVED_KEY: memory.saved_record(), "tokenizer": self.tokenizer_identity})
         self.resumed_from: Path | None = None
+        self.stopped = False  # a stop every rank agreed on ended the loop
+        self.saved_step: int | None = None  # the step this Trainer last saved (not one it resumed from)
         self.lr = float("nan")  # the current step's learning rate (set by `begin`, then by every step)
         self.progress: tqdm | None = None
         logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all; %s.",
@@ -204,13 +206,14 @@ class Trainer:
                     if agreed.ranks_out:
                         # Training a last step of fewer micro-batches would not be safe: under FSDP every forward
                         # is a collective (ranks may hold different numbers), and the schedule counts whole steps.
+                        batches = None  # the epoch's reader (workers, buffer) ends before the validation and save
                         self.end_epoch(rows_not_trained=agreed.global_rows)  # validates and saves
-                        batches = None
                         continue
                     result = self.optimizer_step(micro_batches, agreed)
                     self.after_step(result)  # count, callbacks, memory schedule, log line
                     self.validate_and_save_when_due()
-                if not self.stopper.requested:
+                batches = None  # the reader ends before the last validation, save and export
+                if not self.stopped:  # agreed by every rank: a signal during the last step changes nothing here
                     self.validate_and_save_when_due(final=True)
             except Exception as error:
                 # Still inside the signal handlers: the launcher's SIGTERM to the survivors cannot cut this short.
@@ -331,10 +334,12 @@ class Trainer:
 
     def stop_and_save(self) -> None:
         """A stop was agreed: save where the last trained step left off (the batches just taken go back), unless
-        that step is saved already (at an epoch's end, or when a save was due): that checkpoint keeps its score."""
+        this Trainer saved that step already (at an epoch's end, or when a save was due): that checkpoint keeps
+        its score."""
         self.stopper.request("another process")  # when the request came from another rank
+        self.stopped = True
         self.data.give_back_last_batches()
-        if self.checkpoints.last_saved_step != self.state.step:
+        if self.saved_step != self.state.step:
             self.save(score=None)
 
     def save(self, score: float | None) -> Path:
@@ -344,8 +349,10 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_checkpoint_write(self, folder)
 
-        return self.checkpoints.save(self.state.step, write, score=score,
-                                     info={"epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen})
+        folder = self.checkpoints.save(self.state.step, write, score=score,
+                                       info={"epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen})
+        self.saved_step = self.state.step
+        return folder
 
     def resume(self, allow_config_change: bool = False, start_from: str | Path | None = None) -> Path | None:
         """Continue from the latest complete checkpoint in the run folder (or from `start_from`, one of its
@@ -406,7 +413,7 @@ class Trainer:
         model, the main process exports final/ and best/ and logs a sampled answer. Every rank enters
         together: under FSDP the model is gathered."""
         summary = self.summary()
-        if self.stopper.requested:
+        if self.stopped:
             logger.info("Stopped by %s at step %d; the checkpoint is saved. Continue with `%s` (your flags, and "
                         "that one).", self.stopper.requested_by, self.state.step,
                         command_line("train ... --is_keep_training=True"))

@@ -131,6 +131,15 @@ def test_a_stop_right_after_a_save_keeps_that_checkpoint_and_its_score(in_tmp, c
     assert marker["score"] == pytest.approx(trainer.validator.last.loss)
 
 
+def test_a_stop_asked_for_during_the_last_step_comes_too_late_and_the_run_ends_done(in_tmp, chat_data,
+                                                                                    tokenizer_dir):
+    # No step follows the last one to agree on the stop: every rank ends the run alike, saved and exported.
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=6), callbacks=[StopAfterStep(6)])
+    summary = trainer.fit()
+    assert summary["steps"] == 6 and not trainer.stopped
+    assert (in_tmp / "run" / "checkpoint-6" / "COMPLETE.json").is_file() and (in_tmp / "run" / "final").is_dir()
+
+
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_a_resumed_trainer_continues_exactly(in_tmp, chat_data, tokenizer_dir, architecture):
     def config(folder: Path) -> TrainConfig:
