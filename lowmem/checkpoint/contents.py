@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,7 +32,6 @@ from lowmem.config import TrainConfig
 from lowmem.distributed.strategy import (FSDP_OPTIMIZER_DIR, OPTIMIZER_FILE, load_model_and_optimizer,
                                        save_model_and_optimizer, save_torch_file)
 
-logger = logging.getLogger(__name__)
 
 TRAINER_STATE_FILE = "trainer_state.json"
 

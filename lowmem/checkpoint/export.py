@@ -6,7 +6,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
 
@@ -15,7 +15,7 @@ from lowmem.config import TrainConfig
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
 from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights, save_model_config,
-                                  save_weights, unwrap)
+                                  save_weights, unwrap_gpt)
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from lowmem.program import command_line
 
@@ -38,7 +38,7 @@ def export_model(model: GPT, config: TrainConfig, out_dir: Path, tokenizer_dir: 
 
     `model` is a whole GPT (see `lowmem.distributed.strategy.model_for_eval`), plain or wrapped by torch.compile.
     """
-    plain = cast(GPT, unwrap(model))  # unwrap is typed for any module; inside `model` is a GPT
+    plain = unwrap_gpt(model)
     return _write_model_folder(out_dir, plain.config, config, tokenizer_dir, lambda path: save_weights(model, path))
 
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lowmem.config.overrides import class_defaults
 from lowmem.config.sections import DataConfig
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ DataConfigT = TypeVar("DataConfigT", bound=DataConfig)
 def with_demo_data(config: DataConfigT) -> DataConfigT:
     """`config` with its data paths pointed at the packaged demo files (and one INFO line saying so) when no
     data was given: every data path at its default and absent from the current folder. Otherwise unchanged."""
-    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    defaults = class_defaults(config)
     no_data_given = all(getattr(config, name) == defaults[name] and not os.path.exists(getattr(config, name))
                         for name in DEMO_FILES)
     if not no_data_given or config.train_sources:

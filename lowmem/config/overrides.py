@@ -48,6 +48,11 @@ def config_fields(config: DataclassInstance | type[DataclassInstance]) -> dict[s
     return {field.name: hints[field.name] for field in dataclasses.fields(config_class)}
 
 
+def class_defaults(config: DataclassInstance) -> dict[str, Any]:
+    """Field name → the default of the config's class: for a preset's class, the preset's defaults."""
+    return {field.name: field.default for field in dataclasses.fields(config)}
+
+
 def config_aliases(config: DataclassInstance | type[DataclassInstance]) -> dict[str, str]:
     """Alias → field name, for the fields that have other command-line names (`--keep_best_n`)."""
     return {alias: field.name for field in dataclasses.fields(config) for alias in spec_of(field).aliases}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lowmem.config.demo import data_name
 from lowmem.config.sections import DataConfig
 from lowmem.errors import ConfigError
 
@@ -72,8 +73,6 @@ def training_data(config: DataConfig) -> "str | list[Source]":
 
 def validation_sources(config: DataConfig) -> dict[str, str]:
     """--validation_sources by name (each path's file stem, or its folder's name), in the order given."""
-    from lowmem.config.demo import data_name  # demo.py reads this module: imported when used
-
     paths = [part.strip() for part in str(config.validation_sources).split(",") if part.strip()]
     named: dict[str, str] = {}
     for path in paths:

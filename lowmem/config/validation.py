@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from lowmem.config.option import spec_of
+from lowmem.config.overrides import class_defaults
 from lowmem.config.train_config import TrainConfig
 from lowmem.config.train_sources import parse_sources
 from lowmem.errors import ConfigError
@@ -47,7 +48,7 @@ def validate_config(config: TrainConfig) -> None:
 
 def _check_text_column(config: TrainConfig) -> None:
     """One text column is read instead of the pairs: pair settings given with it would be silently ignored."""
-    defaults = {field.name: field.default for field in dataclasses.fields(config)}  # the preset's, for a preset
+    defaults = class_defaults(config)  # the preset's, for a preset
     pair_columns = [f"--{name}={getattr(config, name)}" for name in ("prompt_column", "response_column")
                     if getattr(config, name) != defaults[name]]
     _require(not pair_columns,
@@ -63,7 +64,6 @@ def _check_text_column(config: TrainConfig) -> None:
 def _check_train_sources(config: TrainConfig) -> None:
     """The sources parse, and --train_file is not given beside them (it would not be read)."""
     parse_sources(config.train_sources)
-    default = next(field.default for field in dataclasses.fields(config) if field.name == "train_file")
-    _require(config.train_file == default,
+    _require(config.train_file == class_defaults(config)["train_file"],
              f"--train_sources={config.train_sources} replaces --train_file, so --train_file={config.train_file} "
              "would not be read. Add it to the sources with its weight, or leave one of the two out.")

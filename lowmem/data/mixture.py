@@ -200,16 +200,6 @@ class MixedStream(ConsumerNumbering, IterableDataset):
     def allow_changed_content(self, allow: bool) -> None:
         self._set_on_sources("allow_changed_content", bool(allow))
 
-    @property
-    def rows_decoded(self) -> int:
-        """Rows decoded from parquet by this process's source streams."""
-        return sum(stream.rows_decoded for stream in self._epoch_streams.values())
-
-    @property
-    def skipped_rows(self) -> int:
-        """Rows skipped (null, empty, undecodable) by the source streams reading in this process."""
-        return sum(stream.skipped_rows for stream in self._epoch_streams.values())
-
     @staticmethod
     def skipped_in(position: MixturePosition) -> int:
         """Rows skipped (null, empty or undecodable) in the source epochs a position is in."""

@@ -183,9 +183,13 @@ class ParquetStream(ConsumerNumbering, IterableDataset):
         """A copy of this stream that reads epoch `epoch` from its start: the same files, index and settings (and
         content fingerprint, once computed), no open files and no position."""
         other = copy.copy(self)
-        other.__dict__.update(_saved_layers=None, _closed=[], _current=None, _resume={}, _live={}, _reader=None,
-                              epoch=int(epoch))
+        other.__dict__.update(self._epoch_start_state(), _reader=None, epoch=int(epoch))
         return other
+
+    @staticmethod
+    def _epoch_start_state() -> dict[str, Any]:
+        """The per-epoch fields at an epoch's start: no saved layout or position, nothing read or being read."""
+        return dict(_saved_layers=None, _closed=[], _current=None, _resume={}, _live={})
 
     def end_position(self, consumer: int, num_consumers: int | None = None,
                      saved_layers: list[Layer] | None = None) -> Position:
@@ -220,7 +224,7 @@ class ParquetStream(ConsumerNumbering, IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows. A loaded position is for its own epoch only."""
         if epoch != self.epoch:
-            self._saved_layers, self._closed, self._current, self._resume, self._live = None, [], None, {}, {}
+            self.__dict__.update(self._epoch_start_state())
             self.worker_rotation = 0
         self.epoch = int(epoch)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, cast
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -46,7 +46,7 @@ from lowmem.distributed.collectives import broadcast_from_main
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict,
-                                  save_model_config, save_weights, strip_prefixes, tied_names, uncompiled, unwrap)
+                                  save_model_config, save_weights, strip_prefixes, tied_names, uncompiled, unwrap_gpt)
 
 
 if TYPE_CHECKING:
@@ -184,15 +184,10 @@ def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _plain_gpt(model: torch.nn.Module) -> GPT:
-    """The GPT inside `model`'s wrappers (DDP, FSDP, DeepSpeed's engine, torch.compile)."""
-    return cast(GPT, unwrap(model))  # unwrap is typed for any module
-
-
 def _plain_ties(model: torch.nn.Module) -> list[list[str]]:
     """The plain GPT's groups of tied parameter names, whatever FSDP made of the parameters."""
     with torch.device("meta"):
-        return tied_names(GPT(_plain_gpt(model).config))
+        return tied_names(GPT(unwrap_gpt(model).config))
 
 
 def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_rank: bool = False,
@@ -232,7 +227,7 @@ def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     if accelerator.is_main_process:
         assert state is not None  # full_model_state gives the main process the weights
         save_weights(state, folder / WEIGHTS_FILE)
-        save_model_config(_plain_gpt(model).config, folder)
+        save_model_config(unwrap_gpt(model).config, folder)
     del state
     if kind == DEEPSPEED:
         # Every rank writes its own optimizer shard; rank 0 also the engine's module states.
@@ -386,13 +381,14 @@ def model_for_eval(model: torch.nn.Module, accelerator: Accelerator) -> Iterator
     float32 and runs without the training autocast. Every rank must enter the context together under FSDP.
     """
     if strategy(accelerator) != FSDP:
-        yield _plain_gpt(model)
+        yield unwrap_gpt(model)
         return
     state = full_model_state(model, accelerator, on_every_rank=True)
     assert state is not None  # on_every_rank: every rank has it
     with torch.device(accelerator.device):
         # The same memory savers: the validation loss without whole logits here too.
-        replica = GPT(_plain_gpt(model).config).use_memory_savers(**_plain_gpt(model).memory_savers)
+        plain = unwrap_gpt(model)
+        replica = GPT(plain.config).use_memory_savers(**plain.memory_savers)
     load_model_state_dict(replica, state)
     del state
     replica.eval()

@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from lowmem.model.config import GPTConfig
+
+if TYPE_CHECKING:
+    from lowmem.model.gpt import GPT
 
 WEIGHTS_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"  # the GPT's sizes, beside its weights: together they rebuild the model
@@ -34,6 +37,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = cast(torch.nn.Module, model.module)  # typed by Module.__getattr__ as a Tensor or a Module
         else:
             return model
+
+
+def unwrap_gpt(model: torch.nn.Module) -> GPT:
+    """The GPT inside `model`'s wrappers (`unwrap`, typed for the model lowmem trains)."""
+    return cast("GPT", unwrap(model))
 
 
 def uncompiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -52,6 +52,11 @@ READER_FIELDS = ("dataloader_buffer_size", "dataloader_mix_row_groups")
 READER_FACTS = ("world_size", "workers_per_rank")
 
 
+def _in_effect(saved_config: dict[str, Any]) -> dict[str, Any]:
+    """A saved config with the values its run had in effect for the fields added after it was written."""
+    return {**VALUES_BEFORE_THE_FIELD, **saved_config}
+
+
 def resume_from_checkpoint(trainer: Trainer, allow_config_change: bool = False,
                            start_from: str | Path | None = None) -> Path | None:
     """Continue `trainer` from the latest complete checkpoint of its run folder (or from `start_from`, one of its
@@ -74,19 +79,17 @@ def resume_from_checkpoint(trainer: Trainer, allow_config_change: bool = False,
     if not with_optimizer:
         changes.append("optimizer state started afresh")
     planned_total = trainer.total_steps  # this run's length, before the checkpoint's schedule replaces it
+    # Saved before the schedule was a part of its own: its state is in `train`.
+    saved.setdefault("schedule", schedule_state_of_train_state(saved.get("train", {})))
     trainer.checkpoint.load(folder, saved, skip=("data",), with_optimizer=with_optimizer)
-    if "schedule" not in saved:  # saved before the schedule was a part of its own: its state is in `train`
-        trainer.schedule.load_state_dict(schedule_state_of_train_state(saved.get("train", {})))
     run_facts = trainer.checkpoint.run_facts
     rescaled = processes_changed(saved, run_facts)
     _load_data_position(trainer, folder, saved, allow_config_change, may_restart_epoch=bool(changes) or rescaled)
     if rescaled:
         steps_left = _stretch_schedule(trainer)
         logger.info(rescale_line(saved, config, run_facts, len(trainer.data.loader.stream), steps_left))
-    elif trainer.schedule.stretched:
-        trainer.total_steps = trainer.schedule.total_steps  # a stretched schedule keeps the total it planned
-    else:
-        trainer.total_steps = planned_total
+    else:  # a stretched schedule keeps the total it planned; otherwise this run's length stands
+        trainer.total_steps = trainer.schedule.total_steps if trainer.schedule.stretched else planned_total
     trainer.checkpoints.last_saved_step = trainer.state.step
     trainer.resumed_from = folder
     state = trainer.state
@@ -157,7 +160,7 @@ def settle_architecture(config: TrainConfig, is_keep_training: bool) -> TrainCon
     saved = newest_saved_config(config.output_dir) if is_keep_training else None
     if saved is None:
         return dataclasses.replace(config, architecture=NEW_RUN_ARCHITECTURE)
-    return dataclasses.replace(config, architecture={**VALUES_BEFORE_THE_FIELD, **saved}["architecture"])
+    return dataclasses.replace(config, architecture=_in_effect(saved)["architecture"])
 
 
 def settle_loss_targets(config: TrainConfig, is_keep_training: bool) -> TrainConfig:
@@ -167,7 +170,7 @@ def settle_loss_targets(config: TrainConfig, is_keep_training: bool) -> TrainCon
     if config.loss_on_response_only is not None:
         return config
     saved = newest_saved_config(config.output_dir) if is_keep_training else None
-    saved = {**VALUES_BEFORE_THE_FIELD, **saved} if saved is not None else {}
+    saved = _in_effect(saved) if saved is not None else {}
     kept = saved.get("loss_on_response_only")
     if kept is None or saved.get("text_column") != config.text_column:  # other columns: the resume check says so
         return dataclasses.replace(config, loss_on_response_only=response_only(config))
@@ -229,7 +232,7 @@ def resume_differences(saved: dict[str, Any], config: TrainConfig, steps_per_epo
     `steps_per_epoch` is this run's; a changed run length counts only when it changed a learning rate
     already used. The run facts (processes, workers) are not among them: a resume may change them.
     """
-    saved_config = {**VALUES_BEFORE_THE_FIELD, **saved["config"]}
+    saved_config = _in_effect(saved["config"])
     changed = [name for name in RESUME_EXACT_FIELDS if saved_config.get(name) != getattr(config, name)]
     changed.sort(key=lambda name: name in RUN_LENGTH_FIELDS)  # what changes the batches is named first
     if changed and set(changed) <= set(RUN_LENGTH_FIELDS) and _run_length_is_harmless(saved, config, steps_per_epoch):
@@ -268,7 +271,7 @@ def processes_changed(saved: dict[str, Any], run_facts: dict[str, Any]) -> bool:
 
 def readers_changed(saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any]) -> bool:
     """True when the saved run read its data with another layout than this run will."""
-    saved_config = {**VALUES_BEFORE_THE_FIELD, **saved["config"]}
+    saved_config = _in_effect(saved["config"])
     return (processes_changed(saved, run_facts)
             or any(saved_config.get(name) != getattr(config, name) for name in READER_FIELDS))
 

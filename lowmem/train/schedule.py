@@ -76,20 +76,21 @@ class LearningRateSchedule:
 
     def lr(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based)."""
-        if not self.virtual_total:
-            return get_lr(step, self.peak_lr, self.warmup_steps, self.total_steps, self.min_lr_ratio)
-        virtual = stretched_step(step, self.anchor_step, self.anchor_virtual, self.virtual_total, self.total_steps)
-        return get_lr(virtual, self.peak_lr, self.warmup_steps, self.virtual_total, self.min_lr_ratio)
+        at, length = self._position(step)
+        return get_lr(at, self.peak_lr, self.warmup_steps, length, self.min_lr_ratio)
 
     def stretch(self, step: int, new_total: int) -> None:
         """From optimizer step `step` on, run the rest of the schedule over a run of `new_total` steps in all."""
-        if self.virtual_total:
-            virtual = stretched_step(step, self.anchor_step, self.anchor_virtual, self.virtual_total,
-                                     self.total_steps)
-        else:
-            virtual, self.virtual_total = float(step), self.total_steps
-        self.anchor_step, self.anchor_virtual = step, virtual
+        at, self.virtual_total = self._position(step)
+        self.anchor_step, self.anchor_virtual = step, float(at)
         self.total_steps = new_total
+
+    def _position(self, step: int) -> tuple[float, int]:
+        """(where step `step` falls on the schedule, the schedule's length in steps)."""
+        if not self.virtual_total:
+            return step, self.total_steps
+        return (stretched_step(step, self.anchor_step, self.anchor_virtual, self.virtual_total, self.total_steps),
+                self.virtual_total)
 
     def state_dict(self) -> dict[str, Any]:
         return {"total_steps": self.total_steps, "anchor_step": self.anchor_step,

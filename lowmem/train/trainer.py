@@ -182,7 +182,6 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.stopped = False  # a stop every rank agreed on ended the loop
         self.saved_step: int | None = None  # the step this Trainer last saved (not one it resumed from)
-        self.lr = float("nan")  # the current step's learning rate (set by `begin`, then by every step)
         self.progress: tqdm | None = None
         logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all; %s.",
                     len(loader.stream), self.steps_per_epoch, self.total_steps, describe_loss_targets(config))
@@ -258,12 +257,12 @@ class Trainer:
     def optimizer_step(self, micro_batches: list[Batch], agreed: StepAgreement) -> StepResult:
         """One optimizer step at the scheduled learning rate."""
         config = self.config
-        self.lr = self.schedule.lr(self.state.step)
+        lr = self.schedule.lr(self.state.step)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
+            group["lr"] = lr
         loss_sum, grad_norm, applied = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
                                                   agreed.global_target_tokens, config.grad_clip)
-        return StepResult(micro_batches, loss_sum, grad_norm, applied, self.lr, agreed.target_tokens,
+        return StepResult(micro_batches, loss_sum, grad_norm, applied, lr, agreed.target_tokens,
                           agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens)
 
     def after_step(self, result: StepResult) -> None:
@@ -282,7 +281,7 @@ class Trainer:
         self.progress.update(1)
         self.memory.after_step(self.state.epoch, self.state.step)
         if self.step_log.due(self.state.step):
-            figures = self.step_log.write(self.state.step, self.state.epoch, self.lr)
+            figures = self.step_log.write(self.state.step, self.state.epoch, result.lr)
             self.tracking.log_line(self.state.step, figures)
 
     def _skip_advice(self) -> str:
@@ -376,7 +375,6 @@ class Trainer:
         run_on_main(self.accelerator, write_record)
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
-        self.lr = self.schedule.lr(self.state.step)
         self.memory.start(self.state.epoch, self.state.step)
         self.stopper.install()
         self.progress = progress_bar(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
