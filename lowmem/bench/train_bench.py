@@ -1,19 +1,24 @@
 """The training benchmark: the same model and optimizer fed from memory (the ceiling) and from the pipeline.
 
 Phases, in one process per rank (run it under `accelerate launch` for several):
-    data      the pipeline alone (ParquetStream → tokenizing collate → DataLoader), before the model
-              exists: its tokens/s and the RSS it adds (its workers included) are the data pipeline's share
-    ceiling   `steps` optimizer steps on batches collated beforehand and held in memory: no data work at all
-    pipeline  the same `steps` steps through the real pipeline; the time spent waiting for the next batch
-              is the data wait
+    data       the pipeline alone (ParquetStream → tokenizing collate → DataLoader), before the model
+               exists: its tokens/s and the RSS it adds (its workers included) are the data pipeline's share
+    ceiling    `steps` optimizer steps on batches collated beforehand and held in memory: no data work at all
+    pipeline   the same `steps` steps through the real pipeline; the time spent waiting for the next batch
+               is the data wait
+    reference  lowmem's model and optimizer freed, a fresh model of the same configuration trained by a plain
+               PyTorch loop on the ceiling's batches: whole logits, no accelerate, no packing mask, each rank on
+               its own; (a)/(r) is what lowmem's step costs or saves against what anyone would write
 
-Both training phases see the same batches (the pipeline's first ones), so any difference in speed is the
-cost of producing them on the fly. Tokens are real (non-padding) input tokens.
+The three training phases see the same batches (the pipeline's first ones), so any difference in speed is the
+cost of producing them on the fly, or of lowmem's step itself. Tokens are real (non-padding) input tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,18 +30,15 @@ import torch
 
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns, response_only
-from lowmem.data.collate import TokenizingCollate
+from lowmem.data.collate import FixedShapes, TokenizingCollate
+from lowmem.distributed.performance import (compile_enabled, inference_autocast, mfu, peak_bf16_tflops,
+                                            speed_settings)
 from lowmem.memory.probe import own_high_water
 from lowmem.units import DECIMAL_MB
 
-
-# Dense bf16 tensor-core peaks (TFLOP/s) by GPU name, from the vendors' data sheets; `--peak_tflops` overrides.
-# The first name found in the device's name wins, so specific names come before general ones (an H100
-# without NVL or PCIe in its name is the SXM part: "NVIDIA H100 80GB HBM3").
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0,
-    "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
-}
+# The table's label of each phase, in the order of its rows.
+PHASE_LABELS = {"data": "data pipeline alone", "ceiling": "(a) batches in memory (ceiling)",
+                "pipeline": "(b) real pipeline", "reference": "(r) plain PyTorch loop (reference)"}
 
 
 @dataclass
@@ -72,14 +74,6 @@ class RssSampler:
 
 def real_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> int:
     return int((batch["input_ids"] != pad_id).sum())
-
-
-def peak_bf16_tflops(device_name: str) -> float:
-    """The GPU's dense bf16 peak from its name (0 when unknown)."""
-    for name, tflops in PEAK_BF16_TFLOPS.items():  # longer, more specific names come first
-        if name in device_name:
-            return tflops
-    return 0.0
 
 
 def measure_data_phase(loader: Any, micro_batches: int, pad_id: int) -> tuple[PhaseResult, int]:
@@ -133,8 +127,8 @@ def run_steps(name: str, batches: Iterator[dict[str, torch.Tensor]], steps: int,
 
 
 def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_file: str | None = None, rows: int = 0,
-                peak_tflops: float = 0.0, pipeline: bool = True) -> str:
-    """Run the three phases on every rank and return the table (rank 0's view, all ranks combined).
+                peak_tflops: float = 0.0, pipeline: bool = True, reference: bool = True) -> str:
+    """Run the phases on every rank and return the table (rank 0's view, all ranks combined).
 
     Args:
         config: a TrainConfig (overrides applied).
@@ -145,19 +139,17 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         peak_tflops: the GPU's dense bf16 peak for MFU (default: looked up from the GPU's name).
         pipeline: run the pipeline phase too; without it the ceiling's steps are the only training (what
             `bench_memory` needs: the model's high-water RSS, sooner).
+        reference: run the plain PyTorch loop (r) after lowmem's phases, and print (a)/(r).
     """
     from accelerate.utils import gather_object
 
     from lowmem.bench.data_bench import generate_file, machine_line
     from lowmem.distributed.accelerator import create_accelerator
-    from lowmem.distributed.collectives import all_reduce_sum, broadcast_from_main
-    from lowmem.model import IGNORE_INDEX
+    from lowmem.distributed.collectives import broadcast_from_main
     from lowmem.config import validate_config
-    from lowmem.train.setup import (build_model, ensure_tokenizer, make_loader, prepare_for_training,
-                                    shared_memory_settings)
+    from lowmem.train.setup import decide_fixed_shapes, ensure_tokenizer, make_loader, shared_memory_settings
     from lowmem.memory.plan import STEP, plan_memory
-    from lowmem.train.memory_fit import layout_of, measure_base_bytes, plan_inputs
-    from lowmem.train.step import train_step
+    from lowmem.train.memory_fit import explicit_fields, layout_of, measure_base_bytes, plan_inputs, settle_memory
 
     validate_config(config)
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
@@ -170,44 +162,175 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         config = dataclasses.replace(config, train_file=data_file or config.train_file)
         if rows > 0 and config.text_column:
             config = dataclasses.replace(config, text_column="response")  # the synthetic rows' longer column
+        split = ""
+        if on_gpu:  # the micro-batches training would take on this GPU (the fewest that fit, `settle_memory`)
+            config, decision = settle_memory(config, accelerator, explicit_fields(config))
+            split = "; " + " ".join(line for line in decision.lines if not line.startswith("Memory plan"))
         tokenizer, _ = ensure_tokenizer(config, accelerator)
         settings = shared_memory_settings(config, accelerator)
+        speed = speed_settings(config, accelerator.device.type)
+        shapes = (broadcast_from_main(accelerator, lambda: decide_fixed_shapes(config, tokenizer))
+                  if speed.static_shapes else None)  # the batches training would make
         collate = TokenizingCollate(tokenizer, config.max_seq_len, data_columns(config), response_only(config),
-                                    pack=config.pack_rows)
+                                    pack=config.pack_rows, fixed_shapes=shapes)
         loader = make_loader(config.train_file, config, accelerator, collate, settings, shuffle=True)
-        accumulation = config.gradient_accumulation_steps
-        micro_batches = (skip_steps + steps) * accumulation
+        micro_batches = (skip_steps + steps) * config.gradient_accumulation_steps
 
         base = measure_base_bytes()  # the interpreter and libraries, as the plan takes them before the model
         data, data_rss = measure_data_phase(loader, micro_batches, tokenizer.pad_id)
         in_memory = list(_first(loader, micro_batches))  # the same batches the pipeline phase will see
-
-        plain_model = build_model(config, tokenizer.vocab_size)  # as training builds and prepares it
-        flops_per_token = plain_model.estimate_flops_per_token()
-        n_params = plain_model.num_params()
-        model, optimizer = prepare_for_training(plain_model, config, accelerator, settings)
-
-        def step(batches: list[dict[str, torch.Tensor]]) -> None:
-            tokens = sum(float((batch["targets"] != IGNORE_INDEX).sum()) for batch in batches)
-            [global_tokens] = all_reduce_sum(accelerator, [tokens])  # as in training: one small collective per step
-            loss_sum, _, _ = train_step(model, optimizer, accelerator, batches, global_tokens, config.grad_clip)
-            float(loss_sum)  # wait for the device, so that each timed step is a finished step
-
-        ceiling = run_steps("ceiling", iter(in_memory), steps, skip_steps, step, accumulation, tokenizer.pad_id, on_gpu)
-        del in_memory
-        through_pipeline = (run_steps("pipeline", iter(loader), steps, skip_steps, step, accumulation,
-                                      tokenizer.pad_id, on_gpu) if pipeline else None)
+        ceiling, through_pipeline, flops_per_token, n_params = measure_lowmem_phases(
+            config, accelerator, settings, tokenizer.vocab_size, in_memory, loader if pipeline else None, steps,
+            skip_steps, tokenizer.pad_id, shapes)
         # The plan samples the data file, which must still exist when rows were generated.
         inputs, _ = plan_inputs(config, layout_of(accelerator), base, tokenizer)
         predicted = plan_memory(inputs).high_water(accelerator.is_main_process, phases=(STEP,))
+        high_water = own_high_water()  # before the reference's whole logits: the plan predicts lowmem's phases
+        plain_loop = (measure_reference_phase(config, accelerator, tokenizer.vocab_size, in_memory, steps, skip_steps,
+                                              tokenizer.pad_id) if reference else None)
+        del in_memory
     per_rank = gather_object([{"data": data, "data_rss": data_rss, "ceiling": ceiling, "pipeline": through_pipeline,
-                               "high_water": own_high_water(), "predicted": predicted}])
+                               "reference": plain_loop, "reference_ran": reference, "high_water": high_water,
+                               "predicted": predicted}])
     if not accelerator.is_main_process:
         return ""
     device = torch.cuda.get_device_name() if on_gpu else machine_line()
     peak = peak_tflops or (peak_bf16_tflops(device) if on_gpu else 0.0)
     header = describe_run(config, accelerator, settings, n_params, device, steps, skip_steps)
-    return header + "\n" + format_table(per_rank, flops_per_token, peak)
+    shape_text = f"; batch shapes {shapes.describe()}" if shapes is not None else ""
+    return header + shape_text + split + "\n" + format_table(per_rank, flops_per_token, peak)
+
+
+def measure_lowmem_phases(config: TrainConfig, accelerator: Any, settings: Any, vocab_size: int,
+                          in_memory: list[dict[str, torch.Tensor]], loader: Any, steps: int, skip_steps: int,
+                          pad_id: int, shapes: FixedShapes | None = None
+                          ) -> tuple[PhaseResult, PhaseResult | None, int, int]:
+    """(a) and (b): lowmem's model and optimizer, built and prepared as training does, on the batches held in
+    memory, then through `loader` (None: no (b)). With fixed `shapes` and compile, both shapes are compiled
+    before the first step, as training does.
+
+    Returns the two phases, the model's FLOPs per token and its parameter count. The model and optimizer are
+    let go on return (`free_training_state` frees what accelerate and torch.compile still hold of them).
+    """
+    from lowmem.distributed.collectives import all_reduce_sum
+    from lowmem.model import IGNORE_INDEX
+    from lowmem.train.setup import build_model, prepare_for_training
+    from lowmem.train.step import compile_each_shape, train_step
+
+    torch.manual_seed(config.seed)  # the reference builds its model from the same seed: the same initial weights
+    plain_model = build_model(config, vocab_size)  # as training builds and prepares it
+    flops_per_token = plain_model.estimate_flops_per_token()
+    n_params = plain_model.num_params()
+    model, optimizer = prepare_for_training(plain_model, config, accelerator, settings)
+    on_gpu = accelerator.device.type == "cuda"
+    if shapes is not None and compile_enabled(config, accelerator.device):
+        compile_each_shape(model, optimizer, accelerator, shapes, pad_id, config.pack_rows)
+
+    def step(batches: list[dict[str, torch.Tensor]]) -> None:
+        tokens = sum(float((batch["targets"] != IGNORE_INDEX).sum()) for batch in batches)
+        [global_tokens] = all_reduce_sum(accelerator, [tokens])  # as in training: one small collective per step
+        loss_sum = train_step(model, optimizer, accelerator, batches, global_tokens, config.grad_clip)[0]
+        float(loss_sum)  # wait for the device, so that each timed step is a finished step
+
+    accumulation = config.gradient_accumulation_steps
+    ceiling = run_steps("ceiling", iter(in_memory), steps, skip_steps, step, accumulation, pad_id, on_gpu)
+    through_pipeline = (run_steps("pipeline", iter(loader), steps, skip_steps, step, accumulation, pad_id, on_gpu)
+                        if loader is not None else None)
+    return ceiling, through_pipeline, flops_per_token, n_params
+
+
+def free_training_state(config: TrainConfig, accelerator: Any) -> None:
+    """Free lowmem's model and optimizer, which nothing of the caller refers to any more, so that the reference
+    phase starts from the same empty device."""
+    accelerator.free_memory()  # accelerate keeps every model and optimizer it prepared (and DeepSpeed's engine)
+    if compile_enabled(config, accelerator.device):
+        torch._dynamo.reset()  # the compiled graphs, and the memory pools of any CUDA graphs they recorded
+    gc.collect()
+    if accelerator.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_reference_phase(config: TrainConfig, accelerator: Any, vocab_size: int,
+                            in_memory: list[dict[str, torch.Tensor]], steps: int, skip_steps: int,
+                            pad_id: int) -> PhaseResult | None:
+    """(r): lowmem's model and optimizer freed, a fresh model of the same configuration and seed trained on the
+    ceiling's batches by `plain_loop_step`, with the same number of untimed and timed steps.
+
+    It runs on every rank on its own (no collective: a per-device reference) with the whole model and its
+    optimizer state on the device, which a sharded (FSDP, DeepSpeed) run may not have room for: returns None
+    when the GPU runs out of memory.
+    """
+    free_training_state(config, accelerator)
+    try:
+        return _train_plain_loop(config, accelerator.device, vocab_size, in_memory, steps, skip_steps, pad_id)
+    except torch.cuda.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return None
+
+
+def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int,
+                      in_memory: list[dict[str, torch.Tensor]], steps: int, skip_steps: int,
+                      pad_id: int) -> PhaseResult:
+    from lowmem.train.setup import build_model
+
+    # A plain loop computes the whole logits and keeps every activation: lowmem's memory savers off (in the
+    # config, so that the model's log line says so too).
+    config = dataclasses.replace(config, loss_chunk_tokens=0, activation_checkpointing=False)
+    torch.manual_seed(config.seed)  # lowmem's model was built from the same seed: the same initial weights
+    model = build_model(config, vocab_size).to(device)
+    betas = (config.adam_beta1, config.adam_beta2)
+    # The fused AdamW on a GPU, as lowmem's.
+    optimizer = model.configure_optimizer(config.weight_decay, config.learn_rate, betas, device_type=device.type)
+    trained = compile_like_training(model, config, device)
+
+    def step(batches: list[dict[str, torch.Tensor]]) -> None:
+        float(plain_loop_step(trained, optimizer, batches, config, device))  # each timed step a finished step
+
+    return run_steps("reference", iter(in_memory), steps, skip_steps, step, config.gradient_accumulation_steps,
+                     pad_id, device.type == "cuda")
+
+
+def compile_like_training(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """`torch.compile(model)` with the backend of lowmem's model when training compiles it, else `model`.
+
+    For fixed batch shapes the graph is compiled for exactly those shapes, as lowmem's is; the compile mode
+    stays torch's default, as a plain loop writes it.
+    """
+    if not compile_enabled(config, device):
+        return model
+    static_shapes = speed_settings(config, device.type).static_shapes
+    # torch types compile's result as a plain callable; given a Module it returns an OptimizedModule (a Module).
+    return torch.compile(model, backend=config.compile_backend,  # type: ignore[return-value]
+                         dynamic=False if static_shapes else None)
+
+
+def plain_loop_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    micro_batches: list[dict[str, torch.Tensor]], config: TrainConfig,
+                    device: torch.device) -> torch.Tensor:
+    """One optimizer step as a plain PyTorch loop writes it: forward under training's autocast, the mean loss
+    over the step's counted tokens, backward, clip, AdamW step. No accelerate, no segment ids: plain causal
+    attention over the same (B, T) tensors.
+
+    Returns the step's mean token loss, on the device.
+    """
+    from lowmem.model import IGNORE_INDEX
+
+    # Counted on the host, where the batches are: no wait for the device.
+    counted = [int((batch["targets"] != IGNORE_INDEX).sum()) for batch in micro_batches]
+    step_tokens = max(sum(counted), 1)
+    loss_sum = torch.zeros((), device=device)
+    for batch, batch_tokens in zip(micro_batches, counted):
+        input_ids = batch["input_ids"].to(device, non_blocking=True)  # (B, T)
+        targets = batch["targets"].to(device, non_blocking=True)  # (B, T)
+        with inference_autocast(device, config.bf16, config.bf16_on_cpu):  # bf16 exactly where training uses it
+            loss = model(input_ids, targets)[1] * batch_tokens / step_tokens  # its share of the step's mean
+        loss.backward()
+        loss_sum += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum
 
 
 def describe_run(config: TrainConfig, accelerator: Any, settings: Any, n_params: int, device: str, steps: int,
@@ -219,7 +342,8 @@ def describe_run(config: TrainConfig, accelerator: Any, settings: Any, n_params:
     return (f"bench_train: {n_params / 1e6:.1f} M parameters, {accelerator.num_processes} process(es) on "
             f"{accelerator.device.type} ({device}), {describe(accelerator)}, batch {config.batch_size_per_gpu} x "
             f"{config.gradient_accumulation_steps} per process, max_seq_len {config.max_seq_len}, "
-            f"pack_rows={config.pack_rows}, compile={config.compile}, loss_chunk_tokens={config.loss_chunk_tokens}, "
+            f"pack_rows={config.pack_rows}, compile={compile_enabled(config, accelerator.device)}, "
+            f"loss_chunk_tokens={config.loss_chunk_tokens}, "
             f"activation_checkpointing={config.activation_checkpointing}, "
             f"malloc_mmap_threshold_mb={config.malloc_mmap_threshold_mb}, "
             f"workers per process {settings.num_workers}, ultra_low_mem={settings.ultra_low_mem}; "
@@ -234,7 +358,8 @@ def _first(loader: Any, count: int) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def format_table(per_rank: list[dict[str, Any]], flops_per_token: int, peak_tflops: float) -> str:
-    """One line per phase, all ranks combined: tokens/s summed, time and data wait of the slowest rank."""
+    """One line per phase, all ranks combined: tokens/s summed, time and data wait of the slowest rank; then
+    lowmem's step against the plain loop's, and the memory figures."""
     def combined(name: str) -> tuple[float, float, list[int], int]:
         phases = [rank[name] for rank in per_rank]
         seconds = max(phase.seconds for phase in phases)
@@ -245,22 +370,31 @@ def format_table(per_rank: list[dict[str, Any]], flops_per_token: int, peak_tflo
     ceiling_rate = combined("ceiling")[0]
     lines = ["| phase | tokens/s | vs ceiling | data wait | peak RSS per process MB | peak GPU MB | MFU |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    labels = {"data": "data pipeline alone", "ceiling": "(a) batches in memory (ceiling)",
-              "pipeline": "(b) real pipeline"}
-    phases = ("data", "ceiling", "pipeline") if per_rank[0]["pipeline"] is not None else ("data", "ceiling")
+    # A rank whose reference ran out of GPU memory has none: the row would compare unequal work.
+    out_of_memory = [index for index, rank in enumerate(per_rank)
+                     if rank.get("reference_ran") and rank["reference"] is None]
+    phases = [name for name in PHASE_LABELS
+              if name not in ("pipeline", "reference") or all(rank.get(name) for rank in per_rank)]
     for name in phases:
         rate, wait, rss, gpu = combined(name)
         training = name != "data"
-        mfu = (f"{rate * flops_per_token / (peak_tflops * 1e12 * len(per_rank)):.1%}"
-               if training and peak_tflops else "-")
+        utilisation = mfu(rate, flops_per_token, peak_tflops, devices=len(per_rank)) if training else None
         lines.append(
-            f"| {labels[name]} | {rate:,.0f} | {rate / ceiling_rate:.2f} | {f'{wait:.2%}' if training else '-'} | "
+            f"| {PHASE_LABELS[name]} | {rate:,.0f} | {rate / ceiling_rate:.2f} | "
+            f"{f'{wait:.2%}' if training else '-'} | "
             f"{' / '.join(f'{value / DECIMAL_MB:,.0f}' for value in rss)} | "
-            f"{f'{gpu / DECIMAL_MB:,.0f}' if gpu else '-'} | {mfu} |"
+            f"{f'{gpu / DECIMAL_MB:,.0f}' if gpu else '-'} | {'-' if utilisation is None else f'{utilisation:.1%}'} |"
         )
+    lines.append("")
+    if "reference" in phases:
+        lines.append(f"lowmem's step / plain loop: (a)/(r) = {ceiling_rate / combined('reference')[0]:.2f} "
+                     "(same batches, same model)")
+    elif out_of_memory:
+        lines.append(f"(r) plain PyTorch loop: out of GPU memory on rank(s) {', '.join(map(str, out_of_memory))} "
+                     "(the whole model, its AdamW state and the whole logits on each device); --reference=False "
+                     "skips it")
     share = " / ".join(f"{rank['data_rss'] / DECIMAL_MB:,.0f}" for rank in per_rank)
     high_water = " / ".join(f"{rank['high_water'] / DECIMAL_MB:,.0f}" for rank in per_rank)
-    lines.append("")
     total_high_water = sum(rank["high_water"] for rank in per_rank) / DECIMAL_MB
     ratio = f"(b)/(a) = {combined('pipeline')[0] / ceiling_rate:.3f}; " if "pipeline" in phases else ""
     predicted = " / ".join(f"{rank['predicted'] / DECIMAL_MB:,.0f}" for rank in per_rank if rank.get("predicted"))

@@ -138,9 +138,24 @@ class OptimConfig:
     bf16: bool = option(True, "bf16 autocast on GPUs that support it (the CPU runs float32 unless bf16_on_cpu)")
     bf16_on_cpu: bool = option(False, "with bf16, bf16 autocast on the CPU too: the GPU's precision without a GPU "
                                "(slower than float32 on most CPUs)")
-    compile: bool = option(False, "torch.compile the model (faster steps on GPU after a slow first few; "
-                           "checkpoints load either way)")
+    # Speed settings: none changes what a step computes (the losses stay equal to float rounding), so a resume
+    # may change any of them. None means "decide from the device" (`lowmem.distributed.performance.speed_settings`).
+    compile: Optional[bool] = option(None, "torch.compile the training model (faster steps after the first few "
+                                     "compile; checkpoints load either way); None: on with CUDA, off on the CPU",
+                                     hint="leave it unset to compile on a GPU only")
     compile_backend: str = option("inductor", 'torch.compile backend ("eager" only traces the model: for debugging)')
+    compile_mode: str = option("default", "torch.compile mode: default; reduce-overhead also replays each step's "
+                               "kernels as CUDA graphs (fixed batch shapes, more GPU memory); max-autotune searches "
+                               "faster kernels for longer", choices=("default", "reduce-overhead", "max-autotune"))
+    static_shapes: Optional[bool] = option(None, "pad every micro-batch to one of two fixed shapes (sequences x "
+                                           "max_seq_len), so compiled kernels never meet a new shape; the rows and "
+                                           "the losses stay the same; None: on with CUDA, off on the CPU (where "
+                                           "the padding costs more than it saves)",
+                                           hint="leave it unset to fix shapes on a GPU only")
+    attention: str = option("auto", "attention kernel for packed rows: sdpa (PyTorch's scaled_dot_product_attention "
+                            "with a mask), flex (FlexAttention with a block mask built once per micro-batch, fast on "
+                            "long sequences), auto (flex on CUDA from 1024 tokens per sequence, sdpa otherwise)",
+                            choices=("auto", "sdpa", "flex"))
     # A first run's rank 0 trains the tokenizer (streaming every row to sample up to tokenizer_max_sentences, 1M,
     # then SentencePiece, which can outlast NCCL's default 10 minutes on a slow CPU) while the other ranks wait in
     # a barrier. A dead rank still stops the run at once (the launcher ends the others); only a rank that hangs
@@ -161,6 +176,9 @@ class OutputConfig:
 
     output_dir: str = option("model_save/demo", "run folder: checkpoints and the exported model")
     logging_steps: int = option(10, "optimizer steps between log lines", minimum=1)
+    peak_tflops: float = option(0.0, "the device's dense bf16 peak in TFLOP/s, for the MFU in the log (0: from the "
+                                "GPU's name; no MFU on the CPU unless given)", minimum=0,
+                                hint="0 looks the GPU up by its name")
     save_steps: int = option(500, "optimizer steps between checkpoints", minimum=1)
     # The name is historical: it counts the best checkpoints (by best_metric), and the latest is kept on top.
     keep_latest_n_ckp: int = option(3, "how many best checkpoints (by best_metric) are kept besides the latest, "

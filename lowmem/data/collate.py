@@ -4,10 +4,16 @@ Packing puts several rows of a batch side by side in one sequence of `max_seq_le
 ids that keep attention and positions inside each row (`GPT.forward(segment_ids=...)`), so each row is
 computed exactly as if it were alone. On the demo data padding to the longest row wastes about half of
 every batch (rows of 48-164 tokens in a width of 192); packing fills about 90% of it.
+
+On a GPU the batches also take fixed shapes (`FixedShapes`): a compiled step meets one or two tensor shapes in
+the whole run instead of a new one every few steps (each new shape is a recompile, or slower dynamic kernels,
+and rules out CUDA graphs). The extra sequences and positions are padding that no real position attends to and
+the loss never counts, so the rows and the losses stay what they are.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,6 +26,32 @@ from lowmem.model.loss import IGNORE_INDEX  # targets the loss skips: padding, a
 # length. With a new shape every step the CPU allocator's heap fragments and RSS creeps up (measured: +35%
 # over 150 steps, flat when rounded to 32); GPU kernels and torch.compile also prefer few, aligned shapes.
 PAD_TO_MULTIPLE_OF = 32
+
+
+@dataclass(frozen=True)
+class FixedShapes:
+    """The two shapes every micro-batch takes: (`sequences`, `width`) for the usual micro-batch, and (`rows`,
+    `width`) for one whose rows need more sequences than that (at most one sequence per row, so it always fits).
+
+    `width` is `max_seq_len`; `sequences` comes from a sample of the training rows (`lowmem.data.sizing`), so
+    that nearly every micro-batch takes the smaller shape. Without packing every row is a sequence of its own
+    and the two shapes are one: (`rows`, `width`).
+    """
+
+    sequences: int
+    rows: int
+    width: int
+
+    def sequences_for(self, needed: int) -> int:
+        """The sequences of the shape that holds `needed` sequences."""
+        if needed > self.rows:
+            raise ValueError(f"a micro-batch needs {needed} sequences, more than the {self.rows} rows it may hold")
+        return self.sequences if needed <= self.sequences else self.rows
+
+    def describe(self) -> str:
+        if self.sequences >= self.rows:
+            return f"{self.rows} x {self.width}"
+        return f"{self.sequences} x {self.width}, or {self.rows} x {self.width} for a micro-batch that needs more"
 
 
 def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -58,7 +90,7 @@ class TokenizingCollate:
 
     Each row becomes `[bos] prompt [sep] response [eos]` (one text column: `[bos] text [eos]`), cut at the end
     to `max_seq_len + 1` tokens, then shifted: inputs are tokens 0..n-1 and targets tokens 1..n. Widths are
-    rounded up to a multiple of 32 (at most `max_seq_len`).
+    rounded up to a multiple of 32 (at most `max_seq_len`), or fixed with `fixed_shapes`.
 
     With `pack=False` each row is one sequence, padded to the longest row of the batch (not to
     `max_seq_len`: with short rows most of a fixed-length batch would be padding). With `pack=True` the
@@ -74,10 +106,12 @@ class TokenizingCollate:
         columns: the (prompt, response) column names, or the one text column's (`lowmem.config.columns`).
         response_only: leave prompt tokens out of the loss (one text column has none: every token counts).
         pack: pack rows into shared sequences (with `segment_ids`) instead of padding each row.
+        fixed_shapes: give every batch one of these shapes (sequences added as padding); None shapes each
+            batch to fit its rows.
     """
 
     def __init__(self, tokenizer: Any, max_seq_len: int, columns: Sequence[str] = DEFAULT_COLUMNS,
-                 response_only: bool = False, pack: bool = False):
+                 response_only: bool = False, pack: bool = False, fixed_shapes: FixedShapes | None = None):
         self.tokenizer = tokenizer
         self.max_seq_len = int(max_seq_len)
         self.columns = tuple(columns)
@@ -85,17 +119,23 @@ class TokenizingCollate:
             raise ValueError(f"columns must be (prompt, response) or (text,), got {columns!r}")
         self.response_only = response_only
         self.pack = pack
+        self.fixed_shapes = fixed_shapes
 
     def __call__(self, rows: list[dict[str, str]]) -> dict[str, torch.Tensor]:
         encoded = encode_rows(self.tokenizer, [[row[column] for row in rows] for column in self.columns])
         limit = self.max_seq_len + 1
         lengths = [min(len(ids), limit) - 1 for ids, _ in encoded]
         bins = pack_rows(lengths, self.max_seq_len) if self.pack else [[row] for row in range(len(rows))]
-        filled = max(sum(lengths[row] for row in rows_in_bin) for rows_in_bin in bins)
-        width = min(self.max_seq_len, -(-filled // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF)
-        input_ids = np.full((len(bins), width), self.tokenizer.pad_id, dtype=np.int64)  # (B', T)
-        targets = np.full((len(bins), width), IGNORE_INDEX, dtype=np.int64)  # (B', T)
-        segment_ids = np.zeros((len(bins), width), dtype=np.int64)  # (B', T)
+        if self.fixed_shapes is not None:
+            sequences, width = self.fixed_shapes.sequences_for(len(bins)), self.fixed_shapes.width
+        else:
+            filled = max(sum(lengths[row] for row in rows_in_bin) for rows_in_bin in bins)
+            sequences = len(bins)
+            width = min(self.max_seq_len, -(-filled // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF)
+        # Sequences past the bins, and positions past a bin's rows, are padding: segment 0, no target.
+        input_ids = np.full((sequences, width), self.tokenizer.pad_id, dtype=np.int64)  # (B', T)
+        targets = np.full((sequences, width), IGNORE_INDEX, dtype=np.int64)  # (B', T)
+        segment_ids = np.zeros((sequences, width), dtype=np.int64)  # (B', T)
         for sequence, rows_in_bin in enumerate(bins):
             start = 0
             for segment, row in enumerate(rows_in_bin, start=1):

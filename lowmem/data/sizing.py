@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from lowmem.data.collate import PAD_TO_MULTIPLE_OF, encode_rows, pack_rows
+from lowmem.data.collate import PAD_TO_MULTIPLE_OF, FixedShapes, encode_rows, pack_rows
 from lowmem.data.reader import open_parquet
 from lowmem.data.sources import RowGroupIndex
 from lowmem.memory.cleanup import release_arrow_memory
@@ -26,6 +26,8 @@ from lowmem.memory.cleanup import release_arrow_memory
 SAMPLE_ROW_GROUPS = 8  # spread evenly over the data
 SAMPLE_ROWS_PER_GROUP = 1024
 SAMPLE_BATCHES = 256
+# Micro-batches drawn to choose the fixed shapes: enough to see the 1-in-1000 ones.
+SHAPE_SAMPLE_BATCHES = 2048
 # Specials around a row's texts: [bos] text [eos] for one column, [bos] prompt [sep] response [eos] for two.
 _LAYOUT_SPECIALS = {1: 2, 2: 3}
 
@@ -50,6 +52,25 @@ class BatchSizes:
             lengths = [min(generator.choice(self.lengths), self.max_seq_len + 1) - 1 for _ in range(rows)]
             largest = max(largest, micro_batch_positions(lengths, self.max_seq_len, self.pack))
         return largest
+
+    def fixed_shapes(self, rows: int, batches: int = SHAPE_SAMPLE_BATCHES) -> FixedShapes:
+        """The two shapes of micro-batches of `rows` rows (`FixedShapes`), chosen on `batches` drawn from the sample.
+
+        The usual shape's sequences are those that make the expected positions per micro-batch smallest: each
+        micro-batch that needs more takes the larger shape, one sequence per row. A few more sequences than most
+        micro-batches need wastes a little on every one; a few fewer sends many to the shape two to three times
+        the size. Without packing every row is a sequence: one shape.
+        """
+        if not self.pack or not self.lengths:
+            return FixedShapes(rows, rows, self.max_seq_len)
+        generator = random.Random(self.seed)
+        needed = np.array([len(pack_rows([min(generator.choice(self.lengths), self.max_seq_len + 1) - 1
+                                          for _ in range(rows)], self.max_seq_len)) for _ in range(batches)])
+        candidates = range(int(needed.min()), rows + 1)
+        # Expected sequences per micro-batch; on a tie, the larger shape (fewer micro-batches in the other).
+        best = min(candidates, key=lambda sequences: (sequences * float(np.mean(needed <= sequences))
+                                                      + rows * float(np.mean(needed > sequences)), -sequences))
+        return FixedShapes(best, rows, self.max_seq_len)
 
     @property
     def mean_row_tokens(self) -> float:

@@ -1,16 +1,24 @@
 """Speed settings that change how fast a step runs, not what it computes: TF32 matmuls, torch.compile
-(with its compile workers bounded on a low memory budget), and bf16 autocast for evaluation and generation."""
+(with its compile workers bounded on a low memory budget), fixed batch shapes, the attention kernel for packed
+rows, and bf16 autocast for evaluation and generation.
+
+The automatic choices (a config value of None, or "auto") are settled in one place, `speed_settings`, from the
+device: what pays on a GPU (compiled kernels, shapes that never change) costs more than it gains on a CPU.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import re
+from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
 
-from lowmem.config import OptimConfig
+from lowmem.config import OptimConfig, TrainConfig
+from lowmem.errors import ConfigError
 from lowmem.distributed.accelerator import bf16_supported
 from lowmem.memory.data_settings import MemorySettings
 
@@ -20,6 +28,35 @@ logger = logging.getLogger(__name__)
 # host) that alone can exhaust the host. One thread means no pool: kernels compile in the rank itself,
 # more slowly, and only while the first steps compile.
 LOW_MEMORY_COMPILE_THREADS = 1
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by GPU name; `--peak_tflops` overrides. The first name
+# found in the device's name as a whole word wins, so specific names come before general ones ("H100" without
+# NVL or PCIe is the SXM part, "NVIDIA H100 80GB HBM3"), and "A100" never matches an "RTX A1000" nor "A40" an
+# "RTX A4000". Sources:
+# - Data-center and workstation cards: the vendor's data sheet, its sparse figure halved where it lists only that.
+#   They run bf16 with float32 accumulation at the full tensor rate.
+# - GeForce cards: "Peak FP16 Tensor TFLOPS with FP32 Accumulate", dense, from NVIDIA's Ampere GA102 and Ada
+#   whitepapers. GeForce runs float32 accumulation (what bf16 training uses) at half the tensor rate, so this
+#   is half the FP16-accumulate figure the product pages quote (RTX 4090: 165.2, not 330.3). Cards the
+#   whitepapers do not list (3090 Ti, 3080 Ti, 3070 Ti, 3060 Ti, 3060 and the SUPERs) get their whitepaper
+#   flagship's rate per tensor core and MHz (3090 Ti: 80.0; 4090) at their own tensor cores and boost clock;
+#   they are listed so that the base card's lower figure does not match them.
+# - No entry (MFU needs --peak_tflops there): V100 and T4, which have no bf16 tensor cores, and laptop parts
+#   (see `peak_bf16_tflops`).
+PEAK_BF16_TFLOPS = {
+    # Hopper
+    "H200 NVL": 835.0, "H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
+    # Ampere, data center and workstation
+    "A100": 312.0, "A800": 312.0, "A10G": 70.0, "A10": 125.0, "A30": 165.0, "A40": 149.7, "A6000": 154.8,
+    # Ada, data center and workstation
+    "L40S": 362.0, "L40": 181.0, "L4": 121.0, "RTX 6000 Ada": 364.2,
+    # Ada GeForce (FP32 accumulate)
+    "RTX 4090": 165.2, "RTX 4080 SUPER": 104.5, "RTX 4080": 97.5, "RTX 4070 Ti SUPER": 88.2, "RTX 4070 Ti": 80.2,
+    "RTX 4070 SUPER": 71.0, "RTX 4070": 58.3, "RTX 4060 Ti": 44.1,
+    # Ampere GeForce (FP32 accumulate)
+    "RTX 3090 Ti": 80.0, "RTX 3090": 71.0, "RTX 3080 Ti": 68.2, "RTX 3080": 59.5, "RTX 3070 Ti": 43.5,
+    "RTX 3070": 40.6, "RTX 3060 Ti": 32.4, "RTX 3060": 25.5,
+}
 
 
 def enable_tf32(on_gpu: bool) -> bool:
@@ -35,28 +72,109 @@ def enable_tf32(on_gpu: bool) -> bool:
     return True
 
 
-def maybe_compile(model: torch.nn.Module, config: OptimConfig,
-                  settings: MemorySettings | None = None) -> torch.nn.Module:
-    """`torch.compile(model)` when `config.compile` is set, else the model unchanged.
+# From this many tokens per sequence, attention over packed rows runs on FlexAttention when `attention=auto`:
+# SDPA's kernels that take a mask cannot use flash attention (2.8x plain causal attention at 4,096 tokens on an
+# H200), while at the 192 tokens of the default configs the masked kernel costs little (0.34 against 0.27 ms).
+FLEX_ATTENTION_FROM_TOKENS = 1024
 
-    The compiled wrapper prefixes its state-dict keys with `_orig_mod.`; checkpoints are written from the
-    unwrapped model, so they load with and without compilation. The first steps are slow while the graphs
-    compile, and again for each new batch shape until dynamic shapes kick in.
+
+@dataclass(frozen=True)
+class SpeedSettings:
+    """How the training step runs on this device; none of it changes what the step computes.
+
+    compile: torch.compile the training model. static_shapes: every micro-batch takes one of two fixed shapes
+    (`lowmem.data.collate.FixedShapes`). attention: "sdpa" or "flex", the kernel for packed rows.
+    """
+
+    compile: bool
+    static_shapes: bool
+    attention: str
+
+    def describe(self) -> str:
+        return (f"compile={'on' if self.compile else 'off'}, fixed batch shapes={'on' if self.static_shapes else 'off'}"
+                f", attention for packed rows: {self.attention}")
+
+
+def speed_settings(config: TrainConfig, device_type: str) -> SpeedSettings:
+    """The speed settings of `config` on a device of `device_type` ("cuda" or "cpu"), automatic ones decided.
+
+    compile and static_shapes left unset (None) are on with CUDA and off on the CPU; attention "auto" is flex on
+    CUDA for packed rows of at least FLEX_ATTENTION_FROM_TOKENS tokens without dropout (FlexAttention has none),
+    sdpa otherwise. Raises ConfigError for a combination that cannot run.
+    """
+    on_gpu = device_type == "cuda"
+    compiled = on_gpu if config.compile is None else bool(config.compile)
+    static = on_gpu if config.static_shapes is None else bool(config.static_shapes)
+    if config.attention == "auto":
+        long_rows = config.max_seq_len >= FLEX_ATTENTION_FROM_TOKENS
+        attention = "flex" if on_gpu and config.pack_rows and long_rows and config.dropout == 0 else "sdpa"
+    else:
+        attention = config.attention
+    if attention == "flex" and not on_gpu:
+        raise ConfigError("--attention=flex trains on a GPU only: torch has no FlexAttention backward pass on the "
+                          "CPU. Pass --attention=sdpa (or leave it at auto) to train here.")
+    if attention == "flex" and config.dropout > 0:
+        raise ConfigError(f"--attention=flex has no dropout on the attention weights, but --dropout={config.dropout}: "
+                          "pass --attention=sdpa, or --dropout=0.")
+    if compiled and config.compile_mode == "reduce-overhead" and not static:
+        raise ConfigError("--compile_mode=reduce-overhead replays CUDA graphs, which need batches of fixed shapes: "
+                          "leave --static_shapes unset (on with CUDA) or pass --static_shapes=True.")
+    return SpeedSettings(compile=compiled, static_shapes=static, attention=attention)
+
+
+def compile_enabled(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the training model is compiled for `config` on `device` (see `speed_settings`)."""
+    return speed_settings(config, device.type).compile
+
+
+def maybe_compile(model: torch.nn.Module, config: OptimConfig, settings: MemorySettings | None = None,
+                  speed: SpeedSettings | None = None) -> torch.nn.Module:
+    """`torch.compile(model)` when `speed.compile` says so, else the model unchanged.
+
+    The whole model is one graph, the loss included (a graph break would split every micro-batch's forward and
+    backward in two). With fixed batch shapes the graph is compiled for exactly those shapes (`dynamic=False`):
+    a first step of each shape compiles it (the Trainer runs both before training), and nothing recompiles later;
+    without them torch decides, and recompiles with dynamic shapes once a second shape is seen. The compiled
+    wrapper prefixes its state-dict keys with `_orig_mod.`; checkpoints are written from the unwrapped model, so
+    they load with and without compilation.
 
     Args:
         model: the (prepared) model.
-        config: `compile` and `compile_backend` are read.
+        config: `compile_backend` and `compile_mode` are read.
         settings: the memory settings rank 0 decided; on a low budget the compile-worker pool is bounded
             (see `bound_compile_workers`). None leaves torch's default.
+        speed: the run's speed settings (`speed_settings`); None compiles only when `config.compile` is True,
+            for shapes as they come.
     """
-    if not getattr(config, "compile", False):
+    if speed is None:
+        speed = SpeedSettings(compile=config.compile is True, static_shapes=False, attention="sdpa")
+    if not speed.compile:
         return model
     if settings is not None:
         bound_compile_workers(settings)
-    logger.info("Compiling the model with torch.compile, backend %s (the first steps take longer).",
-                config.compile_backend)
+    # A mode is inductor's: other backends (eager, aot_eager) take none.
+    mode = config.compile_mode if config.compile_backend == "inductor" and config.compile_mode != "default" else None
+    logger.info("Compiling the model with torch.compile, backend %s%s, %s (the first steps take longer).",
+                config.compile_backend, f", mode {mode}" if mode else "",
+                "for the two fixed batch shapes" if speed.static_shapes else "shapes as they come")
     # torch types compile's result as a plain callable; given a Module it returns an OptimizedModule (a Module).
-    return torch.compile(model, backend=config.compile_backend)  # type: ignore[return-value]
+    return torch.compile(model, backend=config.compile_backend, mode=mode,  # type: ignore[return-value]
+                         dynamic=False if speed.static_shapes else None)
+
+
+def compile_worker_processes(low_budget: bool) -> int:
+    """The processes of inductor's compile-worker pool per rank while it compiles (0: it compiles in the rank):
+    none on a low budget (`bound_compile_workers`), else TORCHINDUCTOR_COMPILE_THREADS or torch's default,
+    one per usable core up to 32. Read without importing inductor, for the memory plan."""
+    text = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "").strip()
+    if text.isdigit():
+        threads = int(text)
+    elif low_budget:
+        threads = LOW_MEMORY_COMPILE_THREADS
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = min(32, cores)
+    return threads if threads > 1 else 0
 
 
 def bound_compile_workers(settings: MemorySettings) -> int | None:
@@ -93,3 +211,38 @@ def inference_autocast(device: torch.device, bf16: bool = True, bf16_on_cpu: boo
     if not bf16 or not (bf16_on_cpu if device.type == "cpu" else bf16_supported(device)):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def peak_bf16_tflops(device_name: str) -> float:
+    """The GPU's dense bf16 peak in TFLOP/s from its name (`torch.cuda.get_device_name()`), 0 when unknown.
+
+    The first entry of `PEAK_BF16_TFLOPS` found in the name as a whole word (case aside) wins. A laptop part
+    shares its desktop namesake's name but not its chip or clocks ("RTX 4090 Laptop GPU" is a smaller chip):
+    unknown rather than a peak several times too high.
+    """
+    if "laptop" in device_name.lower():
+        return 0.0
+    for name, tflops in PEAK_BF16_TFLOPS.items():  # specific names come first
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(name)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
+            return tflops
+    return 0.0
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak_tflops: float, devices: int = 1) -> float | None:
+    """Model FLOPs utilisation: the share of the devices' peak that the model's own FLOPs use.
+
+    Counts only the FLOPs the model needs (`GPT.estimate_flops_per_token`), not those spent recomputing
+    activations or elsewhere, so runs with different memory savers compare on the same work.
+
+    Args:
+        tokens_per_second: tokens trained per second over all `devices`.
+        flops_per_token: forward and backward FLOPs per token.
+        peak_tflops: one device's dense bf16 peak in TFLOP/s (`peak_bf16_tflops`).
+        devices: how many devices trained those tokens.
+
+    Returns:
+        The fraction (0.4 is 40%), or None when the peak is unknown (0).
+    """
+    if peak_tflops <= 0:
+        return None
+    return tokens_per_second * flops_per_token / (peak_tflops * 1e12 * devices)

@@ -127,11 +127,12 @@ def _create_optimizer(model: GPT, config: OptimConfig, accelerator: Accelerator)
     decay carry over), and in AdamW mode (decoupled weight decay) only when the optimizer it replaces is a
     `torch.optim.AdamW`: anything else, DeepSpeedCPUAdam included, becomes Adam with L2 regularisation. So it
     gets a plain torch AdamW, never stepped, not fused (the parameters are still on the CPU here). A DeepSpeed
-    config file that names an optimizer gets accelerate's DummyOptim carrying our parameter groups.
+    config file that names an optimizer gets accelerate's DummyOptim carrying our parameter groups. Everywhere
+    else the optimizer is the fused AdamW, which skips a non-finite step on the device.
     """
-    device_type = "cpu" if offloads_optimizer(accelerator) else accelerator.device.type
+    offload = offloads_optimizer(accelerator)
     adamw = model.configure_optimizer(config.weight_decay, config.learn_rate, (config.adam_beta1, config.adam_beta2),
-                                      device_type=device_type)
+                                      device_type="cpu" if offload else accelerator.device.type, fused=not offload)
     if strategy(accelerator) == DEEPSPEED and "optimizer" in accelerator.state.deepspeed_plugin.deepspeed_config:
         from accelerate.utils import DummyOptim
 

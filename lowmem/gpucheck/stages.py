@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,11 @@ DEEPSPEED_CONFIG = Path("configs") / "accelerate" / "deepspeed_zero2_offload.yam
 # carried over a hundred steps, stay far below 2% of the loss, while a resume that lost or repeated data, or
 # restored the wrong state, moves it by more.
 RESUME_TOLERANCE = {"cpu": 1e-6, "cuda": 2e-2}
+
+# bench_train's rows and its line comparing lowmem's step with a plain PyTorch loop's.
+CEILING_ROW = "(a) batches in memory (ceiling)"
+PLAIN_LOOP_ROW = "(r) plain PyTorch loop (reference)"
+PLAIN_LOOP_RATIO = re.compile(r"\(a\)/\(r\) = (\d+(?:\.\d+)?)")
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,11 @@ def train(settings: CheckSettings) -> dict[str, Any]:
 # ----- 3. bench: bench_train with and without torch.compile ---------------------------------------------------
 def bench(settings: CheckSettings) -> dict[str, Any]:
     """`bench_train` (the large config on a GPU), eager and compiled: tokens/s, MFU, data wait, peak GPU
-    memory and each process's host high-water with the CUDA runtime loaded."""
+    memory and each process's host high-water with the CUDA runtime loaded, and lowmem's step against a plain
+    PyTorch loop's on the same batches.
+
+    Each case's ratio to the plain loop and the MFU of both are also figures of their own
+    (`eager_ratio_to_plain_loop`, `eager_mfu`, ...), so that the verdict line shows them."""
     deadline = Deadline(settings.stage_seconds)
     if settings.on_cpu:
         # Reduced: a few steps of the small model; "eager" only traces the model, which checks the compiled
@@ -171,28 +181,42 @@ def bench(settings: CheckSettings) -> dict[str, Any]:
                 f"--tokenizer_dir={settings.folder / 'tokenizer_large'}"]  # trained once, by the first case
         compiled = ["--compile=True"]
     figures: dict[str, Any] = {}
+    cases: dict[str, Any] = {}
     for name, extra in (("eager", []), ("compiled", compiled)):
         done = run(lowmem_command([*base, *extra]), _fresh(settings.folder / "bench" / name), settings.env(), deadline)
         if done.returncode != 0:
             raise StageFailed(f"bench_train ({name}) failed (exit code {done.returncode}): {done.tail()}")
-        figures[name] = parse_bench_table(done.stdout)
-    return figures
+        case = cases[name] = parse_bench_table(done.stdout)
+        if case["ratio_to_plain_loop"] is None:
+            raise StageFailed(f"bench_train ({name}) printed no (a)/(r) line: the plain PyTorch loop did not run "
+                              f"({done.tail()})")
+        figures[f"{name}_ratio_to_plain_loop"] = case["ratio_to_plain_loop"]
+        figures[f"{name}_mfu"] = f"(a) {case['mfu_ceiling']}, (r) {case['mfu_plain_loop']}"
+    return {**figures, **cases}
 
 
 def parse_bench_table(text: str) -> dict[str, Any]:
-    """The rows of `bench_train`'s table as figures, and its line of high-water RSS."""
+    """The rows of `bench_train`'s table as figures, its line of high-water RSS, and lowmem's step against the
+    plain loop's: `ratio_to_plain_loop` ((a)/(r), None when the reference did not run) and the MFU of (a) and
+    (r) (`mfu_ceiling`, `mfu_plain_loop`: as printed, "-" where unknown, None for a missing row)."""
     columns = ("tokens_per_s", "vs_ceiling", "data_wait", "peak_rss_mb", "peak_gpu_mb", "mfu")
     rows: dict[str, Any] = {}
     summary = ""
+    ratio = None
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        plain_loop_ratio = PLAIN_LOOP_RATIO.search(line)
         if line.startswith("| ") and len(cells) == 7 and cells[0] not in ("phase",) and not cells[0].startswith("--"):
             rows[cells[0]] = dict(zip(columns, cells[1:]))
         elif "process high-water RSS" in line:
             summary = line.strip()
+        elif plain_loop_ratio:
+            ratio = float(plain_loop_ratio.group(1))
     if not rows:
         raise StageFailed("bench_train printed no table")
-    return {"phases": rows, "memory": summary}
+    return {"phases": rows, "memory": summary, "ratio_to_plain_loop": ratio,
+            "mfu_ceiling": rows.get(CEILING_ROW, {}).get("mfu"),
+            "mfu_plain_loop": rows.get(PLAIN_LOOP_ROW, {}).get("mfu")}
 
 
 # ----- 4. parallel: DDP, FSDP2 and DeepSpeed over every GPU ---------------------------------------------------

@@ -1,7 +1,9 @@
 """Memory savers chosen to fit the budget: the cheapest levers first, until the plan fits.
 
-`choose_savers` starts from the run's settings and, while the plan does not fit, turns on the next lever
-the user did not set, in order of cost:
+On a GPU, `choose_savers` first gives a step's rows to the fewest micro-batches that fit the device and the host
+(one of 64 rows rather than 32 x 2): each micro-batch is a forward and backward pass of small kernels, and the
+activations live on the device, so fewer, larger ones keep the GPU busy at no cost to host memory. Then, while
+the plan does not fit, it turns on the next lever the user did not set, in order of cost:
 
     1. malloc_mmap_threshold_mb=1   CPU only: freed step memory goes back to the system instead of staying in
                                     glibc's heap (page faults each step; measured free on the large config)
@@ -41,6 +43,7 @@ class SaverChoice:
     budget_bytes: int
     changes: dict[str, object] = field(default_factory=dict)  # config field → value
     steps: list[str] = field(default_factory=list)  # one phrase per lever turned on
+    merged: str = ""  # on a GPU, the step's rows given to fewer micro-batches: what, and why
 
     @property
     def fits(self) -> bool:
@@ -50,12 +53,13 @@ class SaverChoice:
         """One log line: what was turned on and why, or that nothing was needed."""
         before, after = self.before.machine_total, self.plan.machine_total
         budget = f"{gib_text(self.budget_bytes)} budget"
+        merged = f"{self.merged} " if self.merged else ""
         if not self.steps:
-            return (f"Memory savers: none needed (predicted {before / MB:,.0f} MB for this machine, within the "
+            return (f"{merged}Memory savers: none needed (predicted {after / MB:,.0f} MB for this machine, within the "
                     f"{budget} less {PLAN_MARGIN:.0%}).")
-        return (f"Memory savers turned on to fit the {budget}: {'; '.join(self.steps)} (predicted {before / MB:,.0f} "
-                f"MB for this machine → {after / MB:,.0f} MB). Settings given explicitly are kept; "
-                "--memory_savers=off keeps every setting as given.")
+        return (f"{merged}Memory savers turned on to fit the {budget}: {'; '.join(self.steps)} (predicted "
+                f"{before / MB:,.0f} MB for this machine → {after / MB:,.0f} MB). Settings given explicitly are "
+                "kept; --memory_savers=off keeps every setting as given.")
 
 
 def _divisor_below(rows: int) -> int:
@@ -86,6 +90,9 @@ def choose_savers(inputs: PlanInputs, budget_bytes: int, explicit: Collection[st
         choice.changes.update(config_changes)
         choice.steps.append(phrase)
 
+    batch_fixed = {"batch_size_per_gpu", "gradient_accumulation_steps"} & set(explicit)
+    if inputs.on_gpu and not batch_fixed and inputs.gradient_accumulation_steps > 1:
+        inputs = _fewest_micro_batches(choice, inputs, positions_for_rows)
     if choice.fits:
         return choice
     if not inputs.on_gpu and inputs.malloc_mmap_threshold_mb <= 0 and "malloc_mmap_threshold_mb" not in explicit:
@@ -97,7 +104,6 @@ def choose_savers(inputs: PlanInputs, budget_bytes: int, explicit: Collection[st
     if not choice.fits and not inputs.activation_checkpointing and "activation_checkpointing" not in explicit:
         apply("activation checkpointing (--activation_checkpointing=True, about a third more compute)",
               {"activation_checkpointing": True}, activation_checkpointing=True)
-    batch_fixed = {"batch_size_per_gpu", "gradient_accumulation_steps"} & set(explicit)
     while not choice.fits and not batch_fixed and inputs.micro_batch_rows > 1:
         rows = _divisor_below(inputs.micro_batch_rows)
         accumulation = inputs.gradient_accumulation_steps * inputs.micro_batch_rows // rows
@@ -107,10 +113,43 @@ def choose_savers(inputs: PlanInputs, budget_bytes: int, explicit: Collection[st
             choice.steps.pop()  # one phrase for the final micro-batch, however many halvings it took
         # Validation batches and generation batches have batch_size_per_gpu rows too.
         apply(phrase, {"batch_size_per_gpu": rows, "gradient_accumulation_steps": accumulation},
-              micro_batch_rows=rows, gradient_accumulation_steps=accumulation,
-              micro_batch_positions=positions_for_rows(rows), eval_positions=rows * inputs.sequence_width,
-              generation_rows=min(rows, inputs.generation_rows))
+              **_micro_batch_inputs(inputs, rows, accumulation, positions_for_rows))
     return choice
+
+
+def _micro_batch_inputs(inputs: PlanInputs, rows: int, accumulation: int,
+                        positions_for_rows: Callable[[int], int]) -> dict[str, object]:
+    """The plan's inputs that follow micro-batches of `rows` rows x `accumulation` (validation and generation
+    batches have batch_size_per_gpu rows too)."""
+    return {"micro_batch_rows": rows, "gradient_accumulation_steps": accumulation,
+            "micro_batch_positions": positions_for_rows(rows), "eval_positions": rows * inputs.sequence_width,
+            "generation_rows": min(rows, inputs.generation_prompts or inputs.generation_rows)}
+
+
+def _fewest_micro_batches(choice: SaverChoice, inputs: PlanInputs,
+                          positions_for_rows: Callable[[int], int]) -> PlanInputs:
+    """On a GPU: the step's rows in the fewest micro-batches whose plan fits (a divisor of the rows, fewer
+    micro-batches than configured), recorded in `choice`; the inputs it plans with (unchanged when none fits)."""
+    rows, accumulation = inputs.micro_batch_rows, inputs.gradient_accumulation_steps
+    total = rows * accumulation
+    for count in range(1, accumulation):
+        if total % count:
+            continue
+        trial = with_inputs(inputs, **_micro_batch_inputs(inputs, total // count, count, positions_for_rows))
+        plan = plan_memory(trial)
+        if not plan.fits(choice.budget_bytes):
+            continue
+        shape = "one micro-batch" if count == 1 else f"{count} micro-batches"
+        gpu = f"{plan.device_peak / MB:,.0f} of {inputs.gpu_bytes / MB:,.0f} MB" if inputs.gpu_bytes else \
+            f"{plan.device_peak / MB:,.0f} MB"
+        choice.merged = (f"GPU micro-batches: {shape} of {total // count} rows per step instead of {rows} x "
+                         f"{accumulation} (--batch_size_per_gpu={total // count} --gradient_accumulation_steps={count}"
+                         f": as many rows per optimizer step, in fewer and larger passes that keep the GPU busy; "
+                         f"predicted GPU peak {gpu}).")
+        choice.plan = plan
+        choice.changes.update(batch_size_per_gpu=total // count, gradient_accumulation_steps=count)
+        return trial
+    return inputs
 
 
 def no_fit_message(choice: SaverChoice, explicit: Collection[str], launch_hint: str,
@@ -127,8 +166,8 @@ def no_fit_message(choice: SaverChoice, explicit: Collection[str], launch_hint: 
             f"{PLAN_MARGIN:.0%}), {shortfall / MB:,.0f} MB short")
     text += (f", even with {'; '.join(choice.steps)}." if choice.steps else ".")
     fixes = []
-    smallest = with_inputs(inputs, micro_batch_rows=1, micro_batch_positions=positions_for_rows(1),
-                           eval_positions=inputs.sequence_width, generation_rows=min(1, inputs.generation_rows),
+    smallest = with_inputs(inputs, **_micro_batch_inputs(inputs, 1, inputs.micro_batch_rows
+                                                         * inputs.gradient_accumulation_steps, positions_for_rows),
                            activation_checkpointing=True,
                            malloc_mmap_threshold_mb=inputs.malloc_mmap_threshold_mb or FIXED_MMAP_THRESHOLD_MB)
     for processes in range(inputs.processes - 1, 0, -1):

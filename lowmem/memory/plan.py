@@ -53,6 +53,11 @@ LAUNCHER_BYTES = 260 * MB
 # CUDA runtime, cuBLAS and cuDNN, and the device memory of its context.
 CUDA_HOST_BYTES = 1200 * MB
 CUDA_CONTEXT_DEVICE_BYTES = 500 * MB
+# torch.compile: what a compiled model adds to its process (the traced graphs, the generated kernels loaded),
+# measured 77-104 MB on the CPU for a tiny model and the large config; and each process of inductor's pool of
+# compile workers, alive while the first steps compile (measured 416 MB for a pool of 2 on the large config).
+COMPILE_HOST_BYTES = 150 * MB
+COMPILE_WORKER_BYTES = 210 * MB
 # The CUDA caching allocator rounds and splits blocks: reserved runs above allocated.
 CUDA_ALLOCATOR_OVERHEAD = 0.10
 # Under bf16 autocast the matmul outputs are bf16 while norms and the residual stream stay float32: about
@@ -116,6 +121,9 @@ class PlanInputs:
     launcher: bool = False  # under `accelerate launch`
     gpu_bytes: int = 0  # one device's memory (0: unknown or no GPU)
     tokens_estimated: bool = False  # no tokenizer yet: positions counted from characters (an upper bound)
+    compiled: bool = False  # torch.compile of the training model
+    compile_workers: int = 0  # processes of inductor's compile pool per process (0: it compiles in the process)
+    generation_prompts: int = 0  # a process's share of the prompts BLEU-4 answers (generation batches hold fewer)
 
     @property
     def on_gpu(self) -> bool:
@@ -325,6 +333,12 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         count = inputs.workers * inputs.processes
         machine.append(PlanPart("DataLoader workers", count * (WORKER_BYTES + inputs.data_bytes),
                                 f"{count} x ({_mb(WORKER_BYTES)} + the data pipeline)"))
+    if inputs.compiled:
+        host.append(PlanPart("torch.compile", COMPILE_HOST_BYTES, "graphs and generated kernels, measured"))
+        if inputs.compile_workers:
+            count = inputs.compile_workers * inputs.processes
+            machine.append(PlanPart("torch.compile workers", count * COMPILE_WORKER_BYTES,
+                                    f"{count} x {_mb(COMPILE_WORKER_BYTES)}, while the first steps compile"))
     device: list[PlanPart] = []
     if inputs.on_gpu:
         host.append(PlanPart("CUDA runtime", CUDA_HOST_BYTES, "reasoned, not measured"))

@@ -32,6 +32,7 @@ from lowmem.model import generation
 # ARCHITECTURES is re-exported: the architectures this module builds, defined with the config that checks them.
 from lowmem.model.config import ARCHITECTURES as ARCHITECTURES
 from lowmem.model.config import GPTConfig
+from lowmem.model.flex import document_block_mask, flex_attend, is_block_mask
 from lowmem.model.generation import KVCache, LayerKVCache, _attention_mask, _DecodingState
 from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
 from lowmem.model.rotary import apply_rotary, rotary_angles
@@ -131,8 +132,9 @@ class CausalSelfAttention(nn.Module):
         Args:
             x: the input of T positions.
             attn_mask: boolean (B or 1, 1, T, Tk), True where a query may attend to a key, with Tk the
-                positions in the cache after appending x's. None means plain causal attention with x's
-                positions the last T of the Tk; then T must be Tk (no cache) or 1 (one cached step).
+                positions in the cache after appending x's; or a FlexAttention block mask of packed rows
+                (`lowmem.model.flex`). None means plain causal attention with x's positions the last T of
+                the Tk; then T must be Tk (no cache) or 1 (one cached step).
             cache: keys and values of the earlier positions; x's are appended.
             rotary: cosines and sines of x's positions (llama): queries and keys are rotated by them. The
                 cache stores rotated keys, so a cached key keeps the angle of its own position.
@@ -142,7 +144,10 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.append(k, v)  # each (B, nh, Tk, hs): the earlier positions, then x's
-        if attn_mask is None:
+        if is_block_mask(attn_mask):  # packed rows on FlexAttention (no cache, no dropout there)
+            B, _, T, _ = q.shape
+            y = flex_attend(q, k, v, attn_mask).transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
+        elif attn_mask is None:
             # A single query that is the newest position may see every key: no mask at all is cheapest.
             y = self.attend(q, k, v, is_causal=q.size(2) > 1)  # (B, T, C)
         else:
@@ -272,6 +277,24 @@ class GPT(nn.Module):
         self._decoding: _DecodingState | None = None
         # Tokens per chunk of the loss (see `use_memory_savers`); 0 computes the whole logits at once.
         self.loss_chunk_tokens = 0
+        # The kernel for attention within packed rows (see `use_attention`).
+        self.packed_attention = "sdpa"
+
+    def use_attention(self, kind: str) -> GPT:
+        """Choose the kernel for attention within packed rows (`segment_ids`); what it computes does not change.
+
+        Args:
+            kind: "sdpa" (PyTorch's scaled_dot_product_attention with a boolean mask) or "flex" (FlexAttention with a
+                block mask built once per forward pass, `lowmem.model.flex`; fast on long sequences, no dropout,
+                no backward on the CPU). Unpacked rows and generation always use SDPA.
+
+        Returns:
+            The model itself.
+        """
+        if kind not in ("sdpa", "flex"):
+            raise ConfigError(f"The attention kernel must be sdpa or flex, got {kind!r}.")
+        self.packed_attention = kind
+        return self
 
     def use_memory_savers(self, loss_chunk_tokens: int = 0, checkpoint_activations: bool = False) -> GPT:
         """Choose how training trades compute for memory; what the model computes does not change.
@@ -384,8 +407,11 @@ class GPT(nn.Module):
             )
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         attn_mask = None  # plain causal attention: the fast path for training
-        if segment_ids is not None:
-            pos, attn_mask = _segment_positions_and_mask(segment_ids)  # (B, T), (B, 1, T, T)
+        if segment_ids is not None and self.packed_attention == "flex":
+            pos = _segment_positions(segment_ids)  # (B, T)
+            attn_mask = document_block_mask(segment_ids)  # built once, used by every block
+        elif segment_ids is not None:
+            pos, attn_mask = _segment_positions(segment_ids), _segment_mask(segment_ids)  # (B, T), (B, 1, T, T)
         elif n_pad is not None:
             # Each row's first real token gets position 0, as if its prompt had been given alone; padding
             # (hidden from every real position by the mask) clamps to 0 to stay a valid index.
@@ -470,6 +496,7 @@ class GPT(nn.Module):
         learning_rate: float,
         betas: tuple[float, float] = (0.9, 0.95),
         device_type: str = "cpu",
+        fused: bool = True,
     ) -> torch.optim.AdamW:
         """AdamW with weight decay on matrices and embeddings only.
 
@@ -480,7 +507,10 @@ class GPT(nn.Module):
             weight_decay: decay for parameters with dim >= 2.
             learning_rate: the (peak) learning rate; a scheduler may change it later.
             betas: Adam's moment coefficients.
-            device_type: "cuda" selects the fused AdamW kernel where this torch build has one.
+            device_type: where the parameters live: on "cuda" and "cpu" the fused AdamW kernel is used, which
+                updates all parameters in a few launches instead of several per tensor and can skip a step on the
+                device (`lowmem.train.step.step_unless_not_finite`).
+            fused: False keeps torch's default kernel (for an optimizer another library replaces).
         """
         params = [p for p in self.parameters() if p.requires_grad]  # tied weight appears once
         decay = [p for p in params if p.dim() >= 2]
@@ -489,8 +519,7 @@ class GPT(nn.Module):
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        # The fused kernel updates all parameters in a few launches instead of several per tensor.
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        fused = fused and device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
         extra: dict[str, Any] = {"fused": True} if fused else {}
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
 
@@ -530,16 +559,20 @@ class GPT(nn.Module):
     generate = generation.generate
 
 
-def _segment_positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (B, T) counted from each segment's start, and the mask (B, 1, T, T) of causal attention
-    within a segment. Segments are contiguous runs of one id; padding (id 0) attends to padding only, and
-    always to itself, so no softmax row is fully masked.
-    """
+def _segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Positions (B, T) counted from the start of each segment (contiguous runs of one id)."""
     B, T = segment_ids.shape
     index = torch.arange(T, device=segment_ids.device).expand(B, T)  # (B, T)
     starts = torch.ones_like(segment_ids, dtype=torch.bool)  # (B, T): True where a segment begins
     starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T)
+    return index - first
+
+
+def _segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """The mask (B, 1, T, T) of causal attention within a segment. Padding (id 0) attends to padding only, and
+    always to itself, so no softmax row is fully masked."""
+    T = segment_ids.size(1)
     same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)  # (B, T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()  # (T, T)
-    return index - first, (same & causal).unsqueeze(1)
+    return (same & causal).unsqueeze(1)

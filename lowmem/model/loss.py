@@ -10,6 +10,10 @@ one chunk's logits, and nothing is computed twice (recomputing each chunk's logi
 would cost a third more of the head's matmuls, the bulk of a small model's work).
 
 The result equals the plain path's to float rounding: the same float32 log-softmax, the same weights.
+
+torch.compile traces it with the rest of the model: the loop over chunks unrolls (the number of chunks is fixed
+by the batch's shape), the autograd.Function becomes part of the graph, and inductor fuses each chunk's
+log-softmax and gradient arithmetic into a few kernels instead of a pass over the (chunk, V) logits per step.
 """
 
 from __future__ import annotations
@@ -92,7 +96,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 None, None, None)
 
 
-@torch.compiler.disable  # a Python loop over chunks: left out of a compiled graph, which ends at `hidden`
 def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                            weights: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Σ_i weights_i · CE(hidden_i · weightᵀ, targets_i), float32, never holding more than one chunk's logits.

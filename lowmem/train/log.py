@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from tqdm import tqdm
 
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum
+from lowmem.distributed.performance import mfu, peak_bf16_tflops
 from lowmem.log_format import log_formatter, open_log_file
 from lowmem.train.step import StepResult
 from lowmem.units import MB
@@ -118,6 +119,8 @@ class LineFigures:
     rss_mb: float  # this process's RSS
     rss_max_mb: float  # the largest RSS of a rank: the process nearest to an out-of-memory kill
     rss_sum_mb: float  # the ranks' RSS added up: on one host, what the training's processes hold together
+    mfu: float | None = None  # model FLOPs utilisation over every rank (None: the device's peak is not known)
+    gpu_peak_mb: float | None = None  # the most GPU memory a rank's tensors took so far in the run (None: no GPU)
 
 
 class StepLog:
@@ -125,11 +128,28 @@ class StepLog:
 
     Due every `every` steps and at the last step; the line's loss and tokens/s are over every rank. Time spent
     in `paused()` (validation, checkpoint saves) is left out of tokens/s, so the figure is the training's rate
-    whether or not a validation fell between two lines.
+    whether or not a validation fell between two lines. The sums stay on the device until the line is written:
+    adding a step waits for nothing.
+
+    Args:
+        accelerator: the run's Accelerator.
+        total_steps: the run's optimizer steps in all (the last one always gets a line).
+        every: steps between lines.
+        flops_per_token: the model's training FLOPs per token (`GPT.estimate_flops_per_token`), for the MFU;
+            0 leaves the MFU out.
+        peak_tflops: the device's dense bf16 peak (`--peak_tflops`); 0 looks a GPU up by its name
+            (`lowmem.distributed.performance.peak_bf16_tflops`), and the CPU has none.
     """
 
-    def __init__(self, accelerator: Accelerator, total_steps: int, every: int) -> None:
+    def __init__(self, accelerator: Accelerator, total_steps: int, every: int, flops_per_token: float = 0.0,
+                 peak_tflops: float = 0.0) -> None:
         self.accelerator, self.total_steps, self.every = accelerator, total_steps, every
+        self.device = torch.device(getattr(accelerator, "device", "cpu"))
+        self.on_gpu = self.device.type == "cuda"
+        if not peak_tflops and self.on_gpu:
+            peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(self.device))
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
+        self.gpu_peak = 0  # bytes: the highest allocation seen in the run (read at each step: no wait)
         self.reset()
 
     def reset(self) -> None:
@@ -137,7 +157,7 @@ class StepLog:
         self.loss_sum: torch.Tensor | float = 0.0  # summed on the device: read only when a line is written
         self.target_tokens = 0
         self.input_tokens = 0
-        self.grad_norm_sum = 0.0
+        self.grad_norm_sum: torch.Tensor | float = 0.0  # summed on the device too
         self.steps = 0
         self.started = time.perf_counter()
         self.paused_seconds = 0.0
@@ -157,6 +177,10 @@ class StepLog:
         self.input_tokens += result.input_tokens
         self.grad_norm_sum += result.grad_norm
         self.steps += 1
+        if self.on_gpu:
+            # The allocator's own counter (no wait for the device); read here, before the memory log starts a
+            # new peak at its record.
+            self.gpu_peak = max(self.gpu_peak, torch.cuda.max_memory_allocated(self.device))
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total_steps
@@ -166,18 +190,30 @@ class StepLog:
 
         Returns the line's figures (every rank gets the same, except its own RSS)."""
         rss = psutil.Process().memory_info().rss
+        # One wait for the device: the window's loss and gradient norms, read together.
+        loss_sum, grad_norm_sum = torch.stack([torch.as_tensor(value, dtype=torch.float64).to(self.device)
+                                               for value in (self.loss_sum, self.grad_norm_sum)]).tolist()
         loss_sum, target_tokens, input_tokens, rss_sum = all_reduce_sum(
-            self.accelerator, [float(self.loss_sum), self.target_tokens, self.input_tokens, rss])
-        [rss_max] = all_reduce_max(self.accelerator, [rss])
+            self.accelerator, [loss_sum, self.target_tokens, self.input_tokens, rss])
+        [rss_max, gpu_peak_max] = all_reduce_max(self.accelerator, [rss, self.gpu_peak])
         elapsed = time.perf_counter() - self.started - self.paused_seconds
+        tokens_per_s = float(input_tokens / max(elapsed, 1e-9))
         figures = LineFigures(loss=float(loss_sum / max(target_tokens, 1)), learning_rate=float(lr),
-                              grad_norm=float(self.grad_norm_sum / max(self.steps, 1)),
-                              tokens_per_s=float(input_tokens / max(elapsed, 1e-9)), rss_mb=float(rss / MB),
-                              rss_max_mb=float(rss_max / MB), rss_sum_mb=float(rss_sum / MB))
+                              grad_norm=float(grad_norm_sum / max(self.steps, 1)),
+                              tokens_per_s=tokens_per_s, rss_mb=float(rss / MB),
+                              rss_max_mb=float(rss_max / MB), rss_sum_mb=float(rss_sum / MB),
+                              mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops,
+                                      self.accelerator.num_processes) if self.flops_per_token else None,
+                              gpu_peak_mb=float(gpu_peak_max / MB) if self.on_gpu else None)
+        device = ""
+        if figures.mfu is not None:
+            device += f" | mfu {figures.mfu:.1%}"
+        if figures.gpu_peak_mb is not None:
+            device += f" | gpu peak {figures.gpu_peak_mb:,.0f} MB"
         logger.info(
-            "step %d/%d | epoch %d | loss %.4f | lr %.2e | grad_norm %.3f | tokens/s %s | rss %.0f MB "
+            "step %d/%d | epoch %d | loss %.4f | lr %.2e | grad_norm %.3f | tokens/s %s%s | rss %.0f MB "
             "(max over ranks %.0f MB)", step, self.total_steps, epoch, figures.loss, figures.learning_rate,
-            figures.grad_norm, f"{figures.tokens_per_s:,.0f}", figures.rss_mb, figures.rss_max_mb,
+            figures.grad_norm, f"{figures.tokens_per_s:,.0f}", device, figures.rss_mb, figures.rss_max_mb,
         )
         self.reset()
         return figures

@@ -105,7 +105,14 @@ def layout_of(accelerator: Any) -> RunLayout:
     name = {ACCELERATE_FSDP: FSDP, ACCELERATE_DEEPSPEED: DEEPSPEED}.get(kind, DDP if accelerator.num_processes > 1
                                                                       else SINGLE)
     on_gpu = accelerator.device.type == "cuda"
-    gpu_bytes = torch.cuda.get_device_properties(accelerator.device).total_memory if on_gpu else 0
+    gpu_bytes = 0
+    if on_gpu:
+        from lowmem.memory.plan import CUDA_CONTEXT_DEVICE_BYTES
+
+        # What the device has free (another process may hold part of it), with this process's own context,
+        # which the plan counts, given back.
+        free, total = torch.cuda.mem_get_info(accelerator.device)
+        gpu_bytes = min(total, free + CUDA_CONTEXT_DEVICE_BYTES)
     return RunLayout(strategy=name, processes=local_processes(accelerator), world_size=accelerator.num_processes,
                      device=accelerator.device.type, bf16=accelerator.mixed_precision == "bf16",
                      deepspeed_offload=offloads_optimizer(accelerator), launcher=started_by_a_launcher(),
@@ -116,12 +123,17 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
                 tokenizer: Tokenizer | None = None) -> tuple[PlanInputs, Callable[[int], int]]:
     """The plan's inputs for `config` run as `layout`, and the largest micro-batch's positions for any number
     of rows (the levers need it for smaller micro-batches)."""
+    from lowmem.distributed.performance import compile_worker_processes, speed_settings
+
+    speed = speed_settings(config, layout.device)
     index = build_row_group_index(training_paths(config), data_columns(config))
     sizes: BatchSizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer,
                                            seed=config.seed)
     cache: dict[int, int] = {}
 
     def positions_for_rows(rows: int) -> int:
+        if speed.static_shapes:  # the larger of the two fixed shapes: a sequence per row
+            return rows * config.max_seq_len
         if rows not in cache:
             cache[rows] = sizes.largest_positions(rows)
         return cache[rows]
@@ -130,11 +142,12 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
     settings = decide_memory_settings(config.ultra_low_mem, config.dataloader_num_workers,
                                       config.ultra_low_mem_threshold_gb, local_processes=layout.processes,
                                       on_gpu=layout.device == "cuda", budget_gb=config.memory_budget_gb)
-    generation_rows = _generation_rows(config, layout.world_size)
+    prompts = _generation_prompts(config, layout.world_size)
     inputs = PlanInputs(
         model=model_shape(config, vocab),
         micro_batch_positions=positions_for_rows(config.batch_size_per_gpu),
-        sequence_width=config.max_seq_len, masked_attention=config.pack_rows,
+        # FlexAttention's block mask is a few kB: only SDPA's boolean mask grows with the positions.
+        sequence_width=config.max_seq_len, masked_attention=config.pack_rows and speed.attention == "sdpa",
         micro_batch_rows=config.batch_size_per_gpu, gradient_accumulation_steps=config.gradient_accumulation_steps,
         loss_chunk_tokens=config.loss_chunk_tokens, activation_checkpointing=config.activation_checkpointing,
         malloc_mmap_threshold_mb=config.malloc_mmap_threshold_mb, strategy=layout.strategy,
@@ -143,22 +156,24 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         base_bytes=measure_base_bytes() if base_bytes is None else base_bytes,
         data_bytes=data_pipeline_bytes(index, config.dataloader_mix_row_groups, config.dataloader_buffer_size),
         eval_positions=config.batch_size_per_gpu * config.max_seq_len,
-        generation_rows=generation_rows, generation_positions=config.max_seq_len,
+        generation_rows=min(config.batch_size_per_gpu, prompts), generation_prompts=prompts,
+        generation_positions=config.max_seq_len,
         launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,
+        compiled=speed.compile, compile_workers=compile_worker_processes(settings.low_budget) if speed.compile else 0,
     )
     return inputs, positions_for_rows
 
 
-def _generation_rows(config: TrainConfig, world_size: int) -> int:
-    """Rows of a rank's generation batch for BLEU-4: its share of the scored prompts, at most a batch (none for
-    one text column, which has no prompts to answer)."""
+def _generation_prompts(config: TrainConfig, world_size: int) -> int:
+    """A rank's share of the prompts BLEU-4 answers (none for one text column, which has no prompts to answer);
+    a generation batch holds at most batch_size_per_gpu of them."""
     samples = 0 if config.text_column else config.eval_bleu_samples
     if samples < 0:
         try:
             samples = build_row_group_index(config.validation_file, data_columns(config)).num_rows
         except LowmemError:
             samples = config.batch_size_per_gpu * world_size
-    return min(config.batch_size_per_gpu, -(-samples // world_size))
+    return -(-samples // world_size)
 
 
 @dataclass

@@ -15,8 +15,9 @@ from lowmem.config.columns import data_columns
 from lowmem.config.train_sources import Source, training_paths
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.mixture import MixedStream
-from lowmem.data.collate import TokenizingCollate
-from lowmem.data.sources import resolve_data_files
+from lowmem.data.collate import FixedShapes, TokenizingCollate
+from lowmem.data.sizing import sample_batch_sizes
+from lowmem.data.sources import build_row_group_index, resolve_data_files
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 from lowmem.data.tokenizer_identity import describe_identity, tokenizer_identity
 from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main
@@ -31,7 +32,7 @@ from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
 from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
-from lowmem.distributed.performance import enable_tf32, maybe_compile
+from lowmem.distributed.performance import enable_tf32, maybe_compile, speed_settings
 
 logger = logging.getLogger(__name__)
 
@@ -131,13 +132,16 @@ def build_model(config: TrainConfig, vocab_size: int) -> GPT:
 
 def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerator,
                          settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """`model` and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), compiled if asked
-    (with the compiler's worker pool bounded on a low memory budget)."""
+    """`model` and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), with the attention
+    kernel and compilation of the run's speed settings (the compiler's worker pool bounded on a low memory
+    budget)."""
+    speed = speed_settings(config, accelerator.device.type)
+    model.use_attention(speed.attention)
     prepared, optimizer = prepare_model_and_optimizer(model, config, accelerator)
     logger.info("Parallelism: %s.", describe(accelerator))
     if enable_tf32(accelerator.device.type == "cuda"):
         logger.info("TF32 matmuls on: float32 work runs on the tensor cores.")
-    return maybe_compile(prepared, config, settings), optimizer
+    return maybe_compile(prepared, config, settings, speed), optimizer
 
 
 def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, vocab_size: int,
@@ -163,6 +167,18 @@ def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: A
         stream = ParquetStream(files, shuffle=shuffle, **arguments)
     return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate,
                         num_workers=settings.num_workers, pin_memory=settings.pin_memory)
+
+
+def decide_fixed_shapes(config: TrainConfig, tokenizer: Tokenizer) -> FixedShapes:
+    """The two shapes of the run's micro-batches (`FixedShapes`), from a sample of the training rows tokenized as
+    training will; said in one line."""
+    index = build_row_group_index(training_paths(config), data_columns(config))
+    sizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer, seed=config.seed)
+    shapes = sizes.fixed_shapes(config.batch_size_per_gpu)
+    logger.info("Batch shapes: %s (sequences x tokens), fixed for the run so that compiled kernels never meet a new "
+                "one; the padding they add is never attended to or counted (--static_shapes=False shapes each "
+                "batch to fit).", shapes.describe())
+    return shapes
 
 
 def steps_per_epoch(loader: StreamLoader, config: TrainConfig) -> int:

@@ -1,19 +1,28 @@
 """One optimizer step over a few micro-batches: the loss scaled so that accumulation is exact, and a step
-whose gradients are not finite skipped on every rank."""
+whose gradients are not finite skipped on every rank.
+
+Nothing in a step waits for the device: the batches go to it from page-locked memory, the loss and the gradient
+norm stay there as tensors, and a non-finite step is skipped by the optimizer's own kernel. The host can queue the
+next step while the GPU computes this one; the training log reads the figures when it writes a line.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from accelerate import Accelerator
 
-from lowmem.distributed.strategy import plain_tensor
+from lowmem.data.collate import FixedShapes
+from lowmem.distributed.strategy import DEEPSPEED, plain_tensor, strategy
 from lowmem.model import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -21,9 +30,10 @@ class StepResult:
     """One optimizer step, as this rank saw it, with the totals over every rank."""
 
     micro_batches: list[dict[str, torch.Tensor]]
-    loss_sum: torch.Tensor  # this rank's summed token loss, on the device (float() of it waits for the GPU)
-    grad_norm: float  # before clipping, over every rank
-    applied: bool  # False: the gradient norm was not finite and the update was skipped, on every rank
+    # The next three are tensors on the device in training: float() or bool() of one waits for the GPU.
+    loss_sum: torch.Tensor  # this rank's summed token loss
+    grad_norm: torch.Tensor | float  # before clipping, over every rank
+    applied: torch.Tensor | bool  # False: the gradient norm was not finite and the update was skipped, on every rank
     lr: float
     target_tokens: int  # this rank's tokens the loss counted
     input_tokens: int  # this rank's real (non-padding) input tokens
@@ -48,26 +58,42 @@ def count_tokens(micro_batches: list[Batch], pad_id: int) -> tuple[int, int]:
     return targets, inputs
 
 
-def count_rows(micro_batches: list[Batch]) -> int:
-    """Rows in `micro_batches`: one per sequence, or, where rows are packed, one per segment of a sequence."""
+def count_rows(micro_batches: list[Batch], pad_id: int) -> int:
+    """Rows in `micro_batches`: one per segment of a sequence where rows are packed, else one per sequence that
+    is not padding (a row starts with its [bos]; fixed shapes add sequences of padding only)."""
     rows = 0
     for batch in micro_batches:
         segment_ids = batch.get("segment_ids")  # (B, T): 1, 2, ... for the rows of a sequence, 0 for padding
-        rows += int(segment_ids.amax(dim=1).sum()) if segment_ids is not None else int(batch["input_ids"].size(0))
+        if segment_ids is not None:
+            rows += int(segment_ids.amax(dim=1).sum())
+        else:
+            rows += int((batch["input_ids"][:, 0] != pad_id).sum())
     return rows
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` copied to `device` without making the host wait.
+
+    From pageable memory a copy to a GPU waits for the work already queued on the device; from page-locked
+    (pinned) memory it is queued like a kernel. A batch is a few hundred kB, so pinning it here costs little
+    where the DataLoader did not (pin_memory is off on a low memory budget).
+    """
+    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,
                micro_batches: list[Batch], global_target_tokens: float,
-               grad_clip: float) -> tuple[torch.Tensor, float, bool]:
+               grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `micro_batches`.
 
-    Returns this rank's summed token loss (a tensor on the device: reading it would wait for the GPU, so the
-    training log reads it only when it writes a line), the gradient norm, and whether the update was
-    applied: a step whose gradient norm is not finite (a NaN or inf anywhere, e.g. from a bf16 overflow;
-    there is no GradScaler to catch it) is skipped, its gradients dropped and the weights and optimizer
-    state left as they were. Gradients are all-reduced before the norm is taken, so every rank sees the
-    same norm and skips the same step. Reading the norm is the step's one wait for the device.
+    Returns this rank's summed token loss and the gradient norm before clipping, both tensors on the device:
+    reading either waits for the GPU, so the training log reads them only when it writes a line. A step whose
+    gradient norm is not finite (a NaN or inf anywhere, e.g. from a bf16 overflow; there is no GradScaler to
+    catch it) is skipped (`step_unless_not_finite`): its gradients dropped and the weights and optimizer state
+    left as they were. Gradients are all-reduced before the norm is taken, so every rank sees the same norm
+    and skips the same step.
 
     Each micro-batch's loss is its token sum divided by the number of target tokens in the whole step on
     all ranks, so the update is the mean over every token of the step however the tokens fall into
@@ -75,37 +101,55 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
     micro-batch and divides by the number of micro-batches; DDP averages over ranks: the factor
     `micro-batches × ranks` undoes both.
     """
+    device = accelerator.device
     scale = len(micro_batches) * accelerator.num_processes / max(global_target_tokens, 1.0)
-    loss_sum = torch.zeros((), device=accelerator.device)
-    grad_norm, applied = 0.0, True
+    loss_sum = torch.zeros((), device=device)
+    grad_norm = torch.zeros((), device=device)
     for batch in micro_batches:
         with accelerator.accumulate(model):
-            input_ids = batch["input_ids"].to(accelerator.device, non_blocking=True)  # (B, T)
-            targets = batch["targets"].to(accelerator.device, non_blocking=True)  # (B, T)
+            input_ids = to_device(batch["input_ids"], device)  # (B, T)
+            targets = to_device(batch["targets"], device)  # (B, T)
             segment_ids = batch.get("segment_ids")  # (B, T) when rows are packed
             if segment_ids is not None:
-                segment_ids = segment_ids.to(accelerator.device, non_blocking=True)
+                segment_ids = to_device(segment_ids, device)
             _, mean_loss = model(input_ids, targets, segment_ids=segment_ids)
             batch_loss_sum = mean_loss * (targets != IGNORE_INDEX).sum()
             accelerator.backward(batch_loss_sum * scale)
             loss_sum += batch_loss_sum.detach()
             if accelerator.sync_gradients:  # the last micro-batch: gradients are complete
                 grad_norm = clip_and_measure(model, accelerator, grad_clip)
-                applied = math.isfinite(grad_norm)
-                if applied:
-                    optimizer.step()
+                step_unless_not_finite(optimizer, grad_norm)
                 optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm, applied
+    return loss_sum, grad_norm
 
 
-def clip_and_measure(model: torch.nn.Module, accelerator: Accelerator, grad_clip: float) -> float:
-    """Clip the gradients to `grad_clip` (0: no clipping) and return their global norm before clipping."""
+def step_unless_not_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """`optimizer.step()`, skipped when `grad_norm` is not finite: weights, moments and step count unchanged.
+
+    A fused torch optimizer (the model's AdamW is fused wherever torch has the kernel) decides on the device,
+    through the flag GradScaler uses for the same purpose (`found_inf`): the host never reads the norm. Any other
+    optimizer (DeepSpeed's, say) has no such flag, and the norm is read on the host first.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    if isinstance(inner, torch.optim.Optimizer) and inner.defaults.get("fused"):
+        inner.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del inner.found_inf  # type: ignore[attr-defined]
+    elif math.isfinite(float(grad_norm)):
+        optimizer.step()
+
+
+def clip_and_measure(model: torch.nn.Module, accelerator: Accelerator, grad_clip: float) -> torch.Tensor:
+    """Clip the gradients to `grad_clip` (0: no clipping) and return their global norm before clipping, a
+    0-dimensional float32 tensor on the device (nothing waits for it)."""
     norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     # DeepSpeed clips inside its engine and returns None here; its engine knows the norm.
     if norm is None:
         norm = _engine_grad_norm(model)
-    # FSDP2 returns a DTensor: float() of it would read this rank's shard only.
-    return float(plain_tensor(norm))
+    # FSDP2 returns a DTensor: its local value would be this rank's shard only.
+    return plain_tensor(norm).to(device=accelerator.device, dtype=torch.float32)
 
 
 def _engine_grad_norm(model: torch.nn.Module) -> torch.Tensor:
@@ -113,3 +157,35 @@ def _engine_grad_norm(model: torch.nn.Module) -> torch.Tensor:
     get_norm = getattr(model, "get_global_grad_norm", None)
     norm = get_norm() if callable(get_norm) else None
     return torch.as_tensor(0.0 if norm is None else float(norm))
+
+
+def compile_each_shape(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,
+                       shapes: FixedShapes, pad_id: int, packed: bool) -> None:
+    """Run a forward and backward pass of a micro-batch of padding in each fixed shape, before the first step.
+
+    A compiled model then compiles both graphs now, and nothing later: without this the larger shape would be
+    compiled at the first micro-batch that needs it, perhaps hours in, and the device's peak memory (the larger
+    shape's) would also be met only then. Nothing is learned: no target counts (the loss and every gradient
+    are 0), the gradients are dropped, the optimizer does not step, and the random state is restored. DeepSpeed
+    counts every backward pass towards its accumulation steps, so there the shapes compile as they come.
+    """
+    if strategy(accelerator) == DEEPSPEED:
+        return
+    started = time.perf_counter()
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # dropout draws nothing that training would have drawn
+        for sequences in sorted({shapes.sequences, shapes.rows}):
+            input_ids = torch.full((sequences, shapes.width), pad_id, dtype=torch.long)  # (B, T)
+            batch = {"input_ids": input_ids, "targets": torch.full_like(input_ids, IGNORE_INDEX)}
+            if packed:
+                batch["segment_ids"] = torch.zeros_like(input_ids)  # padding only: attends to padding
+            with accelerator.no_sync(model):  # nothing to all-reduce: the gradients are dropped
+                _, loss = model(*(to_device(batch[key], accelerator.device) for key in ("input_ids", "targets")),
+                                segment_ids=None if not packed else to_device(batch["segment_ids"],
+                                                                             accelerator.device))
+                accelerator.backward(loss)
+    optimizer.zero_grad(set_to_none=True)
+    if accelerator.device.type == "cuda":
+        torch.cuda.synchronize()
+    logger.info("Compiled the step for the batch shapes %s in %.0f s.", shapes.describe(),
+                time.perf_counter() - started)

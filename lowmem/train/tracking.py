@@ -37,6 +37,8 @@ LINE_FIELDS = {"train/loss": "loss", "train/learning_rate": "learning_rate", "tr
                "train/tokens_per_s": "tokens_per_s", "memory/rss_mb": "rss_mb", "memory/rss_max_mb": "rss_max_mb",
                "memory/rss_sum_mb": "rss_sum_mb"}
 LINE_TAGS = tuple(LINE_FIELDS)
+# Figures of a log line that only some devices have (the MFU needs a known peak, the GPU peak a GPU).
+DEVICE_LINE_FIELDS = {"train/mfu": "mfu", "memory/gpu_peak_mb": "gpu_peak_mb"}
 EVAL_TAGS = ("eval/val_loss", "eval/perplexity", "eval/bleu4")
 TAGS = LINE_TAGS + EVAL_TAGS
 
@@ -189,6 +191,8 @@ class Tracking:
         if not self.enabled:
             return
         values = {tag: float(getattr(figures, field)) for tag, field in LINE_FIELDS.items()}
+        values.update({tag: float(getattr(figures, field)) for tag, field in DEVICE_LINE_FIELDS.items()
+                       if getattr(figures, field) is not None})
         self._guarded(lambda: self.accelerator.log(values, step=step))
 
     def log_validation(self, step: int, result: EvalResult) -> None:

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator, Sequence
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
@@ -44,15 +46,16 @@ from lowmem.data.collate import TokenizingCollate
 from lowmem.data.path_checks import check_data_files
 from lowmem.disk_errors import writing
 from lowmem.distributed.accelerator import create_accelerator
-from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, check_shared_folder, end_process_group,
-                                           run_on_main)
+from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
+                                           end_process_group, run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.peers import PeerWatch
+from lowmem.distributed.performance import speed_settings
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
-from lowmem.model.weights import WEIGHTS_FILE
+from lowmem.model.weights import WEIGHTS_FILE, unwrap_gpt
 from lowmem.program import command_line
 from lowmem.progress import progress_bar
 from lowmem.run_files import LAUNCH_LOG_DIR, run_training_log, tokenizer_record_file
@@ -61,10 +64,10 @@ from lowmem.train.log import StepLog, attach_run_log, setup_training_log
 from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
 from lowmem.train.resume import resume_from_checkpoint, resumed_tokenizer_dir, settle_architecture, settle_loss_targets
 from lowmem.train.schedule import LearningRateSchedule, total_steps
-from lowmem.train.setup import (build_model_and_optimizer, ensure_tokenizer, make_loader, make_memory_monitor,
-                                settle_best_metric, shared_memory_settings, steps_per_epoch)
+from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, make_loader,
+                                make_memory_monitor, settle_best_metric, shared_memory_settings, steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
-from lowmem.train.step import Batch, StepResult, count_rows, count_tokens, take, train_step
+from lowmem.train.step import Batch, StepResult, compile_each_shape, count_rows, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
 from lowmem.train.tracking import Tracking, tracker_arguments
 
@@ -151,10 +154,15 @@ class Trainer:
         settings = shared_memory_settings(config, self.accelerator)
         logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
                     self.accelerator.device, self.accelerator.mixed_precision)
+        self.speed = speed_settings(config, self.accelerator.device.type)
+        logger.info("Speed settings: %s.", self.speed.describe())
         self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size,
                                                                settings)
+        # The main process samples the rows (the same choice everywhere, and one reading of the sample).
+        self.fixed_shapes = (broadcast_from_main(self.accelerator, lambda: decide_fixed_shapes(config, self.tokenizer))
+                             if self.speed.static_shapes else None)
         collate = TokenizingCollate(self.tokenizer, config.max_seq_len, data_columns(config), response_only(config),
-                                    pack=config.pack_rows)
+                                    pack=config.pack_rows, fixed_shapes=self.fixed_shapes)
         loader = make_loader(training_data(config), config, self.accelerator, collate, settings, shuffle=True)
         self.steps_per_epoch = steps_per_epoch(loader, config)
         planned_steps = total_steps(self.steps_per_epoch, config.epochs, config.max_steps)
@@ -171,7 +179,9 @@ class Trainer:
         self.memory = make_memory_monitor(config, self.accelerator, settings,
                                           predicted_high_water=memory.predicted_high_water(self.is_main))
         self.validator = Validator(config, self.tokenizer, self.accelerator)
-        self.step_log = StepLog(self.accelerator, planned_steps, config.logging_steps)
+        self.step_log = StepLog(self.accelerator, planned_steps, config.logging_steps,
+                                flops_per_token=unwrap_gpt(self.model).estimate_flops_per_token(),
+                                peak_tflops=config.peak_tflops)
         self.stopper = GracefulStop()
         self.checkpoint = TrainingCheckpoint(
             self.model, self.optimizer, self.accelerator,
@@ -182,6 +192,8 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.stopped = False  # a stop every rank agreed on ended the loop
         self.saved_step: int | None = None  # the step this Trainer last saved (not one it resumed from)
+        # (step, gradient norm on the device) of the steps whose norms were not read yet: see count_skipped_steps.
+        self.unread_norms: list[tuple[int, torch.Tensor | float]] = []
         self.progress: tqdm | None = None
         logger.info("Training: %d rows per process per epoch, %d optimizer steps per epoch, %d steps in all; %s.",
                     len(loader.stream), self.steps_per_epoch, self.total_steps, describe_loss_targets(config))
@@ -251,7 +263,7 @@ class Trainer:
         # Every rank sends its rows, short or not: when one rank is short, the micro-batches of all are dropped.
         total_targets, total_inputs, ranks_out, stop, rows = all_reduce_sum(
             self.accelerator, [targets, inputs, float(short), float(self.stopper.requested),
-                               float(count_rows(micro_batches))])
+                               float(count_rows(micro_batches, self.tokenizer.pad_id))])
         return StepAgreement(targets, inputs, total_targets, total_inputs, bool(ranks_out), bool(stop), int(rows))
 
     def optimizer_step(self, micro_batches: list[Batch], agreed: StepAgreement) -> StepResult:
@@ -260,20 +272,16 @@ class Trainer:
         lr = self.schedule.lr(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, grad_norm, applied = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
-                                                  agreed.global_target_tokens, config.grad_clip)
-        return StepResult(micro_batches, loss_sum, grad_norm, applied, lr, agreed.target_tokens,
+        loss_sum, grad_norm = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
+                                         agreed.global_target_tokens, config.grad_clip)
+        return StepResult(micro_batches, loss_sum, grad_norm, torch.isfinite(grad_norm), lr, agreed.target_tokens,
                           agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens)
 
     def after_step(self, result: StepResult) -> None:
         """Count the step, run the callbacks and the memory schedule, and write the log line when due."""
         self.state.step += 1
         self.state.tokens_seen += int(result.global_input_tokens)
-        if not result.applied:
-            self.state.skipped_steps += 1
-            logger.warning("Step %d: the gradient norm is %s, so the update was skipped on every rank (weights and "
-                           "optimizer state unchanged; %d skipped so far).%s", self.state.step, result.grad_norm,
-                           self.state.skipped_steps, self._skip_advice(), extra={"all_ranks": True})
+        self.unread_norms.append((self.state.step, result.grad_norm))
         for callback in self.callbacks:
             callback.on_step_end(self, result)
         self.step_log.add(result)
@@ -281,8 +289,29 @@ class Trainer:
         self.progress.update(1)
         self.memory.after_step(self.state.epoch, self.state.step)
         if self.step_log.due(self.state.step):
+            self.count_skipped_steps()
             figures = self.step_log.write(self.state.step, self.state.epoch, result.lr)
             self.tracking.log_line(self.state.step, figures)
+
+    def count_skipped_steps(self) -> None:
+        """Read the gradient norms of the steps since the last read (one wait for the device) and count, with a
+        warning each, the steps whose norm was not finite: the optimizer skipped them on the device.
+
+        Called when a log line, a checkpoint or the summary needs the count: reading each step's norm as it
+        comes would make the host wait for the device at every step."""
+        if not self.unread_norms:
+            return
+        steps = [step for step, _ in self.unread_norms]
+        norms = torch.stack([torch.as_tensor(norm, dtype=torch.float32).to(self.accelerator.device)
+                             for _, norm in self.unread_norms]).tolist()
+        self.unread_norms = []
+        for step, norm in zip(steps, norms):
+            if math.isfinite(norm):
+                continue
+            self.state.skipped_steps += 1
+            logger.warning("Step %d: the gradient norm is %s, so the update was skipped on every rank (weights and "
+                           "optimizer state unchanged; %d skipped so far).%s", step, norm,
+                           self.state.skipped_steps, self._skip_advice(), extra={"all_ranks": True})
 
     def _skip_advice(self) -> str:
         if self.state.skipped_steps < 3:
@@ -343,6 +372,8 @@ class Trainer:
 
     def save(self, score: float | None) -> Path:
         """Save a checkpoint of every part at the current step; every rank calls it."""
+        self.count_skipped_steps()  # the checkpoint's count is exact
+
         def write(folder: Path) -> None:
             self.checkpoint.write(folder)
             for callback in self.callbacks:
@@ -375,6 +406,9 @@ class Trainer:
         run_on_main(self.accelerator, write_record)
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
+        if self.speed.compile and self.fixed_shapes is not None:
+            compile_each_shape(self.model, self.optimizer, self.accelerator, self.fixed_shapes,
+                               self.tokenizer.pad_id, self.config.pack_rows)
         self.memory.start(self.state.epoch, self.state.step)
         self.stopper.install()
         self.progress = progress_bar(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
@@ -395,6 +429,7 @@ class Trainer:
 
     def summary(self) -> dict[str, Any]:
         """Validation losses, steps, tokens and seconds of the run so far, and what stopped it."""
+        self.count_skipped_steps()
         last = self.validator.last
         summary = {
             "val_loss_start": self.state.val_loss_start,

@@ -1,5 +1,5 @@
-"""`lowmem bench_train` run as a command: it runs its three phases and prints a table with every field (its
-speed is not tested)."""
+"""`lowmem bench_train` run as a command: it runs its phases (data, ceiling, pipeline, plain PyTorch loop) and
+prints a table with every field, and lowmem's step as a ratio of the plain loop's (its speed is not tested)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def test_bench_train_prints_every_field(tmp_path, source):
                        cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = table_rows(done.stdout)
-    assert set(rows) == {"phase", "data pipeline alone", "(a) batches in memory (ceiling)", "(b) real pipeline"}
+    assert set(rows) == {"phase", "data pipeline alone", "(a) batches in memory (ceiling)", "(b) real pipeline",
+                         "(r) plain PyTorch loop (reference)"}
     assert rows["phase"] == ["tokens/s", "vs ceiling", "data wait", "peak RSS per process MB", "peak GPU MB", "MFU"]
-    for name in ("(a) batches in memory (ceiling)", "(b) real pipeline"):
+    for name in ("(a) batches in memory (ceiling)", "(b) real pipeline", "(r) plain PyTorch loop (reference)"):
         tokens_per_second, ratio, wait, rss, gpu, mfu = rows[name]
         assert float(tokens_per_second.replace(",", "")) > 0
         assert re.fullmatch(r"\d+\.\d\d%", wait) and float(wait[:-1]) < 100
@@ -39,6 +40,9 @@ def test_bench_train_prints_every_field(tmp_path, source):
         assert gpu == mfu == "-"  # CPU: no GPU memory, no MFU
     assert rows["(a) batches in memory (ceiling)"][1] == "1.00"
     assert re.search(rf"\(b\)/\(a\) = {NUMBER}; RSS the data pipeline adds per process: -?{NUMBER} MB", done.stdout)
+    reference = re.search(r"lowmem's step / plain loop: \(a\)/\(r\) = (\d+\.\d\d) \(same batches, same model\)",
+                          done.stdout)
+    assert reference and float(reference.group(1)) > 0
     assert "1 process(es) on cpu" in done.stdout and "3 timed steps after 1" in done.stdout
     if source == "generated":
         assert "rows.parquet" in done.stdout

@@ -1,16 +1,17 @@
 """`lowmem gpu_check` in-process: a stage that fails is reported with its reason and the next stages still run,
-a fault of the check itself is one more FAIL, and the bench table is read into figures (the commands:
-tests/integration/test_gpu_check_command.py)."""
+a fault of the check itself is one more FAIL, and the bench table is read into figures, lowmem's step against the
+plain PyTorch loop's on the verdict line (the commands: tests/integration/test_gpu_check_command.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
 
 from lowmem.gpucheck import check, stages
 from lowmem.gpucheck.check import run_check
-from lowmem.gpucheck.runs import StageFailed
+from lowmem.gpucheck.runs import Finished, StageFailed
 from lowmem.gpucheck.stages import CheckSettings, parse_bench_table
 
 
@@ -56,3 +57,69 @@ def test_the_bench_table_is_read_into_figures():
     assert figures["phases"]["(a) batches in memory (ceiling)"]["mfu"] == "31.0%"
     assert figures["phases"]["data pipeline alone"]["tokens_per_s"] == "90,000"
     assert "900 MB" in figures["memory"]
+
+
+BENCH_TABLE = ("bench_train: 0.1 M parameters, 1 process(es) on cuda (NVIDIA H100 80GB HBM3), ...\n"
+               "| phase | tokens/s | vs ceiling | data wait | peak RSS per process MB | peak GPU MB | MFU |\n"
+               "|---|---:|---:|---:|---:|---:|---:|\n"
+               "| data pipeline alone | 90,000 | 12.00 | - | 400 | - | - |\n"
+               "| (a) batches in memory (ceiling) | 7,500 | 1.00 | 0.00% | 800 | 1,200 | 31.0% |\n"
+               "| (b) real pipeline | 7,400 | 0.99 | 0.50% | 820 | 1,200 | 30.6% |\n"
+               "| (r) plain PyTorch loop (reference) | 8,000 | 1.07 | 0.00% | 850 | 2,400 | 33.0% |\n"
+               "\nlowmem's step / plain loop: (a)/(r) = 0.94 (same batches, same model)\n"
+               "(b)/(a) = 0.987; RSS the data pipeline adds per process: 20 MB; process high-water RSS: 900 MB "
+               "(sum 900 MB)")
+
+
+def test_the_plain_loop_row_and_ratio_are_read_into_figures():
+    figures = parse_bench_table(BENCH_TABLE)
+    assert figures["ratio_to_plain_loop"] == 0.94
+    assert (figures["mfu_ceiling"], figures["mfu_plain_loop"]) == ("31.0%", "33.0%")
+    reference = figures["phases"]["(r) plain PyTorch loop (reference)"]
+    assert reference["tokens_per_s"] == "8,000" and reference["peak_gpu_mb"] == "2,400"
+    assert set(figures["phases"]) == {"data pipeline alone", "(a) batches in memory (ceiling)", "(b) real pipeline",
+                                      "(r) plain PyTorch loop (reference)"}
+    assert "900 MB" in figures["memory"]
+
+
+def test_a_table_without_the_plain_loop_has_no_ratio():
+    figures = parse_bench_table(BENCH_TABLE.replace("(a)/(r) = 0.94", "").replace(
+        "| (r) plain PyTorch loop (reference) | 8,000 | 1.07 | 0.00% | 850 | 2,400 | 33.0% |\n", ""))
+    assert figures["ratio_to_plain_loop"] is None and figures["mfu_plain_loop"] is None
+    assert figures["mfu_ceiling"] == "31.0%"
+
+
+def test_the_parser_reads_what_bench_train_prints():
+    from lowmem.bench.train_bench import PhaseResult, format_table
+
+    def phase(name, tokens):
+        return PhaseResult(name, 3, 1.0, tokens, peak_rss=800_000_000)
+
+    rank = {"data": phase("data", 90_000), "data_rss": 20_000_000, "ceiling": phase("ceiling", 7_500),
+            "pipeline": phase("pipeline", 7_400), "reference": phase("reference", 8_000), "reference_ran": True,
+            "high_water": 900_000_000, "predicted": None}
+    figures = parse_bench_table(format_table([rank], flops_per_token=6_000_000_000, peak_tflops=100.0))
+    assert figures["ratio_to_plain_loop"] == 0.94
+    assert (figures["mfu_ceiling"], figures["mfu_plain_loop"]) == ("45.0%", "48.0%")
+
+
+def test_the_bench_verdict_line_shows_the_ratio_and_mfu_of_each_case(tmp_path, monkeypatch):
+    monkeypatch.setattr(stages, "run", lambda command, cwd, env, deadline: Finished(0, BENCH_TABLE, "", {}))
+    settings = CheckSettings(device="cpu", folder=tmp_path / "check", gpus=0)
+    [result] = run_check(settings, tmp_path / "check" / "results.jsonl", ["bench"], io.StringIO())
+    assert result.verdict == "PASS", result.reason
+    line = result.line(1, 1)
+    for case in ("eager", "compiled"):
+        assert f"{case}_ratio_to_plain_loop=0.94 {case}_mfu=(a) 31.0%, (r) 33.0%" in line
+    [record] = results(tmp_path)
+    assert record["figures"]["compiled"]["ratio_to_plain_loop"] == 0.94
+    assert record["figures"]["eager"]["phases"]["(r) plain PyTorch loop (reference)"]["mfu"] == "33.0%"
+
+
+def test_the_bench_stage_fails_when_the_plain_loop_did_not_run(tmp_path, monkeypatch):
+    without = BENCH_TABLE.replace("lowmem's step / plain loop: (a)/(r) = 0.94 (same batches, same model)",
+                                  "(r) plain PyTorch loop: out of GPU memory on rank(s) 0")
+    monkeypatch.setattr(stages, "run", lambda command, cwd, env, deadline: Finished(0, without, "", {}))
+    settings = CheckSettings(device="cpu", folder=tmp_path / "check", gpus=0)
+    [result] = run_check(settings, tmp_path / "check" / "results.jsonl", ["bench"], io.StringIO())
+    assert result.verdict == "FAIL" and "printed no (a)/(r) line" in result.reason
