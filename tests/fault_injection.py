@@ -11,6 +11,7 @@ in the tests, never by lowmem itself):
     LOWMEM_TEST_NAN_AT_STEP        make optimizer step N's loss NaN ("N" on every rank, "N:R" on rank R only)
     LOWMEM_MEMORY_BUDGET_GB        the host budget each rank detects: one value, or one per local rank
     LOWMEM_TEST_BASE_MB            the interpreter's memory the plan takes instead of measuring it
+    LOWMEM_TEST_PLAN_GPU_GB        the memory plan lays the run out on a GPU of this many GB (the run stays on the CPU)
                                    ("8,32,32", to check that ranks seeing different memory run rank 0's settings)
 """
 
@@ -201,3 +202,18 @@ def override_base_memory(environ: dict[str, str] = os.environ) -> None:
     import lowmem.train.memory_fit as memory_fit
 
     memory_fit.measure_base_bytes = lambda: int(float(text) * 2**20)
+
+
+def override_plan_device(environ: dict[str, str] = os.environ) -> None:
+    """Make the memory plan take the run for one on a GPU of LOWMEM_TEST_PLAN_GPU_GB (the training itself stays on the
+    CPU), so that a test can see what the plan decides for a GPU: the fewest micro-batches that fit, say."""
+    text = environ.get("LOWMEM_TEST_PLAN_GPU_GB", "").strip()
+    if not text:
+        return
+    import dataclasses
+
+    import lowmem.train.memory_fit as memory_fit
+
+    layout_of = memory_fit.layout_of
+    memory_fit.layout_of = lambda accelerator: dataclasses.replace(
+        layout_of(accelerator), device="cuda", bf16=True, gpu_bytes=int(float(text) * 2**30))

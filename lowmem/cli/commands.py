@@ -15,6 +15,7 @@ Commands:
     bench_mixing how many row groups a batch mixes, against memory and speed, for each mix_row_groups
     bench_train benchmark training steps through the pipeline against in-memory batches
     bench_memory the memory table: high-water RSS and tokens/s of DDP and FSDP with each memory saver
+    bench_attention attention over packed rows against one causal sequence, forward and backward
     gpu_check   every GPU path in one command, stage by stage (--device=cpu: the same, reduced, on the CPU)
     gpu_bundle  the wheels and script that run gpu_check on a GPU machine without network
 
@@ -37,7 +38,8 @@ from lowmem.cli.common import ConfigPrinted, strict_flags
 from lowmem.cli.evaluation import evaluate, export, generate
 from lowmem.cli.gpu import gpu_bundle, gpu_check
 from lowmem.cli.planning import plan
-from lowmem.cli.tools import bench_data, bench_memory, bench_mixing, bench_train, convert, memlog, repack
+from lowmem.cli.tools import (bench_attention, bench_data, bench_memory, bench_mixing, bench_train, convert, memlog,
+                              repack)
 from lowmem.cli.training import tokenizer, train, train_with
 from lowmem.errors import LowmemError
 from lowmem.program import program_name
@@ -92,6 +94,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "bench_mixing": bench_mixing,
     "bench_train": bench_train,
     "bench_memory": bench_memory,
+    "bench_attention": bench_attention,
     "gpu_check": gpu_check,
     "gpu_bundle": gpu_bundle,
 }

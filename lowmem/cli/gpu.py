@@ -16,11 +16,13 @@ def gpu_check(device: str = "", folder: str = "gpu_check", results: str = "", st
     1 environment: torch, CUDA, the GPUs and their bf16, the host's RAM and its cgroup limit.
     2 train: the demo config in bf16 for 200 steps; a second run killed (SIGKILL) after a save and resumed must
       log the same later losses (within a tolerance said in the results).
-    3 bench: bench_train --use_large_config=True, eager and with --compile=True: tokens/s, MFU, data wait,
-      peak GPU memory, host high-water per process.
-    4 parallel: as many processes as GPUs under DDP, FSDP2 and (where deepspeed imports) DeepSpeed ZeRO-2
+    3 bench: bench_train --use_large_config=True, eager and compiled: tokens/s, MFU, data wait, peak GPU
+      memory, host high-water per process, and lowmem's step against a plain PyTorch loop's on the same batches.
+    4 speed: the users' command (train --use_large_config=True, its defaults) for 600 steps: tokens/s, MFU and
+      GPU peak from its log lines, the micro-batches chosen; bench_attention at 4,096 tokens.
+    5 parallel: as many processes as GPUs under DDP, FSDP2 and (where deepspeed imports) DeepSpeed ZeRO-2
       offload: a few steps, a save, a SIGKILL, a resume.
-    5 memory_log: the train stage's memory log read back: FLAT on every rank, CUDA figures present.
+    6 memory_log: the train stage's memory log read back: FLAT on every rank, CUDA figures present.
     A failed stage does not stop the next. Each verdict also goes to the results file as a JSON line. The exit
     code is 1 when a stage failed.
 
@@ -29,7 +31,7 @@ def gpu_check(device: str = "", folder: str = "gpu_check", results: str = "", st
             processes on gloo, bf16 through --bf16_on_cpu), in a few minutes.
         folder: where the check's runs go (cleared when the check runs again).
         results: the JSON-lines file of verdicts and figures (default: FOLDER/results.jsonl).
-        stages: a comma-separated subset, e.g. train,memory_log (default: all five, in order).
+        stages: a comma-separated subset, e.g. train,memory_log (default: all six, in order).
         stage_minutes: the most one stage may take.
     """
     import torch

@@ -157,6 +157,28 @@ def bench_train(use_large_config: bool = False, steps: int = 20, skip_steps: int
         print(table)
 
 
+def bench_attention(seq_len: int = 4096, batch: int = 4, heads: int = 12, head_dim: int = 64,
+                    rows_per_sequence: int = 8, repeats: int = 20, device: str = "") -> None:
+    """Benchmark attention over packed rows against one causal sequence of the same length, forward and backward:
+    plain causal SDPA (the floor), the rows kept apart by SDPA with a mask, and by FlexAttention (a GPU only).
+
+    Prints one table: milliseconds per pass and each case against the floor.
+
+    Args:
+        seq_len: tokens per sequence.
+        batch: sequences.
+        heads: attention heads.
+        head_dim: channels per head.
+        rows_per_sequence: rows packed in each sequence.
+        repeats: timed passes per case.
+        device: cuda or cpu (default: cuda when a GPU is visible).
+    """
+    from lowmem.bench.attention_bench import bench_attention as run_bench
+
+    print(run_bench(seq_len=seq_len, batch=batch, heads=heads, head_dim=head_dim,
+                    rows_per_sequence=rows_per_sequence, repeats=repeats, device=device))
+
+
 def bench_memory(use_large_config: bool = False, processes: int = 3, strategies: Any = "ddp,fsdp",
                  chunk_tokens: int = 2048, steps: int = 1, skip_steps: int = 1, rows: int = 0,
                  every_combination: bool = True, **overrides: Any) -> None:

@@ -9,6 +9,7 @@ device: what pays on a GPU (compiled kernels, shapes that never change) costs mo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -89,10 +90,25 @@ class SpeedSettings:
     compile: bool
     static_shapes: bool
     attention: str
+    why_not_compiled: str = ""  # why an automatic compile stays off on this GPU
 
     def describe(self) -> str:
-        return (f"compile={'on' if self.compile else 'off'}, fixed batch shapes={'on' if self.static_shapes else 'off'}"
-                f", attention for packed rows: {self.attention}")
+        compiled = "on" if self.compile else f"off ({self.why_not_compiled})" if self.why_not_compiled else "off"
+        return (f"compile={compiled}, fixed batch shapes={'on' if self.static_shapes else 'off'}, attention for "
+                f"packed rows: {self.attention}")
+
+
+def gpu_compile_problem() -> str:
+    """Why torch.compile's default backend cannot compile for this machine's GPU, or "" when it can (or when no GPU
+    is visible: a plan made elsewhere assumes the GPU it plans for can)."""
+    if not torch.cuda.is_available():
+        return ""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton, which inductor generates GPU kernels with, is not installed"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 7:
+        return f"Triton needs a GPU of compute capability 7.0 or later, this one has {major}.{minor}"
+    return ""
 
 
 def speed_settings(config: TrainConfig, device_type: str) -> SpeedSettings:
@@ -104,6 +120,9 @@ def speed_settings(config: TrainConfig, device_type: str) -> SpeedSettings:
     """
     on_gpu = device_type == "cuda"
     compiled = on_gpu if config.compile is None else bool(config.compile)
+    problem = gpu_compile_problem() if compiled and on_gpu and config.compile is None else ""
+    if problem and config.compile_backend == "inductor":
+        compiled = False  # left unset: eager, said in the speed settings' line (--compile=True would fail here)
     static = on_gpu if config.static_shapes is None else bool(config.static_shapes)
     if config.attention == "auto":
         long_rows = config.max_seq_len >= FLEX_ATTENTION_FROM_TOKENS
@@ -119,7 +138,8 @@ def speed_settings(config: TrainConfig, device_type: str) -> SpeedSettings:
     if compiled and config.compile_mode == "reduce-overhead" and not static:
         raise ConfigError("--compile_mode=reduce-overhead replays CUDA graphs, which need batches of fixed shapes: "
                           "leave --static_shapes unset (on with CUDA) or pass --static_shapes=True.")
-    return SpeedSettings(compile=compiled, static_shapes=static, attention=attention)
+    return SpeedSettings(compile=compiled, static_shapes=static, attention=attention,
+                         why_not_compiled="" if compiled else problem)
 
 
 def compile_enabled(config: TrainConfig, device: torch.device) -> bool:

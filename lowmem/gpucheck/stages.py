@@ -173,16 +173,16 @@ def bench(settings: CheckSettings) -> dict[str, Any]:
     deadline = Deadline(settings.stage_seconds)
     if settings.on_cpu:
         # Reduced: a few steps of the small model; "eager" only traces the model, which checks the compiled
-        # path's wiring without minutes of code generation.
+        # path's wiring (fixed shapes included) without minutes of code generation.
         base = ["bench_train", *settings.model_flags(), "--steps=3", "--skip_steps=1"]
-        compiled = ["--compile=True", "--compile_backend=eager"]
+        compiled = ["--compile=True", "--compile_backend=eager", "--static_shapes=True"]
     else:
         base = ["bench_train", "--use_large_config=True", "--steps=20", "--skip_steps=3",
                 f"--tokenizer_dir={settings.folder / 'tokenizer_large'}"]  # trained once, by the first case
         compiled = ["--compile=True"]
     figures: dict[str, Any] = {}
     cases: dict[str, Any] = {}
-    for name, extra in (("eager", []), ("compiled", compiled)):
+    for name, extra in (("eager", ["--compile=False"]), ("compiled", compiled)):
         done = run(lowmem_command([*base, *extra]), _fresh(settings.folder / "bench" / name), settings.env(), deadline)
         if done.returncode != 0:
             raise StageFailed(f"bench_train ({name}) failed (exit code {done.returncode}): {done.tail()}")
@@ -219,7 +219,67 @@ def parse_bench_table(text: str) -> dict[str, Any]:
             "mfu_plain_loop": rows.get(PLAIN_LOOP_ROW, {}).get("mfu")}
 
 
-# ----- 4. parallel: DDP, FSDP2 and DeepSpeed over every GPU ---------------------------------------------------
+# ----- 4. speed: the users' command, and attention over long packed rows ----------------------------------
+# A training log line's throughput figures (MFU and the GPU's peak only where the log has them).
+SPEED_LINE = re.compile(r"step (\d+)/\d+ \| .*?\| tokens/s ([\d,]+)(?: \| mfu ([\d.]+)%)?(?: \| gpu peak ([\d,]+) MB)?")
+ATTENTION_ROW = re.compile(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \|$")
+
+
+def speed(settings: CheckSettings) -> dict[str, Any]:
+    """The users' command as they run it (`train --use_large_config=True`, one process, its defaults): tokens/s,
+    MFU and the GPU's peak from its log lines after the first, and the micro-batches the plan chose; then
+    `bench_attention` at 4,096 tokens (packed rows on FlexAttention and on SDPA with a mask, against causal SDPA).
+
+    On the CPU: the small model with fixed shapes and compile (the "eager" backend), and attention at 512 tokens.
+    """
+    deadline = Deadline(settings.stage_seconds)
+    if settings.on_cpu:
+        args = ["train", *settings.model_flags(), "--max_steps=20", "--logging_steps=5", "--static_shapes=True",
+                "--compile=True", "--compile_backend=eager"]
+        attention = ["bench_attention", "--seq_len=512", "--batch=2", "--repeats=3", "--device=cpu"]
+    else:
+        args = ["train", "--use_large_config=True", f"--tokenizer_dir={settings.folder / 'tokenizer_large'}",
+                "--max_steps=600", "--logging_steps=50", "--save_steps=100000", "--eval_bleu_samples=0"]
+        attention = ["bench_attention", "--seq_len=4096"]
+    done = run(lowmem_command([*args, "--output_dir=run"]), _fresh(settings.folder / "speed"), settings.env(),
+               deadline)
+    if done.returncode != 0:
+        raise StageFailed(f"the users' command failed (exit code {done.returncode}): {done.tail()}")
+    lines = [match.groups() for match in SPEED_LINE.finditer(done.stderr)]
+    if len(lines) < 2:
+        raise StageFailed(f"the users' command logged {len(lines)} step line(s), 2 or more needed: {done.tail()}")
+    later = lines[1:]  # the first window's steps still warm the allocator and kernels up
+
+    def median(values: list[float]) -> float | None:
+        return sorted(values)[len(values) // 2] if values else None
+
+    split = re.search(r"GPU micro-batches: [^(]+", done.stderr)
+    figures: dict[str, Any] = {
+        "users_command_tokens_per_s": median([float(tokens.replace(",", "")) for _, tokens, _, _ in later]),
+        "users_command_mfu": median([float(mfu) / 100 for _, _, mfu, _ in later if mfu]),
+        "users_command_gpu_peak_mb": max((float(peak.replace(",", "")) for _, _, _, peak in later if peak),
+                                         default=None),
+        "users_command_micro_batches": split.group(0).strip() if split else "as configured",
+        "users_command_shapes": _line_after(done.stderr, "Batch shapes: "),
+    }
+    measured = run(lowmem_command(attention), _fresh(settings.folder / "attention"), settings.env(), deadline)
+    if measured.returncode != 0:
+        raise StageFailed(f"bench_attention failed (exit code {measured.returncode}): {measured.tail()}")
+    rows = {match.group(1): float(match.group(3)) for line in measured.stdout.splitlines()
+            if (match := ATTENTION_ROW.match(line.strip()))}
+    figures["attention_vs_causal"] = rows
+    return figures
+
+
+def _line_after(text: str, prefix: str) -> str | None:
+    """What follows `prefix` on the first line that has it, up to the first parenthesis."""
+    for line in text.splitlines():
+        if prefix in line:
+            return line.split(prefix, 1)[1].split(" (")[0].strip()
+    return None
+
+
+# ----- 5. parallel: DDP, FSDP2 and DeepSpeed over every GPU ---------------------------------------------------
 def parallel(settings: CheckSettings) -> dict[str, Any]:
     """As many processes as GPUs under DDP, FSDP2 (and DeepSpeed ZeRO-2 offload where it imports): a few
     steps, a save, a SIGKILL, a resume that ends the run."""
@@ -269,7 +329,7 @@ def _kill_and_resume(settings: CheckSettings, name: str, launcher: list[str], de
     return {"strategy": strategy, "resumed_from": start, "losses": resumed.losses}
 
 
-# ----- 5. memory log ------------------------------------------------------------------------------------------
+# ----- 6. memory log ------------------------------------------------------------------------------------------
 def memory_log(settings: CheckSettings) -> dict[str, Any]:
     """The train stage's uninterrupted run's memory log, read back as `memlog` reads it (after a warm-up that
     takes in the first save): a FLAT verdict on every rank, and on a GPU the CUDA fields filled in."""
@@ -303,8 +363,8 @@ def memory_log(settings: CheckSettings) -> dict[str, Any]:
     return figures
 
 
-STAGES: dict[str, Stage] = {"environment": environment, "train": train, "bench": bench, "parallel": parallel,
-                            "memory_log": memory_log}
+STAGES: dict[str, Stage] = {"environment": environment, "train": train, "bench": bench, "speed": speed,
+                            "parallel": parallel, "memory_log": memory_log}
 
 
 def _fresh(folder: Path) -> Path:

@@ -58,7 +58,7 @@ def sdpa_backends(device: torch.device, masked: bool) -> list[SDPBackend] | None
     return MASKED_SDPA_BACKENDS if masked and device.type == "cuda" else None
 
 
-def _sdpa_context(device: torch.device, masked: bool) -> ContextManager[Any]:
+def sdpa_context(device: torch.device, masked: bool) -> ContextManager[Any]:
     """`sdpa_kernel` with the backends `sdpa_backends` chooses, or a no-op where it chooses none.
 
     torch.compile traces `sdpa_kernel` inside a forward: the backends are constants, baked into the graph.
@@ -113,7 +113,7 @@ class CausalSelfAttention(nn.Module):
         # SDPA picks a fused (flash / memory-efficient) kernel when it can, so the (T, T) attention matrix
         # is never materialised on GPU; dropout on the attention weights only while training. With a mask,
         # the kernels it may pick on a GPU are restricted (see MASKED_SDPA_BACKENDS).
-        with _sdpa_context(q.device, masked=attn_mask is not None):
+        with sdpa_context(q.device, masked=attn_mask is not None):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
             )  # (B, nh, Tq, hs)
@@ -408,10 +408,10 @@ class GPT(nn.Module):
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         attn_mask = None  # plain causal attention: the fast path for training
         if segment_ids is not None and self.packed_attention == "flex":
-            pos = _segment_positions(segment_ids)  # (B, T)
+            pos = segment_positions(segment_ids)  # (B, T)
             attn_mask = document_block_mask(segment_ids)  # built once, used by every block
         elif segment_ids is not None:
-            pos, attn_mask = _segment_positions(segment_ids), _segment_mask(segment_ids)  # (B, T), (B, 1, T, T)
+            pos, attn_mask = segment_positions(segment_ids), segment_mask(segment_ids)  # (B, T), (B, 1, T, T)
         elif n_pad is not None:
             # Each row's first real token gets position 0, as if its prompt had been given alone; padding
             # (hidden from every real position by the mask) clamps to 0 to stay a valid index.
@@ -559,7 +559,7 @@ class GPT(nn.Module):
     generate = generation.generate
 
 
-def _segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     """Positions (B, T) counted from the start of each segment (contiguous runs of one id)."""
     B, T = segment_ids.shape
     index = torch.arange(T, device=segment_ids.device).expand(B, T)  # (B, T)
@@ -569,7 +569,7 @@ def _segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def _segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """The mask (B, 1, T, T) of causal attention within a segment. Padding (id 0) attends to padding only, and
     always to itself, so no softmax row is fully masked."""
     T = segment_ids.size(1)

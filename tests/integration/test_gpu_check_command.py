@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_gpu_check import results
 
-STAGE_NAMES = ["environment", "train", "bench", "parallel", "memory_log"]
+STAGE_NAMES = ["environment", "train", "bench", "speed", "parallel", "memory_log"]
 
 
 def gpu_check(folder: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -36,6 +36,10 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
     assert train["largest_relative_difference"] <= 1e-6
     bench = by_stage["bench"]["figures"]
     assert {"eager", "compiled"} <= bench.keys() and "(a) batches in memory (ceiling)" in bench["eager"]["phases"]
+    speed = by_stage["speed"]["figures"]
+    assert speed["users_command_tokens_per_s"] > 0 and speed["users_command_shapes"]  # fixed shapes were on
+    assert speed["attention_vs_causal"]["causal (the floor)"] == 1.0
+    assert "packed rows, sdpa with a mask" in speed["attention_vs_causal"]
     parallel = by_stage["parallel"]["figures"]
     assert parallel["ddp"]["resumed_from"] == 3 and "DDP" in parallel["ddp"]["strategy"]
     assert parallel["fsdp"]["resumed_from"] == 3 and "FSDP2" in parallel["fsdp"]["strategy"]

@@ -114,6 +114,24 @@ def test_static_shapes_train_the_same_rows_to_the_same_losses(in_tmp, chat_data,
             assert traces[True].losses[step] == pytest.approx(loss, rel=1e-5), (pack, step)
 
 
+def test_a_run_with_static_shapes_stopped_and_resumed_trains_as_one_that_was_not(in_tmp, chat_data, tokenizer_dir):
+    """The loader's positions know nothing of the shapes: a stop and a resume continue with the same rows and
+    losses (the epoch end falls inside, at step 12 of 16)."""
+    from fault_injection import StopAfterStep
+
+    common = dict(max_steps=16, epochs=2, dropout=0.0, static_shapes=True)
+    whole = TrainingTrace(in_tmp / "whole")
+    Trainer(tiny_config(in_tmp / "whole", chat_data, tokenizer_dir, **common), callbacks=[whole]).fit()
+    Trainer(tiny_config(in_tmp / "cut", chat_data, tokenizer_dir, **common), callbacks=[StopAfterStep(7)]).fit()
+    after = TrainingTrace(in_tmp / "after")
+    resumed = Trainer(tiny_config(in_tmp / "cut", chat_data, tokenizer_dir, **common), callbacks=[after])
+    assert resumed.resume() is not None and resumed.state.step == 7
+    resumed.fit()
+    assert sorted(after.losses) == list(range(8, 17))
+    assert after.rows == whole.rows[-len(after.rows):] and len(after.rows) == 9 * 16
+    assert all(after.losses[step] == whole.losses[step] for step in after.losses)
+
+
 # ----- a step that waits for nothing ---------------------------------------------------------------------------
 class _NoHostRead:
     """Within the block, reading a tensor's value on the host (item, float, int, bool, tolist) raises."""
@@ -226,6 +244,24 @@ def test_speed_settings_follow_the_device_unless_given():
         speed_settings(dataclasses.replace(config, attention="flex", dropout=0.1), "cuda")
     with pytest.raises(ConfigError, match="CUDA graphs"):
         speed_settings(dataclasses.replace(config, compile_mode="reduce-overhead", static_shapes=False), "cuda")
+
+
+def test_an_automatic_compile_stays_off_where_the_gpu_cannot_run_inductor(monkeypatch):
+    import importlib.util
+
+    from lowmem.distributed import performance
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else found(name))
+    settings = speed_settings(TrainConfig(), "cuda")
+    assert not settings.compile and "compute capability 7.0 or later, this one has 6.1" in settings.describe()
+    assert speed_settings(dataclasses.replace(TrainConfig(), compile=True), "cuda").compile  # asked for: tried
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else found(name))
+    assert "Triton" in performance.gpu_compile_problem()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a plan for a GPU made on a CPU machine
+    assert speed_settings(TrainConfig(), "cuda").compile
 
 
 def test_the_new_flags_parse_and_reject_bad_values():

@@ -1,0 +1,56 @@
+"""Training compiled with inductor on the CPU, as a GPU run compiles by default: one graph per fixed batch shape,
+both compiled before the first step and nothing after, no graph break in the model (the chunked loss included),
+and the losses of the eager run to float tolerance.
+
+In-process, so that dynamo's own counters can be read. Inductor generates C++ here, which takes a minute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fault_injection import TrainingTrace
+from test_trainer import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
+from test_trainer import tiny_config
+from torch._dynamo.utils import counters
+
+from lowmem.train.callbacks import Callback
+from lowmem.train.trainer import Trainer
+
+STEPS = 8
+
+
+class GraphCounts(Callback):
+    """Dynamo's count of compiled graphs and of graph breaks after each step."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, int] = {}
+        self.breaks: dict[int, int] = {}
+
+    def on_step_end(self, trainer, result) -> None:
+        self.graphs[trainer.state.step] = counters["stats"]["unique_graphs"]
+        self.breaks[trainer.state.step] = sum(counters["graph_break"].values())
+
+
+@pytest.mark.slow
+def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, chat_data, tokenizer_dir):
+    common = dict(max_steps=STEPS, dropout=0.0, static_shapes=True, loss_chunk_tokens=48, logging_steps=4)
+    eager = TrainingTrace(in_tmp / "eager")
+    Trainer(tiny_config(in_tmp / "eager", chat_data, tokenizer_dir, **common), callbacks=[eager]).fit()
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs, compiled = GraphCounts(), TrainingTrace(in_tmp / "compiled")
+    trainer = Trainer(tiny_config(in_tmp / "compiled", chat_data, tokenizer_dir, compile=True,
+                                  compile_backend="inductor", **common), callbacks=[graphs, compiled])
+    assert trainer.speed.compile and trainer.fixed_shapes is not None
+    shapes = {trainer.fixed_shapes.sequences, trainer.fixed_shapes.rows}
+    trainer.fit()
+
+    # Both shapes were compiled before the first step (a graph each, forward and backward), and nothing since.
+    assert graphs.graphs[1] == len(shapes), graphs.graphs
+    assert set(graphs.graphs.values()) == {len(shapes)}, "a step recompiled"
+    assert set(graphs.breaks.values()) == {0}, f"graph breaks: {dict(counters['graph_break'])}"
+    assert compiled.rows == eager.rows
+    for step, loss in eager.losses.items():
+        assert compiled.losses[step] == pytest.approx(loss, rel=1e-4), step
