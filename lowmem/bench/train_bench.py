@@ -31,8 +31,8 @@ import torch
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns, response_only
 from lowmem.data.collate import FixedShapes, TokenizingCollate
-from lowmem.distributed.performance import (compile_enabled, inference_autocast, mfu, peak_bf16_tflops,
-                                            speed_settings)
+from lowmem.distributed.performance import (SpeedSettings, inference_autocast, mfu, peak_bf16_tflops,
+                                            run_speed_settings)
 from lowmem.memory.probe import own_high_water
 from lowmem.units import DECIMAL_MB
 
@@ -168,7 +168,7 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
             split = "; " + " ".join(line for line in decision.lines if not line.startswith("Memory plan"))
         tokenizer, _ = ensure_tokenizer(config, accelerator)
         settings = shared_memory_settings(config, accelerator)
-        speed = speed_settings(config, accelerator.device.type)
+        speed = run_speed_settings(config, accelerator)
         shapes = (broadcast_from_main(accelerator, lambda: decide_fixed_shapes(config, tokenizer))
                   if speed.static_shapes else None)  # the batches training would make
         collate = TokenizingCollate(tokenizer, config.max_seq_len, data_columns(config), response_only(config),
@@ -223,7 +223,7 @@ def measure_lowmem_phases(config: TrainConfig, accelerator: Any, settings: Any, 
     n_params = plain_model.num_params()
     model, optimizer = prepare_for_training(plain_model, config, accelerator, settings)
     on_gpu = accelerator.device.type == "cuda"
-    if shapes is not None and compile_enabled(config, accelerator.device):
+    if shapes is not None and run_speed_settings(config, accelerator).compile:
         compile_each_shape(model, optimizer, accelerator, shapes, pad_id, config.pack_rows)
 
     def step(batches: list[dict[str, torch.Tensor]]) -> None:
@@ -243,7 +243,7 @@ def free_training_state(config: TrainConfig, accelerator: Any) -> None:
     """Free lowmem's model and optimizer, which nothing of the caller refers to any more, so that the reference
     phase starts from the same empty device."""
     accelerator.free_memory()  # accelerate keeps every model and optimizer it prepared (and DeepSpeed's engine)
-    if compile_enabled(config, accelerator.device):
+    if run_speed_settings(config, accelerator).compile:
         torch._dynamo.reset()  # the compiled graphs, and the memory pools of any CUDA graphs they recorded
     gc.collect()
     if accelerator.device.type == "cuda":
@@ -262,7 +262,8 @@ def measure_reference_phase(config: TrainConfig, accelerator: Any, vocab_size: i
     """
     free_training_state(config, accelerator)
     try:
-        return _train_plain_loop(config, accelerator.device, vocab_size, in_memory, steps, skip_steps, pad_id)
+        return _train_plain_loop(config, accelerator.device, vocab_size, in_memory, steps, skip_steps, pad_id,
+                                 run_speed_settings(config, accelerator))
     except torch.cuda.OutOfMemoryError:
         gc.collect()
         torch.cuda.empty_cache()
@@ -271,7 +272,7 @@ def measure_reference_phase(config: TrainConfig, accelerator: Any, vocab_size: i
 
 def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int,
                       in_memory: list[dict[str, torch.Tensor]], steps: int, skip_steps: int,
-                      pad_id: int) -> PhaseResult:
+                      pad_id: int, speed: SpeedSettings) -> PhaseResult:
     from lowmem.train.setup import build_model
 
     # A plain loop computes the whole logits and keeps every activation: lowmem's memory savers off (in the
@@ -282,7 +283,7 @@ def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int
     betas = (config.adam_beta1, config.adam_beta2)
     # The fused AdamW on a GPU, as lowmem's.
     optimizer = model.configure_optimizer(config.weight_decay, config.learn_rate, betas, device_type=device.type)
-    trained = compile_like_training(model, config, device)
+    trained = compile_like_training(model, config, speed)
 
     def step(batches: list[dict[str, torch.Tensor]]) -> None:
         float(plain_loop_step(trained, optimizer, batches, config, device))  # each timed step a finished step
@@ -291,18 +292,17 @@ def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int
                      pad_id, device.type == "cuda")
 
 
-def compile_like_training(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """`torch.compile(model)` with the backend of lowmem's model when training compiles it, else `model`.
+def compile_like_training(model: torch.nn.Module, config: TrainConfig, speed: SpeedSettings) -> torch.nn.Module:
+    """`torch.compile(model)` with the backend of lowmem's model when training compiles it (`speed`), else `model`.
 
     For fixed batch shapes the graph is compiled for exactly those shapes, as lowmem's is; the compile mode
     stays torch's default, as a plain loop writes it.
     """
-    if not compile_enabled(config, device):
+    if not speed.compile:
         return model
-    static_shapes = speed_settings(config, device.type).static_shapes
     # torch types compile's result as a plain callable; given a Module it returns an OptimizedModule (a Module).
     return torch.compile(model, backend=config.compile_backend,  # type: ignore[return-value]
-                         dynamic=False if static_shapes else None)
+                         dynamic=False if speed.static_shapes else None)
 
 
 def plain_loop_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -342,7 +342,7 @@ def describe_run(config: TrainConfig, accelerator: Any, settings: Any, n_params:
     return (f"bench_train: {n_params / 1e6:.1f} M parameters, {accelerator.num_processes} process(es) on "
             f"{accelerator.device.type} ({device}), {describe(accelerator)}, batch {config.batch_size_per_gpu} x "
             f"{config.gradient_accumulation_steps} per process, max_seq_len {config.max_seq_len}, "
-            f"pack_rows={config.pack_rows}, compile={compile_enabled(config, accelerator.device)}, "
+            f"pack_rows={config.pack_rows}, compile={run_speed_settings(config, accelerator).compile}, "
             f"loss_chunk_tokens={config.loss_chunk_tokens}, "
             f"activation_checkpointing={config.activation_checkpointing}, "
             f"malloc_mmap_threshold_mb={config.malloc_mmap_threshold_mb}, "

@@ -111,16 +111,20 @@ def gpu_compile_problem() -> str:
     return ""
 
 
-def speed_settings(config: TrainConfig, device_type: str) -> SpeedSettings:
+def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False) -> SpeedSettings:
     """The speed settings of `config` on a device of `device_type` ("cuda" or "cpu"), automatic ones decided.
 
-    compile and static_shapes left unset (None) are on with CUDA and off on the CPU; attention "auto" is flex on
-    CUDA for packed rows of at least FLEX_ATTENTION_FROM_TOKENS tokens without dropout (FlexAttention has none),
-    sdpa otherwise. Raises ConfigError for a combination that cannot run.
+    compile and static_shapes left unset (None) are on with CUDA and off on the CPU; under FSDP or DeepSpeed
+    (`sharded`) compile is left to `--compile=True`: their hooks around every block split a whole-model graph,
+    and neither combination has run on a GPU here. attention "auto" is flex on CUDA for packed rows of at least
+    FLEX_ATTENTION_FROM_TOKENS tokens without dropout (FlexAttention has none), sdpa otherwise. Raises
+    ConfigError for a combination that cannot run.
     """
     on_gpu = device_type == "cuda"
-    compiled = on_gpu if config.compile is None else bool(config.compile)
+    compiled = on_gpu and not sharded if config.compile is None else bool(config.compile)
     problem = gpu_compile_problem() if compiled and on_gpu and config.compile is None else ""
+    if on_gpu and sharded and config.compile is None:
+        problem = "FSDP and DeepSpeed compile only when --compile=True asks"
     if problem and config.compile_backend == "inductor":
         compiled = False  # left unset: eager, said in the speed settings' line (--compile=True would fail here)
     static = on_gpu if config.static_shapes is None else bool(config.static_shapes)
@@ -142,9 +146,11 @@ def speed_settings(config: TrainConfig, device_type: str) -> SpeedSettings:
                          why_not_compiled="" if compiled else problem)
 
 
-def compile_enabled(config: TrainConfig, device: torch.device) -> bool:
-    """Whether the training model is compiled for `config` on `device` (see `speed_settings`)."""
-    return speed_settings(config, device.type).compile
+def run_speed_settings(config: TrainConfig, accelerator: Any) -> SpeedSettings:
+    """`speed_settings` for the device and strategy `accelerator` was launched with."""
+    from lowmem.distributed.strategy import DEEPSPEED, FSDP, strategy
+
+    return speed_settings(config, accelerator.device.type, sharded=strategy(accelerator) in (FSDP, DEEPSPEED))
 
 
 def maybe_compile(model: torch.nn.Module, config: OptimConfig, settings: MemorySettings | None = None,

@@ -125,7 +125,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
     of rows (the levers need it for smaller micro-batches)."""
     from lowmem.distributed.performance import compile_worker_processes, speed_settings
 
-    speed = speed_settings(config, layout.device)
+    speed = speed_settings(config, layout.device, sharded=layout.strategy in (FSDP, DEEPSPEED))
     index = build_row_group_index(training_paths(config), data_columns(config))
     sizes: BatchSizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer,
                                            seed=config.seed)

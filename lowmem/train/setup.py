@@ -32,7 +32,7 @@ from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
 from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
-from lowmem.distributed.performance import enable_tf32, maybe_compile, speed_settings
+from lowmem.distributed.performance import enable_tf32, maybe_compile, run_speed_settings
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerat
     """`model` and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), with the attention
     kernel and compilation of the run's speed settings (the compiler's worker pool bounded on a low memory
     budget)."""
-    speed = speed_settings(config, accelerator.device.type)
+    speed = run_speed_settings(config, accelerator)
     model.use_attention(speed.attention)
     prepared, optimizer = prepare_model_and_optimizer(model, config, accelerator)
     logger.info("Parallelism: %s.", describe(accelerator))

@@ -50,7 +50,7 @@ from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broa
                                            end_process_group, run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.peers import PeerWatch
-from lowmem.distributed.performance import speed_settings
+from lowmem.distributed.performance import run_speed_settings
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
@@ -154,7 +154,7 @@ class Trainer:
         settings = shared_memory_settings(config, self.accelerator)
         logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
                     self.accelerator.device, self.accelerator.mixed_precision)
-        self.speed = speed_settings(config, self.accelerator.device.type)
+        self.speed = run_speed_settings(config, self.accelerator)
         logger.info("Speed settings: %s.", self.speed.describe())
         self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size,
                                                                settings)

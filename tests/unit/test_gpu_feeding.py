@@ -232,6 +232,9 @@ def test_speed_settings_follow_the_device_unless_given():
     on_gpu, on_cpu = speed_settings(config, "cuda"), speed_settings(config, "cpu")
     assert (on_gpu.compile, on_gpu.static_shapes, on_gpu.attention) == (True, True, "sdpa")  # 192 tokens: sdpa
     assert (on_cpu.compile, on_cpu.static_shapes, on_cpu.attention) == (False, False, "sdpa")
+    sharded = speed_settings(config, "cuda", sharded=True)  # FSDP, DeepSpeed: compiled only when asked
+    assert not sharded.compile and sharded.static_shapes and "--compile=True" in sharded.describe()
+    assert speed_settings(dataclasses.replace(config, compile=True), "cuda", sharded=True).compile
     long = dataclasses.replace(config, max_seq_len=2048)
     assert speed_settings(long, "cuda").attention == "flex" and speed_settings(long, "cpu").attention == "sdpa"
     assert speed_settings(dataclasses.replace(long, dropout=0.1), "cuda").attention == "sdpa"
