@@ -204,3 +204,18 @@ def test_a_run_whose_split_the_plan_changed_for_a_gpu_resumes_exactly(tmp_path, 
     assert "(changed:" not in resumed.stderr
     expected, got = traced_losses(reference / "trace"), traced_losses(stopped / "trace")
     assert sorted(got) == [6, 7, 8] and got == {step: expected[step] for step in got}
+
+
+def test_the_plan_command_for_a_gpu_names_the_split_it_would_train(tmp_path, data):
+    """`lowmem plan --device=cuda --gpu_memory_gb=GB --use_large_config=True`, as the docs show it: one micro-batch of
+    64 rows on a 20 GB GPU, the preset's 32 x 2 on a 4 GB one; the rows per step stay 64."""
+    copy_data(data, tmp_path)
+    common = ["plan", "--use_large_config=True", "--device=cuda", f"--train_file={tmp_path / 'train.parquet'}",
+              f"--tokenizer_dir={tmp_path / 'tok'}"]
+    large = run_command([*common, "--gpu_memory_gb=20"], cwd=tmp_path, env=ENV)
+    assert large.returncode == 0, large.stderr[-3000:]
+    assert "micro-batch 64 rows x 1" in large.stdout
+    assert "GPU micro-batches: one micro-batch of 64 rows per step instead of 32 x 2" in large.stdout
+    small = run_command([*common, "--gpu_memory_gb=4"], cwd=tmp_path, env=ENV)
+    assert small.returncode == 0, small.stderr[-3000:]
+    assert "micro-batch 32 rows x 2" in small.stdout and "GPU micro-batches" not in small.stdout
