@@ -72,6 +72,8 @@ from lowmem.train.stop import GracefulStop
 from lowmem.train.tracking import Tracking, tracker_arguments
 
 logger = logging.getLogger(__name__)
+# The most steps whose gradient norms stay unread on the device (see `Trainer.count_skipped_steps`).
+UNREAD_NORMS_LIMIT = 1000
 
 
 class LoaderPosition:
@@ -282,6 +284,8 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += int(result.global_input_tokens)
         self.unread_norms.append((self.state.step, result.grad_norm))
+        if len(self.unread_norms) >= UNREAD_NORMS_LIMIT:  # log lines far apart: one wait per so many steps
+            self.count_skipped_steps()
         for callback in self.callbacks:
             callback.on_step_end(self, result)
         self.step_log.add(result)
