@@ -48,6 +48,12 @@ class FixedShapes:
             raise ValueError(f"a micro-batch needs {needed} sequences, more than the {self.rows} rows it may hold")
         return self.sequences if needed <= self.sequences else self.rows
 
+    @staticmethod
+    def larger_positions(rows: int, width: int) -> int:
+        """The positions of the larger shape of micro-batches of `rows` rows: a sequence of `width` per row, whatever
+        the usual shape turns out to be (the memory plan needs it before the rows are sampled)."""
+        return rows * width
+
     def describe(self) -> str:
         if self.sequences >= self.rows:
             return f"{self.rows} x {self.width}"

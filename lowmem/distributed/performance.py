@@ -146,6 +146,19 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
                          why_not_compiled="" if compiled else problem)
 
 
+def check_cuda_graphs(config: TrainConfig, speed: SpeedSettings) -> None:
+    """Refuse CUDA graphs (`--compile_mode=reduce-overhead`) with more than one micro-batch per step: a graph
+    replays into the memory of its last run, which would overwrite the gradient the earlier micro-batches
+    accumulated (torch refuses it). Called with the config the run trains with (the plan may have changed its
+    micro-batches)."""
+    if speed.compile and config.compile_mode == "reduce-overhead" and config.gradient_accumulation_steps > 1:
+        raise ConfigError(
+            f"--compile_mode=reduce-overhead (CUDA graphs) cannot accumulate gradients over micro-batches, and this "
+            f"run takes {config.gradient_accumulation_steps} per step: a graph's replay overwrites the gradient of "
+            "the one before. Train each step as one micro-batch (--gradient_accumulation_steps=1 with a larger "
+            "--batch_size_per_gpu, if the GPU has room), or leave --compile_mode at default.")
+
+
 def run_speed_settings(config: TrainConfig, accelerator: Any) -> SpeedSettings:
     """`speed_settings` for the device and strategy `accelerator` was launched with."""
     from lowmem.distributed.strategy import DEEPSPEED, FSDP, strategy

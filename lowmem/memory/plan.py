@@ -55,9 +55,10 @@ CUDA_HOST_BYTES = 1200 * MB
 CUDA_CONTEXT_DEVICE_BYTES = 500 * MB
 # torch.compile: what a compiled model adds to its process (the traced graphs, the generated kernels loaded),
 # measured 77-104 MB on the CPU for a tiny model and the large config; and each process of inductor's pool of
-# compile workers, alive while the first steps compile (measured 416 MB for a pool of 2 on the large config).
+# compile workers, alive while the first steps compile: measured about 8 GB for a pool of 16 on an H200 host (RSS,
+# its shared pages counted in each), 416 MB for a pool of 2 on the CPU.
 COMPILE_HOST_BYTES = 150 * MB
-COMPILE_WORKER_BYTES = 210 * MB
+COMPILE_WORKER_BYTES = {"cuda": 500 * MB, "cpu": 210 * MB}
 # The CUDA caching allocator rounds and splits blocks: reserved runs above allocated.
 CUDA_ALLOCATOR_OVERHEAD = 0.10
 # Under bf16 autocast the matmul outputs are bf16 while norms and the residual stream stay float32: about
@@ -337,8 +338,9 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         host.append(PlanPart("torch.compile", COMPILE_HOST_BYTES, "graphs and generated kernels, measured"))
         if inputs.compile_workers:
             count = inputs.compile_workers * inputs.processes
-            machine.append(PlanPart("torch.compile workers", count * COMPILE_WORKER_BYTES,
-                                    f"{count} x {_mb(COMPILE_WORKER_BYTES)}, while the first steps compile"))
+            worker = COMPILE_WORKER_BYTES[inputs.device]
+            machine.append(PlanPart("torch.compile workers", count * worker,
+                                    f"{count} x {_mb(worker)}, while the first steps compile"))
     device: list[PlanPart] = []
     if inputs.on_gpu:
         host.append(PlanPart("CUDA runtime", CUDA_HOST_BYTES, "reasoned, not measured"))

@@ -4,7 +4,7 @@ SDPA takes packed rows as a boolean (B, 1, T, T) mask, which rules out its flash
 costs 2.8x plain causal attention. FlexAttention compiles the rule "same row, not a later position" into a
 kernel that skips the blocks of (query, key) pairs the rule rules out, so packed rows cost about what one causal
 sequence of the same length does. The block mask is that rule evaluated per block of 128 x 128 positions, built
-from the micro-batch's segment ids before the first layer.
+from the micro-batch's segment ids before the first layer (compiled, on a GPU).
 
 FlexAttention runs as a compiled kernel: inside a compiled model it is part of the graph; in an eager model
 it goes through its own `torch.compile` (`_compiled_flex_attention`), as FlexAttention's unfused fallback would
@@ -32,8 +32,11 @@ def document_block_mask(segment_ids: torch.Tensor) -> Any:
                            key: torch.Tensor) -> torch.Tensor:
         return (segment_ids[batch, query] == segment_ids[batch, key]) & (query >= key)
 
-    # One mask for every head (H=None): the rule does not depend on the head.
-    return create_block_mask(same_row_not_later, B, None, T, T, device=segment_ids.device)
+    # One mask for every head (H=None): the rule does not depend on the head. In an eager model on a GPU the
+    # construction is compiled too, or it would evaluate every (query, key) pair of the batch at once (a (B, T, T)
+    # tensor, 134 MB at 8 x 4,096); inside a compiled model it is traced with the model.
+    compiled = segment_ids.is_cuda and not torch.compiler.is_compiling()
+    return create_block_mask(same_row_not_later, B, None, T, T, device=segment_ids.device, _compile=compiled)
 
 
 @functools.cache
@@ -47,10 +50,11 @@ def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
     """Attention of q (B, nh, T, hs) over k, v (B, nh, T, hs) where `block_mask` allows it -> (B, nh, T, hs)."""
-    if q.device.type == "cpu":
+    if torch.compiler.is_compiling() or q.device.type == "cpu":
         from torch.nn.attention.flex_attention import flex_attention
 
-        # No compiled CPU kernel is needed for evaluation's few calls; training on the CPU does not come here.
+        # Inside a compiled model the call becomes part of its graph. On the CPU (evaluation's few calls; training
+        # there does not come here) no compiled kernel is needed.
         return flex_attention(q, k, v, block_mask=block_mask)
     return _compiled_flex_attention()(q, k, v, block_mask=block_mask)
 

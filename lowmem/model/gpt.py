@@ -509,7 +509,7 @@ class GPT(nn.Module):
             betas: Adam's moment coefficients.
             device_type: where the parameters live: on "cuda" and "cpu" the fused AdamW kernel is used, which
                 updates all parameters in a few launches instead of several per tensor and can skip a step on the
-                device (`lowmem.train.step.step_unless_not_finite`).
+                device (`lowmem.train.step.step_if_finite`).
             fused: False keeps torch's default kernel (for an optimizer another library replaces).
         """
         params = [p for p in self.parameters() if p.requires_grad]  # tied weight appears once

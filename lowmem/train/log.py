@@ -149,7 +149,7 @@ class StepLog:
         if not peak_tflops and self.on_gpu:
             peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(self.device))
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
-        self.gpu_peak = 0  # bytes: the highest allocation seen in the run (read at each step: no wait)
+        self.gpu_peak = 0  # bytes: the highest allocation seen in the run (at log lines and memory records)
         self.reset()
 
     def reset(self) -> None:
@@ -177,10 +177,11 @@ class StepLog:
         self.input_tokens += result.input_tokens
         self.grad_norm_sum += result.grad_norm
         self.steps += 1
-        if self.on_gpu:
-            # The allocator's own counter (no wait for the device); read here, before the memory log starts a
-            # new peak at its record.
-            self.gpu_peak = max(self.gpu_peak, torch.cuda.max_memory_allocated(self.device))
+
+    def note_gpu_peak(self, peak_bytes: int | None) -> None:
+        """A GPU peak measured elsewhere: the memory log's record, which starts a new peak after it."""
+        if peak_bytes:
+            self.gpu_peak = max(self.gpu_peak, int(peak_bytes))
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total_steps
@@ -190,6 +191,8 @@ class StepLog:
 
         Returns the line's figures (every rank gets the same, except its own RSS)."""
         rss = psutil.Process().memory_info().rss
+        if self.on_gpu:  # the allocator's own counter (no wait for the device): the peak since the memory log's last
+            self.note_gpu_peak(torch.cuda.max_memory_allocated(self.device))
         # One wait for the device: the window's loss and gradient norms, read together.
         loss_sum, grad_norm_sum = torch.stack([torch.as_tensor(value, dtype=torch.float64).to(self.device)
                                                for value in (self.loss_sum, self.grad_norm_sum)]).tolist()

@@ -25,6 +25,7 @@ from lowmem.checkpoint.contents import newest_trainer_state
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns
 from lowmem.config.train_sources import training_paths
+from lowmem.data.collate import FixedShapes
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
 from lowmem.data.sources import build_row_group_index
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -32,8 +33,8 @@ from lowmem.errors import ConfigError, LowmemError
 from lowmem.memory.budget import budget_source
 from lowmem.memory.data_settings import decide_memory_settings
 from lowmem.memory.levers import LEVER_FIELDS, SaverChoice, choose_savers, no_fit_message
-from lowmem.memory.plan import (DDP, DEEPSPEED, FSDP, SINGLE, MemoryPlan, ModelShape, PlanInputs, format_plan,
-                                plan_memory)
+from lowmem.memory.plan import (CUDA_CONTEXT_DEVICE_BYTES, DDP, DEEPSPEED, FSDP, SINGLE, MemoryPlan, ModelShape,
+                                PlanInputs, format_plan, plan_memory)
 from lowmem.program import command_line, launch_line
 from lowmem.units import GIB, gib_text
 
@@ -107,8 +108,6 @@ def layout_of(accelerator: Any) -> RunLayout:
     on_gpu = accelerator.device.type == "cuda"
     gpu_bytes = 0
     if on_gpu:
-        from lowmem.memory.plan import CUDA_CONTEXT_DEVICE_BYTES
-
         # What the device has free (another process may hold part of it), with this process's own context,
         # which the plan counts, given back.
         free, total = torch.cuda.mem_get_info(accelerator.device)
@@ -132,8 +131,8 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
     cache: dict[int, int] = {}
 
     def positions_for_rows(rows: int) -> int:
-        if speed.static_shapes:  # the larger of the two fixed shapes: a sequence per row
-            return rows * config.max_seq_len
+        if speed.static_shapes:  # the larger of the two fixed shapes
+            return FixedShapes.larger_positions(rows, config.max_seq_len)
         if rows not in cache:
             cache[rows] = sizes.largest_positions(rows)
         return cache[rows]

@@ -32,7 +32,7 @@ from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
 from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
-from lowmem.distributed.performance import enable_tf32, maybe_compile, run_speed_settings
+from lowmem.distributed.performance import SpeedSettings, enable_tf32, maybe_compile, run_speed_settings
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +130,12 @@ def build_model(config: TrainConfig, vocab_size: int) -> GPT:
     return model
 
 
-def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerator,
-                         settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerator, settings: MemorySettings,
+                         speed: SpeedSettings | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """`model` and its AdamW, prepared for how accelerate was launched (DDP, DeepSpeed, FSDP), with the attention
-    kernel and compilation of the run's speed settings (the compiler's worker pool bounded on a low memory
-    budget)."""
-    speed = run_speed_settings(config, accelerator)
+    kernel and compilation of the run's speed settings (`speed`, decided here when not given; the compiler's
+    worker pool bounded on a low memory budget)."""
+    speed = speed or run_speed_settings(config, accelerator)
     model.use_attention(speed.attention)
     prepared, optimizer = prepare_model_and_optimizer(model, config, accelerator)
     logger.info("Parallelism: %s.", describe(accelerator))
@@ -145,9 +145,10 @@ def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerat
 
 
 def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, vocab_size: int,
-                              settings: MemorySettings) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+                              settings: MemorySettings, speed: SpeedSettings | None = None
+                              ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """`build_model`, then `prepare_for_training`."""
-    return prepare_for_training(build_model(config, vocab_size), config, accelerator, settings)
+    return prepare_for_training(build_model(config, vocab_size), config, accelerator, settings, speed)
 
 
 def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: Accelerator,

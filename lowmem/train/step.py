@@ -8,6 +8,7 @@ next step while the GPU computes this one; the training log reads the figures wh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ import torch
 from accelerate import Accelerator
 
 from lowmem.data.collate import FixedShapes
-from lowmem.distributed.strategy import DEEPSPEED, plain_tensor, strategy
+from lowmem.distributed.strategy import DEEPSPEED, PLAIN, plain_tensor, strategy
 from lowmem.model import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
@@ -91,7 +92,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
     Returns this rank's summed token loss and the gradient norm before clipping, both tensors on the device:
     reading either waits for the GPU, so the training log reads them only when it writes a line. A step whose
     gradient norm is not finite (a NaN or inf anywhere, e.g. from a bf16 overflow; there is no GradScaler to
-    catch it) is skipped (`step_unless_not_finite`): its gradients dropped and the weights and optimizer state
+    catch it) is skipped (`step_if_finite`): its gradients dropped and the weights and optimizer state
     left as they were. Gradients are all-reduced before the norm is taken, so every rank sees the same norm
     and skips the same step.
 
@@ -118,20 +119,22 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
             loss_sum += batch_loss_sum.detach()
             if accelerator.sync_gradients:  # the last micro-batch: gradients are complete
                 grad_norm = clip_and_measure(model, accelerator, grad_clip)
-                step_unless_not_finite(optimizer, grad_norm)
+                step_if_finite(optimizer, grad_norm)
                 optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
 
-def step_unless_not_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
     """`optimizer.step()`, skipped when `grad_norm` is not finite: weights, moments and step count unchanged.
 
     A fused torch optimizer (the model's AdamW is fused wherever torch has the kernel) decides on the device,
     through the flag GradScaler uses for the same purpose (`found_inf`): the host never reads the norm. Any other
-    optimizer (DeepSpeed's, say) has no such flag, and the norm is read on the host first.
+    optimizer (DeepSpeed's, say) has no such flag, and the norm is read on the host first. The groups decide, not
+    the optimizer's defaults: a checkpoint's optimizer state brings its own groups' settings back (a run saved
+    with an unfused AdamW resumes unfused).
     """
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
-    if isinstance(inner, torch.optim.Optimizer) and inner.defaults.get("fused"):
+    if isinstance(inner, torch.optim.Optimizer) and all(group.get("fused") for group in inner.param_groups):
         inner.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)  # type: ignore[attr-defined]
         try:
             optimizer.step()
@@ -169,22 +172,26 @@ def compile_each_shape(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     are 0), the gradients are dropped, the optimizer does not step, and the random state is restored. DeepSpeed
     counts every backward pass towards its accumulation steps, so there the shapes compile as they come.
     """
-    if strategy(accelerator) == DEEPSPEED:
+    kind = strategy(accelerator)
+    if kind == DEEPSPEED:
         return
     started = time.perf_counter()
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # dropout draws nothing that training would have drawn
         for sequences in sorted({shapes.sequences, shapes.rows}):
             input_ids = torch.full((sequences, shapes.width), pad_id, dtype=torch.long)  # (B, T)
-            batch = {"input_ids": input_ids, "targets": torch.full_like(input_ids, IGNORE_INDEX)}
-            if packed:
-                batch["segment_ids"] = torch.zeros_like(input_ids)  # padding only: attends to padding
-            with accelerator.no_sync(model):  # nothing to all-reduce: the gradients are dropped
-                _, loss = model(*(to_device(batch[key], accelerator.device) for key in ("input_ids", "targets")),
-                                segment_ids=None if not packed else to_device(batch["segment_ids"],
-                                                                             accelerator.device))
+            targets = torch.full_like(input_ids, IGNORE_INDEX)  # nothing counts: the loss and gradients are 0
+            segment_ids = torch.zeros_like(input_ids) if packed else None  # padding only: attends to padding
+            # One process or DDP: nothing to all-reduce. FSDP2 reduces as usual: without it, it would keep the
+            # gradients whole until the first step.
+            skip_sync = accelerator.no_sync(model) if kind == PLAIN else contextlib.nullcontext()
+            with skip_sync:
+                _, loss = model(to_device(input_ids, accelerator.device), to_device(targets, accelerator.device),
+                                segment_ids=None if segment_ids is None else to_device(segment_ids,
+                                                                                      accelerator.device))
                 accelerator.backward(loss)
-    optimizer.zero_grad(set_to_none=True)
+            # Dropped after each shape: under CUDA graphs a gradient must not outlive the graph that made it.
+            optimizer.zero_grad(set_to_none=True)
     if accelerator.device.type == "cuda":
         torch.cuda.synchronize()
     logger.info("Compiled the step for the batch shapes %s in %.0f s.", shapes.describe(),

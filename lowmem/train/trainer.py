@@ -50,7 +50,7 @@ from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broa
                                            end_process_group, run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.peers import PeerWatch
-from lowmem.distributed.performance import run_speed_settings
+from lowmem.distributed.performance import check_cuda_graphs, run_speed_settings
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
@@ -152,14 +152,15 @@ class Trainer:
             log_decision(memory)
         self.memory_decision = memory
         self.peers = PeerWatch.gather(self.accelerator, plan_line=memory.summary())
+        self.speed = run_speed_settings(config, self.accelerator)
+        check_cuda_graphs(config, self.speed)
+        logger.info("Speed settings: %s.", self.speed.describe())
         self.tokenizer, self.tokenizer_identity = ensure_tokenizer(config, self.accelerator)
         settings = shared_memory_settings(config, self.accelerator)
         logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
                     self.accelerator.device, self.accelerator.mixed_precision)
-        self.speed = run_speed_settings(config, self.accelerator)
-        logger.info("Speed settings: %s.", self.speed.describe())
         self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size,
-                                                               settings)
+                                                               settings, self.speed)
         # The main process samples the rows (the same choice everywhere, and one reading of the sample).
         self.fixed_shapes = (broadcast_from_main(self.accelerator, lambda: decide_fixed_shapes(config, self.tokenizer))
                              if self.speed.static_shapes else None)
@@ -291,7 +292,9 @@ class Trainer:
         self.step_log.add(result)
         assert self.progress is not None  # made by begin()
         self.progress.update(1)
-        self.memory.after_step(self.state.epoch, self.state.step)
+        record = self.memory.after_step(self.state.epoch, self.state.step)
+        if record is not None:  # its GPU peak ends with it: the log line's peak of the run takes it first
+            self.step_log.note_gpu_peak(record.get("cuda_peak"))
         if self.step_log.due(self.state.step):
             self.count_skipped_steps()
             figures = self.step_log.write(self.state.step, self.state.epoch, result.lr)

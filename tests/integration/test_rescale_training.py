@@ -29,15 +29,20 @@ def test_three_processes_resumed_on_two_then_on_one_with_two_workers_train_every
         pytest.skip("the accelerate launcher is not on PATH")
     chat_data = resume_chat_data(tmp_path)
     env = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    # One epoch: 300 rows per process with 3, in steps of 16 rows; the run stops and saves after step 7.
-    first = run_command(["train", *resume_overrides(tmp_path, chat_data, "--epochs=1")], cwd=tmp_path,
+    # One epoch: 300 rows per process with 3, in steps of 16 rows; the run stops and saves after step 7. The
+    # first two runs pad their batches to fixed shapes (a GPU's default), the third shapes each batch to fit:
+    # the positions saved and shared out are the same either way.
+    fixed = "--static_shapes=True"
+    first = run_command(["train", *resume_overrides(tmp_path, chat_data, "--epochs=1", fixed)], cwd=tmp_path,
                         env={**env, "LOWMEM_TRACE_DIR": str(tmp_path / "trace3"), "LOWMEM_STOP_AFTER_STEP": "7"},
                         launcher=launcher(3))
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "Batch shapes: " in first.stderr  # the fixed shapes were on
     assert (tmp_path / "run" / "checkpoint-7" / "COMPLETE.json").is_file()
 
     # On 2 processes: 282 rows each are left; stopped and saved again after step 12.
-    second = run_command(["train", *resume_overrides(tmp_path, chat_data, "--epochs=1", "--is_keep_training=True")],
+    second = run_command(["train", *resume_overrides(tmp_path, chat_data, "--epochs=1", "--is_keep_training=True",
+                                                     fixed)],
                          cwd=tmp_path, env={**env, "LOWMEM_TRACE_DIR": str(tmp_path / "trace2"),
                                             "LOWMEM_STOP_AFTER_STEP": "12"}, launcher=launcher(2))
     assert second.returncode == 0, second.stderr[-3000:]
@@ -53,6 +58,7 @@ def test_three_processes_resumed_on_two_then_on_one_with_two_workers_train_every
                                                     "--dataloader_num_workers=2")],
                         cwd=tmp_path, env={**env, "LOWMEM_TRACE_DIR": str(tmp_path / "trace1")})
     assert third.returncode == 0, third.stderr[-3000:]
+    assert "Batch shapes: " not in third.stderr
     assert "Resumed from" in third.stderr and "checkpoint-12" in third.stderr
 
     before, middle, after = (traced_rows(tmp_path / name) for name in ("trace3", "trace2", "trace1"))

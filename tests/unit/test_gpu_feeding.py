@@ -195,11 +195,27 @@ def test_an_optimizer_without_a_device_side_skip_reads_the_norm_and_still_skips(
     from lowmem.train.step import train_step
 
     model, optimizer, accelerator, batch = _step_parts(nan=True)
-    optimizer.optimizer.defaults["fused"] = None  # as any optimizer that takes no found_inf flag
+    for group in optimizer.optimizer.param_groups:  # as any optimizer that takes no found_inf flag
+        group["fused"] = None
     calls = []
     monkeypatch.setattr(optimizer.optimizer, "step", lambda *args, **kwargs: calls.append(1))
     train_step(model, optimizer, accelerator, [batch], 30.0, grad_clip=1.0)
     assert calls == []
+
+
+def test_an_optimizer_state_saved_unfused_steps_and_skips_as_before():
+    """A checkpoint written before the AdamW was fused on the CPU brings its groups' `fused=None` back with its
+    state: the step then reads the norm on the host, and still skips a non-finite one."""
+    from lowmem.train.step import train_step
+
+    model, optimizer, accelerator, batch = _step_parts(nan=True)
+    # As earlier versions made it on the CPU: the same groups, not fused.
+    old = torch.optim.AdamW([{"params": group["params"]} for group in optimizer.optimizer.param_groups], lr=1e-2)
+    optimizer.optimizer.load_state_dict(old.state_dict())
+    assert not optimizer.optimizer.param_groups[0].get("fused")
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    train_step(model, optimizer, accelerator, [batch], 30.0, grad_clip=1.0)
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
 
 
 def test_the_trainer_reads_the_norms_only_when_a_line_or_checkpoint_needs_them(in_tmp, chat_data, tokenizer_dir,
@@ -247,6 +263,13 @@ def test_speed_settings_follow_the_device_unless_given():
         speed_settings(dataclasses.replace(config, attention="flex", dropout=0.1), "cuda")
     with pytest.raises(ConfigError, match="CUDA graphs"):
         speed_settings(dataclasses.replace(config, compile_mode="reduce-overhead", static_shapes=False), "cuda")
+    from lowmem.distributed.performance import check_cuda_graphs
+
+    graphs = dataclasses.replace(config, compile_mode="reduce-overhead", gradient_accumulation_steps=2)
+    with pytest.raises(ConfigError, match="cannot accumulate gradients"):
+        check_cuda_graphs(graphs, speed_settings(graphs, "cuda"))
+    check_cuda_graphs(dataclasses.replace(graphs, gradient_accumulation_steps=1), speed_settings(graphs, "cuda"))
+    check_cuda_graphs(graphs, speed_settings(graphs, "cpu"))  # not compiled: nothing to refuse
 
 
 def test_an_automatic_compile_stays_off_where_the_gpu_cannot_run_inductor(monkeypatch):
