@@ -75,9 +75,9 @@ def bench_attention(seq_len: int = 4096, batch: int = 4, heads: int = 12, head_d
         with sdpa_context(where, masked=True):
             F.scaled_dot_product_attention(q, k, v, attn_mask=boolean_mask).sum().backward()
 
-    cases: dict[str, Callable[[], object]] = {"causal (the floor)": causal, "packed rows, sdpa with a mask": packed_sdpa,
-                                            "the boolean mask, built (once per micro-batch)":
-                                            lambda: segment_mask(segments)}
+    cases: dict[str, Callable[[], object]] = {
+        "causal (the floor)": causal, "packed rows, sdpa with a mask": packed_sdpa,
+        "the boolean mask, built (once per micro-batch)": lambda: segment_mask(segments)}
     if where.type == "cuda":
         block_mask = document_block_mask(segments)
 
