@@ -187,7 +187,7 @@ def bench_train(config: TrainConfig, steps: int = 20, skip_steps: int = 3, data_
         predicted = plan_memory(inputs).high_water(accelerator.is_main_process, phases=(STEP,))
         high_water = own_high_water()  # before the reference's whole logits: the plan predicts lowmem's phases
         plain_loop = (measure_reference_phase(config, accelerator, tokenizer.vocab_size, in_memory, steps, skip_steps,
-                                              tokenizer.pad_id) if reference else None)
+                                              tokenizer.pad_id, shapes) if reference else None)
         del in_memory
     per_rank = gather_object([{"data": data, "data_rss": data_rss, "ceiling": ceiling, "pipeline": through_pipeline,
                                "reference": plain_loop, "reference_ran": reference, "high_water": high_water,
@@ -252,9 +252,10 @@ def free_training_state(config: TrainConfig, accelerator: Any) -> None:
 
 def measure_reference_phase(config: TrainConfig, accelerator: Any, vocab_size: int,
                             in_memory: list[dict[str, torch.Tensor]], steps: int, skip_steps: int,
-                            pad_id: int) -> PhaseResult | None:
+                            pad_id: int, shapes: FixedShapes | None = None) -> PhaseResult | None:
     """(r): lowmem's model and optimizer freed, a fresh model of the same configuration and seed trained on the
-    ceiling's batches by `plain_loop_step`, with the same number of untimed and timed steps.
+    ceiling's batches by `plain_loop_step`, with the same number of untimed and timed steps (and, compiled, both
+    fixed `shapes` compiled first, as lowmem's).
 
     It runs on every rank on its own (no collective: a per-device reference) with the whole model and its
     optimizer state on the device, which a sharded (FSDP, DeepSpeed) run may not have room for: returns None
@@ -263,7 +264,7 @@ def measure_reference_phase(config: TrainConfig, accelerator: Any, vocab_size: i
     free_training_state(config, accelerator)
     try:
         return _train_plain_loop(config, accelerator.device, vocab_size, in_memory, steps, skip_steps, pad_id,
-                                 run_speed_settings(config, accelerator))
+                                 run_speed_settings(config, accelerator), shapes)
     except torch.cuda.OutOfMemoryError:
         gc.collect()
         torch.cuda.empty_cache()
@@ -272,7 +273,7 @@ def measure_reference_phase(config: TrainConfig, accelerator: Any, vocab_size: i
 
 def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int,
                       in_memory: list[dict[str, torch.Tensor]], steps: int, skip_steps: int,
-                      pad_id: int, speed: SpeedSettings) -> PhaseResult:
+                      pad_id: int, speed: SpeedSettings, shapes: FixedShapes | None) -> PhaseResult:
     from lowmem.train.setup import build_model
 
     # A plain loop computes the whole logits and keeps every activation: lowmem's memory savers off (in the
@@ -284,12 +285,30 @@ def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int
     # The fused AdamW on a GPU, as lowmem's.
     optimizer = model.configure_optimizer(config.weight_decay, config.learn_rate, betas, device_type=device.type)
     trained = compile_like_training(model, config, speed)
+    if speed.compile and shapes is not None:
+        # As lowmem's step compiled both shapes before its first step: neither phase times a compilation.
+        compile_plain_loop_shapes(trained, optimizer, config, device, shapes, pad_id)
 
     def step(batches: list[dict[str, torch.Tensor]]) -> None:
         float(plain_loop_step(trained, optimizer, batches, config, device))  # each timed step a finished step
 
     return run_steps("reference", iter(in_memory), steps, skip_steps, step, config.gradient_accumulation_steps,
                      pad_id, device.type == "cuda")
+
+
+def compile_plain_loop_shapes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+                              device: torch.device, shapes: FixedShapes, pad_id: int) -> None:
+    """A forward and backward pass of padding in each fixed shape (no target counts, no step, gradients dropped,
+    random state restored): the compiled plain loop's graphs, made before its timed steps."""
+    from lowmem.model import IGNORE_INDEX
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for sequences in sorted({shapes.sequences, shapes.rows}):
+            input_ids = torch.full((sequences, shapes.width), pad_id, dtype=torch.long, device=device)  # (B, T)
+            with inference_autocast(device, config.bf16, config.bf16_on_cpu):
+                loss = model(input_ids, torch.full_like(input_ids, IGNORE_INDEX))[1]
+            loss.backward()
+            optimizer.zero_grad(set_to_none=True)
 
 
 def compile_like_training(model: torch.nn.Module, config: TrainConfig, speed: SpeedSettings) -> torch.nn.Module:

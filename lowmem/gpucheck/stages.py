@@ -234,7 +234,7 @@ def speed(settings: CheckSettings) -> dict[str, Any]:
     """
     deadline = Deadline(settings.stage_seconds)
     if settings.on_cpu:
-        args = ["train", *settings.model_flags(), "--max_steps=20", "--logging_steps=5", "--static_shapes=True",
+        args = ["train", *settings.model_flags(), "--max_steps=12", "--logging_steps=4", "--static_shapes=True",
                 "--compile=True", "--compile_backend=eager"]
         attention = ["bench_attention", "--seq_len=512", "--batch=2", "--repeats=3", "--device=cpu"]
     else:

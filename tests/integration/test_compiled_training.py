@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from lowmem.train.callbacks import Callback
 from lowmem.train.trainer import Trainer
 
-STEPS = 8
+STEPS = 6
 
 
 class GraphCounts(Callback):
