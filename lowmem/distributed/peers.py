@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 # A killed rank's sockets close while the kernel is still tearing it down: a survivor may see the error a
 # moment before the process is gone from the process table.
 GONE_WAIT_SECONDS = 3.0
+# How long a survivor that does not report stays alive after it saw the loss: the reporter may meet its failed
+# collective a moment later, and a survivor already gone by then would be named among the dead (the launcher
+# gives the survivors 30 s after its SIGTERM before it kills them).
+SURVIVOR_WAIT_SECONDS = GONE_WAIT_SECONDS + 2.0
 
 
 class ProcessLostError(LowmemError):
@@ -141,4 +145,6 @@ class PeerWatch:
             return
         if self.reporter(lost):
             logger.error(self.explain(lost), extra={"all_ranks": True})
+        else:
+            time.sleep(SURVIVOR_WAIT_SECONDS)
         raise ProcessLostError("") from None
