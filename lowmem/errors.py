@@ -23,3 +23,7 @@ class DiskWriteError(LowmemError, OSError):
 
 class CheckpointError(DiskWriteError):
     """A checkpoint could not be written (disk full, no permission, ...); the message says what to free or change."""
+
+
+class UnsafeCheckpointError(LowmemError):
+    """A checkpoint file asks, when loaded, for code a lowmem checkpoint never holds: nothing of it is loaded."""

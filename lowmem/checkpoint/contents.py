@@ -10,7 +10,9 @@ A checkpoint folder (made atomic and complete by `lowmem.checkpoint.folders.Chec
     trainer_state.json     the shared parts (`train`: epoch, step, tokens seen; `schedule`: the learning rate's;
                            `checkpoints`: the manager's), the world size and workers, and the config the run had
     rank<r>/<part>.json    each rank's own parts: `data` (the loader position), `memory` (the memory log)
-    rank<r>/rng.pt         each rank's random states
+    rank<r>/rng.pt         each rank's random states (tensors and numbers)
+
+Every file is read as data: a checkpoint never runs code when it loads (`lowmem.distributed.safe_load`).
 
 Weights and optimizer state are the strategy's business (`lowmem.distributed.strategy`); every other part
 is an object with `state_dict()` / `load_state_dict()`. A part missing from an older checkpoint keeps its
@@ -29,6 +31,7 @@ import torch
 from accelerate import Accelerator
 
 from lowmem.config import TrainConfig
+from lowmem.distributed.safe_load import load_torch_file
 from lowmem.distributed.strategy import (FSDP_OPTIMIZER_DIR, OPTIMIZER_FILE, load_model_and_optimizer,
                                        save_model_and_optimizer, save_torch_file)
 
@@ -59,9 +62,9 @@ def _write_part(path: Path, state: dict[str, Any]) -> None:
 
 
 def read_part_file(path: Path) -> dict[str, Any]:
-    """A part's state as written by `TrainingCheckpoint.write`."""
-    # weights_only=False: numpy's random state is no plain tensor; these files are the run's own.
-    return torch.load(path, weights_only=False) if path.suffix == ".pt" else json.loads(path.read_text())
+    """A part's state as written by `TrainingCheckpoint.write`, read as data only (`lowmem.distributed.safe_load`:
+    the random states of checkpoints written before they were stored as tensors hold numpy arrays)."""
+    return load_torch_file(path, numpy_arrays=True) if path.suffix == ".pt" else json.loads(path.read_text())
 
 
 class TrainingCheckpoint:

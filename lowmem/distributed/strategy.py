@@ -43,6 +43,7 @@ from accelerate.utils import DistributedType
 from lowmem.config import OptimConfig
 from lowmem.distributed.accelerator import offloads_optimizer
 from lowmem.distributed.collectives import broadcast_from_main
+from lowmem.distributed.safe_load import check_deepspeed_checkpoint, load_distributed_checkpoint, load_torch_file
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict,
@@ -271,13 +272,12 @@ def save_distributed(state: dict, folder: Path, **options: Any) -> None:
 
 
 def _load_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     model, inner = uncompiled(model), _inner_optimizer(optimizer)
     # The current (sharded) optimizer state is the template that tells DCP what to read into.
     state = {"optimizer": get_optimizer_state_dict(model, inner)}
-    dcp.load(state, checkpoint_id=str(folder))
+    load_distributed_checkpoint(state, folder)  # as data: its reader would unpickle the metadata as it is
     set_optimizer_state_dict(model, inner, optim_state_dict=state["optimizer"])
 
 
@@ -350,7 +350,9 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
             f"start a new run in another --output_dir (its {WEIGHTS_FILE} can still be evaluated and exported)."
         )
     if kind == DEEPSPEED:
-        # The engine restores the module's weights and the optimizer's fp32 master weights and moments.
+        # The engine restores the module's weights and the optimizer's fp32 master weights and moments. Its loader
+        # unpickles them as they are: what they name is checked first.
+        check_deepspeed_checkpoint(folder / DEEPSPEED_DIR)
         # model is DeepSpeed's engine here: typed as a Module, its methods reach mypy as Module.__getattr__'s.
         load_path, _ = model.load_checkpoint(  # type: ignore[operator]
             str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_optimizer_states=True,
@@ -365,7 +367,7 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     load_weights(model, folder / WEIGHTS_FILE)
     # mmap: the file's pages are read on demand and can be dropped again, so several ranks loading at once
     # do not each hold a full copy of the optimizer state in anonymous memory.
-    saved_state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", mmap=True, weights_only=True)
+    saved_state = load_torch_file(folder / OPTIMIZER_FILE, mmap=True)
     _inner_optimizer(optimizer).load_state_dict(saved_state)
 
 

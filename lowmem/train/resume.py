@@ -31,7 +31,9 @@ from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, TrainConfig
 from lowmem.config.columns import response_only
 from lowmem.data.elastic import merge_rank_states
 from lowmem.data.tokenizer_identity import check_same_tokenizer
-from lowmem.distributed.collectives import broadcast_from_main
+from lowmem.distributed.collectives import broadcast_from_main, run_on_main
+from lowmem.distributed.safe_load import check_checkpoint_files
+from lowmem.distributed.strategy import DEEPSPEED_DIR, FSDP_OPTIMIZER_DIR
 from lowmem.errors import ConfigError, DataContentChanged, DataError
 from lowmem.train.schedule import same_learning_rates, schedule_state_of_train_state, total_steps
 from lowmem.train.setup import NEW_RUN_ARCHITECTURE
@@ -81,6 +83,9 @@ def resume_from_checkpoint(trainer: Trainer, allow_config_change: bool = False,
     planned_total = trainer.total_steps  # this run's length, before the checkpoint's schedule replaces it
     # Saved before the schedule was a part of its own: its state is in `train`.
     saved.setdefault("schedule", schedule_state_of_train_state(saved.get("train", {})))
+    # Every file a rank will unpickle holds data only: checked once, before any rank loads anything (a refusal
+    # stops every rank, with the main process's message).
+    run_on_main(trainer.accelerator, lambda: check_checkpoint_files(folder, FSDP_OPTIMIZER_DIR, DEEPSPEED_DIR))
     trainer.checkpoint.load(folder, saved, skip=("data",), with_optimizer=with_optimizer)
     run_facts = trainer.checkpoint.run_facts
     rescaled = processes_changed(saved, run_facts)

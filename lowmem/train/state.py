@@ -38,27 +38,55 @@ class TrainState:
 class RngState:
     """This process's Python, numpy and torch (CPU and CUDA) random states; each rank saves its own.
 
+    Stored as plain data (tensors, numbers, strings), so that the file loads with `weights_only=True` and never
+    runs code: Python's state as its version, its 625 words and the cached gaussian; numpy's as its generator's
+    name, key, position and cached gaussian. Checkpoints written before held the states as Python tuples and a
+    numpy array; they load too (see `lowmem.distributed.safe_load`).
+
     Of the CUDA states only the current device's is saved: that is the generator this rank's work draws
     from, and a resume that sees fewer GPUs (one per process instead of all of them, say) can still load it.
     """
 
-    # Numpy's state is a tuple holding an array: torch.save keeps it as it is, JSON would not.
-    checkpoint_suffix = ".pt"
+    checkpoint_suffix = ".pt"  # tensors: a torch.save file read with weights_only=True
 
     def state_dict(self) -> dict[str, Any]:
-        states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        version, words, gauss_next = random.getstate()
+        kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+        states: dict[str, Any] = {
+            "python": {"version": int(version), "words": torch.tensor(words, dtype=torch.int64),
+                       "gauss_next": gauss_next},
+            "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                      "position": int(position), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached_gaussian)},
+            "torch": torch.get_rng_state(),
+        }
         if torch.cuda.is_available():
             states["cuda"] = torch.cuda.get_rng_state()  # the current device's
         return states
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
-        random.setstate(states["python"])
-        np.random.set_state(states["numpy"])
+        random.setstate(_python_state(states["python"]))
+        np.random.set_state(_numpy_state(states["numpy"]))
         torch.set_rng_state(states["torch"])
         if "cuda" in states and torch.cuda.is_available():
             cuda_state = _current_device_state(states["cuda"])
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state)
+
+
+def _python_state(saved: Any) -> tuple[Any, ...]:
+    """`random.setstate`'s tuple from the stored data (or the tuple an earlier checkpoint held)."""
+    if not isinstance(saved, dict):
+        return tuple(saved)
+    return (saved["version"], tuple(int(word) for word in saved["words"].tolist()), saved["gauss_next"])
+
+
+def _numpy_state(saved: Any) -> tuple[Any, ...]:
+    """`np.random.set_state`'s tuple from the stored data (or the tuple an earlier checkpoint held)."""
+    if not isinstance(saved, dict):
+        return tuple(saved)
+    keys = saved["keys"].numpy().astype(np.uint32)
+    return (saved["kind"], keys, saved["position"], saved["has_gauss"], saved["cached_gaussian"])
 
 
 def _current_device_state(saved: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -97,6 +98,51 @@ def test_fsdp_checkpoints_keep_the_optimizer_state_sharded(reference):
             files = {metadata.storage_data[index].relative_path for index in metadata.storage_data
                      if index.fqn == name}
             assert len(entry.chunks) == 3 and len(files) == 3, (name, entry.chunks, files)
+
+
+@pytest.mark.slow
+@needs_launcher
+def test_a_planted_pickle_in_the_sharded_optimizer_state_is_refused_and_runs_nothing(tmp_path, chat_data, reference):
+    """The optimizer state's metadata rewritten to run a command when unpickled (its marker's CRC too): the resume
+    stops on every rank with one message, exit code 2; `evaluate`, `generate` and `export`, which read the weights
+    and JSON only, run as before; the command never runs."""
+    from test_safe_checkpoint import Planted, rewrite_as_saved
+    from training_helpers import resume_overrides, run_command
+
+    _, _, run_dir = reference
+    shutil.copytree(run_dir.parent / "tok", tmp_path / "tok")
+    shutil.copytree(run_dir, tmp_path / "run")
+    checkpoint = max((tmp_path / "run").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    ran = tmp_path / "the-command-ran"
+    import pickle
+
+    metadata = checkpoint / "optimizer" / ".metadata"
+    metadata.write_bytes(pickle.dumps(Planted(ran)))
+    marker_file = checkpoint / "COMPLETE.json"
+    marker = json.loads(marker_file.read_text())
+    from lowmem.checkpoint.folders import file_crc32
+
+    size, crc = file_crc32(metadata)
+    marker["files"]["optimizer/.metadata"].update(size=size, crc32=crc)
+    marker_file.write_text(json.dumps(marker))
+
+    args = ["train", *resume_overrides(tmp_path, chat_data, *EXTRA, "--is_keep_training=True",
+                                       f"--resume_from_checkpoint={checkpoint}")]
+    resumed = run_command(args, cwd=tmp_path, env=CPU_ENV, launcher=FSDP_LAUNCHER)
+    assert resumed.returncode != 0, resumed.stderr[-3000:]
+    assert "optimizer/.metadata asks, when loaded, for Python code that a checkpoint lowmem writes never holds" \
+        in resumed.stderr
+    # One message, no traceback of lowmem's own (the launcher reports its failed worker in its way).
+    assert not re.search(r'File ".*/lowmem/', resumed.stderr), resumed.stderr[-3000:]
+    assert not ran.exists(), "resuming ran the planted command"
+    rewrite_as_saved(checkpoint / "rank0" / "rng.pt", {"torch": Planted(ran)})
+    common = [f"--output_dir={tmp_path / 'run'}", f"--tokenizer_dir={tmp_path / 'tok'}", f"--checkpoint={checkpoint}"]
+    for command in (["evaluate", *common, f"--test_file={chat_data[1]}", "--bleu_samples=2"],
+                    ["generate", *common, "--prompt=春风", "--max_new_tokens=4"],
+                    ["export", str(tmp_path / "exported"), *common]):
+        done = run_command(command, cwd=tmp_path, env=CPU_ENV)
+        assert done.returncode == 0, (command[0], done.stderr[-2000:])
+    assert not ran.exists(), "evaluate, generate or export ran the planted command"
 
 
 # ----- loading the weights: the main process reads the file --------------------------------------------------

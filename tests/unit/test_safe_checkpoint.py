@@ -1,0 +1,161 @@
+"""A checkpoint is data, never a program: a file rewritten to run a command when it loads (its completeness marker's
+size and CRC-32 rewritten too, as anyone can) is refused with a message and the command does not run; checkpoints
+of the earlier format, whose random states are Python tuples and a numpy array, still resume exactly. In-process
+(FSDP2's sharded optimizer through the launcher: tests/integration/test_fsdp_cpu_processes.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fault_injection import StopAfterStep, TrainingTrace
+from test_trainer import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
+from test_trainer import tiny_config
+
+from lowmem.checkpoint.folders import file_crc32
+from lowmem.distributed import safe_load
+from lowmem.errors import UnsafeCheckpointError
+from lowmem.train.trainer import Trainer
+
+
+class Planted:
+    """Runs `touch PATH` when unpickled: what a hostile checkpoint file would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def rewrite_as_saved(path: Path, obj: object) -> None:
+    """Replace a checkpoint's file with `torch.save(obj)`, and its marker's size and CRC-32 with the new file's."""
+    with open(path, "wb") as file:
+        torch.save(obj, file)
+    marker_file = next(parent for parent in path.parents if (parent / "COMPLETE.json").is_file()) / "COMPLETE.json"
+    marker = json.loads(marker_file.read_text())
+    size, crc = file_crc32(path)
+    marker["files"][path.relative_to(marker_file.parent).as_posix()].update(size=size, crc32=crc)
+    marker_file.write_text(json.dumps(marker))
+
+
+@pytest.fixture
+def stopped_run(in_tmp, chat_data, tokenizer_dir):
+    """A run stopped and saved at step 4 (checkpoint-4), with its config."""
+    config = tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=8)
+    Trainer(config, callbacks=[StopAfterStep(4)]).fit()
+    return config, in_tmp / "run" / "checkpoint-4"
+
+
+@pytest.mark.parametrize("part", ["rank0/rng.pt", "optimizer.pt"])
+def test_a_planted_pickle_is_refused_and_runs_nothing(stopped_run, tmp_path, part):
+    config, checkpoint = stopped_run
+    ran = tmp_path / "the-command-ran"
+    saved = torch.load(checkpoint / part, weights_only=True)
+    rewrite_as_saved(checkpoint / part, {**saved, "extra": Planted(ran)})
+    trainer = Trainer(config)
+    with pytest.raises(UnsafeCheckpointError, match=r"posix\.system|os\.system") as refused:
+        trainer.resume()
+    assert not ran.exists(), "loading the checkpoint ran the planted command"
+    assert part.split("/")[-1] in str(refused.value) and "--resume_from_checkpoint" in str(refused.value)
+    assert trainer.state.step == 0  # nothing of the checkpoint was loaded
+    with pytest.raises(UnsafeCheckpointError):  # named explicitly, the same
+        Trainer(config).resume(start_from=checkpoint)
+    assert not ran.exists()
+
+
+def _earlier_format(states: dict) -> dict:
+    """The random states as the earlier writer stored them: Python's and numpy's as their own tuples."""
+    python, numpy = states["python"], states["numpy"]
+    return {"python": (python["version"], tuple(python["words"].tolist()), python["gauss_next"]),
+            "numpy": (numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
+                      numpy["has_gauss"], numpy["cached_gaussian"]),
+            "torch": states["torch"]}
+
+
+def test_a_checkpoint_of_the_earlier_format_resumes_exactly(in_tmp, chat_data, tokenizer_dir):
+    """Its random states (a numpy array inside) load through the one converter torch's data-only loader is given,
+    and training goes on with the uninterrupted run's losses (dropout draws from them)."""
+    whole = TrainingTrace(in_tmp / "whole")
+    Trainer(tiny_config(in_tmp / "whole", chat_data, tokenizer_dir, max_steps=8), callbacks=[whole]).fit()
+    config = tiny_config(in_tmp / "cut", chat_data, tokenizer_dir, max_steps=8)
+    Trainer(config, callbacks=[StopAfterStep(4)]).fit()
+    rng_file = in_tmp / "cut" / "run" / "checkpoint-4" / "rank0" / "rng.pt"
+    rewrite_as_saved(rng_file, _earlier_format(torch.load(rng_file, weights_only=True)))
+    assert "numpy.ndarray" in safe_load.unsafe_globals(rng_file)  # as the earlier writer left it
+    after = TrainingTrace(in_tmp / "after")
+    resumed = Trainer(config, callbacks=[after])
+    assert resumed.resume() is not None
+    resumed.fit()
+    assert sorted(after.losses) == [5, 6, 7, 8]
+    assert all(after.losses[step] == whole.losses[step] for step in after.losses)
+
+
+def test_the_random_states_are_stored_as_plain_data():
+    from lowmem.train.state import RngState
+
+    buffer = io.BytesIO()
+    torch.save(RngState().state_dict(), buffer)
+    buffer.seek(0)
+    states = torch.load(buffer, weights_only=True)  # no global beyond torch's data types
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    RngState().load_state_dict(states)
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(1), expected[2])
+
+
+def test_the_numpy_converter_is_only_for_the_random_states(tmp_path):
+    path = tmp_path / "optimizer.pt"
+    torch.save({"array": np.zeros(3)}, path)
+    with pytest.raises(UnsafeCheckpointError, match="numpy"):
+        safe_load.check_torch_file(path)
+    safe_load.check_torch_file(path, {"numpy.ndarray", "numpy.dtype", "numpy._core.multiarray._reconstruct",
+                                      "numpy.core.multiarray._reconstruct"})
+
+
+def test_a_distributed_checkpoints_metadata_and_values_are_read_as_data(tmp_path):
+    """torch.distributed.checkpoint, one process: its own metadata passes, a planted metadata file or value is
+    refused and runs nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    ran = tmp_path / "the-command-ran"
+    good = tmp_path / "good"
+    dcp.save({"weight": torch.ones(3), "lr": 0.5, "betas": (0.9, 0.95)}, checkpoint_id=str(good), no_dist=True)
+    safe_load.check_distributed_checkpoint(good)
+    state = {"weight": torch.zeros(3), "lr": 0.0, "betas": (0.0, 0.0)}
+    safe_load.load_distributed_checkpoint(state, good, no_dist=True)
+    assert torch.equal(state["weight"], torch.ones(3)) and state["lr"] == 0.5 and state["betas"] == (0.9, 0.95)
+
+    planted_metadata = tmp_path / "planted-metadata"
+    dcp.save({"weight": torch.ones(3)}, checkpoint_id=str(planted_metadata), no_dist=True)
+    (planted_metadata / ".metadata").write_bytes(__import__("pickle").dumps(Planted(ran)))
+    with pytest.raises(UnsafeCheckpointError, match="system"):
+        safe_load.load_distributed_checkpoint({"weight": torch.zeros(3)}, planted_metadata, no_dist=True)
+
+    planted_value = tmp_path / "planted-value"
+    dcp.save({"weight": torch.ones(3), "lr": Planted(ran)}, checkpoint_id=str(planted_value), no_dist=True)
+    with pytest.raises(UnsafeCheckpointError, match="the value lr of a sharded optimizer state"):
+        safe_load.load_distributed_checkpoint({"weight": torch.zeros(3), "lr": 0.0}, planted_value, no_dist=True)
+    assert not ran.exists()
+
+
+def test_deepspeed_files_may_name_deepspeeds_own_classes_only(tmp_path):
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    ran = tmp_path / "the-command-ran"
+    folder = tmp_path / "deepspeed" / "state"
+    folder.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}, "loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum(2),
+                "param_shapes": [{"w": torch.Size([2])}]}, folder / "mp_rank_00_model_states.pt")
+    safe_load.check_deepspeed_checkpoint(tmp_path / "deepspeed")
+    torch.save({"optimizer_state_dict": Planted(ran)}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(UnsafeCheckpointError, match="zero_pp_rank_0.*system"):
+        safe_load.check_deepspeed_checkpoint(tmp_path / "deepspeed")
+    assert not ran.exists()
