@@ -176,7 +176,9 @@ class DeepSpeedEngine(torch.nn.Module):
     def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
         self.calls.append(("save", save_dir, tag, save_latest))
         (Path(save_dir) / tag).mkdir(parents=True)
-        (Path(save_dir) / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"shard")
+        # A pickle of data, as DeepSpeed's writer makes (its loader checks what the pickle names first).
+        shard = Path(save_dir) / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        torch.save({"optimizer_state_dict": {"zero_stage": 2}}, shard)
 
     def load_checkpoint(self, load_dir: str, tag: str, **options: object) -> tuple[str | None, dict]:
         self.calls.append(("load", load_dir, tag, options))
