@@ -70,6 +70,32 @@ def test_compressed_json_lines_are_read_as_the_plain_file(tmp_path, name, codec)
     assert _rows(tmp_path / "chat.parquet") == PAIRS
 
 
+@pytest.mark.parametrize("damage", ["cut short .gz", "cut short .zst", "damaged .zst", "not gzip, named .gz"])
+def test_a_compressed_input_that_cannot_be_read_to_its_end_stops_with_a_message_and_writes_nothing(
+        tmp_path, capsys, damage):
+    """A download cut short, a damaged zstd frame, a file that is not what its name says: exit code 2, one message
+    naming the file, what is wrong and how far it was read, no traceback and no parquet file left behind."""
+    plain = (json.dumps({"prompt": "p" * 100, "response": "r" * 100}) + "\n").encode() * 3000
+    name = "chat.jsonl.gz" if ".gz" in damage else "chat.jsonl.zst"
+    source = tmp_path / name
+    if damage == "not gzip, named .gz":
+        source.write_bytes(plain)
+    else:
+        _compressed(source, "gzip" if ".gz" in damage else "zstd", plain)
+        data = bytearray(source.read_bytes())
+        if damage == "damaged .zst":
+            data[len(data) // 2: len(data) // 2 + 64] = bytes(byte ^ 0xFF for byte in data[len(data) // 2:][:64])
+        else:
+            data = data[: len(data) // 2]
+        source.write_bytes(bytes(data))
+    assert main(["convert", str(source)]) == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and f"'{source}'" in error and "Nothing was written" in error
+    expected = "ends in the middle of its" if "cut short" in damage else "is not valid"
+    assert expected in error and "bytes were read" in error
+    assert sorted(path.name for path in tmp_path.iterdir()) == [name]  # no parquet, no partial file
+
+
 def test_a_json_array_is_streamed_record_by_record_and_a_non_object_named_by_line(tmp_path):
     source = tmp_path / "chat.json"
     records = [*PAIRS[:3], [1, 2], *PAIRS[3:]]
