@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data import default_convert
 
 from lowmem.data.stream import ParquetStream, Position
+from lowmem.errors import LowmemError
 
 if TYPE_CHECKING:
     from lowmem.data.mixture import MixedStream, MixturePosition
@@ -33,6 +35,15 @@ def _convert_batch(item: tuple[Any, int, Any]) -> tuple[Any, int, Any]:
     return default_convert(batch), consumer, position
 
 
+@dataclass
+class WorkerFailure:
+    """An error a user can fix (bad data, a file gone) that stopped a DataLoader worker, carried to the training
+    process as an item: raised there as it is, it reads as it would without workers (torch would re-raise it
+    wrapped in its worker's traceback)."""
+
+    error: LowmemError
+
+
 class _BatchedStream(IterableDataset):
     """Batches and collates rows where they are read (in the worker), tagging each batch with the
     reading consumer and its position just after the batch's last row."""
@@ -41,9 +52,18 @@ class _BatchedStream(IterableDataset):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn, self.drop_last = stream, batch_size, collate_fn, drop_last
 
-    def __iter__(self) -> Iterator[tuple[Any, int, Position | MixturePosition]]:
+    def __iter__(self) -> Iterator[tuple[Any, int, Position | MixturePosition | None]]:
         rows = iter(self.stream)
         consumer, _ = self.stream.current_consumer()
+        try:
+            yield from self._batches(rows, consumer)
+        except LowmemError as error:
+            if get_worker_info() is None:  # the training process itself: raised as it is
+                raise
+            yield WorkerFailure(error), consumer, None
+
+    def _batches(self, rows: Iterator[dict[str, str]],
+                 consumer: int) -> Iterator[tuple[Any, int, Position | MixturePosition]]:
         batch: list[dict[str, str]] = []
         for row in rows:
             batch.append(row)
@@ -148,6 +168,8 @@ class StreamLoader:
             self.stream.forget_loaded_positions()
         first_consumer = self.stream.rank * self.stream.workers_per_rank
         for batch, consumer, position in batches:
+            if isinstance(batch, WorkerFailure):
+                raise batch.error
             self._delivered[consumer] = position
             self._next_worker = (consumer - first_consumer + 1) % self.stream.workers_per_rank
             yield batch
