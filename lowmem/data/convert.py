@@ -14,7 +14,7 @@ import glob
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,8 +160,7 @@ def convert_file(source: str, target: str, names: FieldNames | None = None, text
             progress_bar(total=size, unit="B", unit_scale=True, desc=os.path.basename(source), leave=False) as bar:
         layout, writer = None, None
         try:
-            records = _named_in_errors(source, read_records(stream, fmt, text_unit), bytes_read, size)
-            for record in records:
+            for record in _named_in_errors(source, read_records(stream, fmt, text_unit)):
                 if record.problem is not None:
                     skipped.add(record.problem, record.line)
                     continue
@@ -191,8 +190,7 @@ def check_text_field(source: str, fmt: str, names: FieldNames) -> None:
                         "it without --text_field (in a run of its own when other inputs need it).")
 
 
-def _named_in_errors(source: str, records: Iterator[Record], bytes_read: Callable[[], int],
-                     size: int) -> Iterator[Record]:
+def _named_in_errors(source: str, records: Iterator[Record]) -> Iterator[Record]:
     """The records, with the file named in an error that stops the reading (the readers know only the line), and
     a compressed file that cannot be decompressed to its end told as one (`compressed_input_problem`)."""
     line = 0
@@ -204,25 +202,23 @@ def _named_in_errors(source: str, records: Iterator[Record], bytes_read: Callabl
         raise DataError(f"'{source}': {error}") from None
     except OSError as error:
         compression = split_name(source)[2]
-        if compression is None:
+        # An error of the disk itself carries an errno, and is told as such; the decompressor's carry none.
+        if compression is None or error.errno is not None:
             raise
-        raise DataError(compressed_input_problem(source, compression, error, bytes_read(), size, line)) from None
+        raise DataError(compressed_input_problem(source, compression, error, line)) from None
 
 
-def compressed_input_problem(source: str, compression: str, error: OSError, read: int, size: int,
-                             line: int) -> str:
+def compressed_input_problem(source: str, compression: str, error: OSError, line: int) -> str:
     """One paragraph for a compressed file that cannot be decompressed to its end: cut short (an interrupted
     download or copy), or damaged, or not compressed data at all despite its name."""
-    kind = {"gzip": "gzip", "zstd": "zstd"}.get(compression, compression)
-    where = (f"{read:,} of its {size:,} bytes were read, up to line {line:,}" if line
-             else f"{read:,} of its {size:,} bytes were read, before its first line")
-    test = "gzip -t" if kind == "gzip" else "zstd -t"
+    where = f"its first {line:,} lines were read" if line else "not one line of it could be read"
+    test = f"{'gzip' if compression == 'gzip' else 'zstd'} -t {source}"
     if "truncated" in str(error).lower():
-        return (f"'{source}' ends in the middle of its {kind} data: the file was cut short (an interrupted download "
-                f"or copy?); {where}. Fetch or copy it again (`{test} {source}` checks it). Nothing was written.")
-    return (f"'{source}' is not valid {kind} data ({error}); {where}. The file is damaged, or it is not {kind} "
-            f"data at all despite its name: check it with `{test} {source}`, fetch it again, or name it for what it "
-            "is. Nothing was written.")
+        return (f"'{source}' ends in the middle of its {compression} data: the file was cut short (an interrupted "
+                f"download or copy?); {where}. Fetch or copy it again (`{test}` checks it). Nothing was written.")
+    return (f"'{source}' is not valid {compression} data ({error}); {where}. The file is damaged, or it is not "
+            f"{compression} data at all despite its name: check it with `{test}`, fetch it again, or name it for "
+            "what it is. Nothing was written.")
 
 
 def _layout_for(source: str, line: int, value: object, names: FieldNames) -> Layout:

@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 # A killed rank's sockets close while the kernel is still tearing it down: a survivor may see the error a
 # moment before the process is gone from the process table.
 GONE_WAIT_SECONDS = 3.0
-# How long a survivor that does not report stays alive after it saw the loss: the reporter may meet its failed
-# collective a moment later, and a survivor already gone by then would be named among the dead (the launcher
-# gives the survivors 30 s after its SIGTERM before it kills them).
-SURVIVOR_WAIT_SECONDS = GONE_WAIT_SECONDS + 2.0
+# The most a survivor that does not report stays alive after it saw the loss, until the reporter has gone: the
+# reporter may meet its failed collective later (a long step), and a survivor already gone by then would be
+# named among the dead. Below the 30 s the launcher gives the survivors after its SIGTERM before it kills them.
+SURVIVOR_WAIT_SECONDS = 20.0
 
 
 class ProcessLostError(LowmemError):
@@ -146,5 +146,17 @@ class PeerWatch:
         if self.reporter(lost):
             logger.error(self.explain(lost), extra={"all_ranks": True})
         else:
-            time.sleep(SURVIVOR_WAIT_SECONDS)
+            wait_while_alive(self._reporter_peer(lost), SURVIVOR_WAIT_SECONDS)
         raise ProcessLostError("") from None
+
+    def _reporter_peer(self, lost: list[Peer]) -> Peer:
+        dead = {peer.rank for peer in lost}
+        return min((peer for peer in self.peers if peer.host == self.host and peer.rank not in dead),
+                   key=lambda peer: peer.rank)
+
+
+def wait_while_alive(peer: Peer, seconds: float) -> None:
+    """Return once `peer`'s process is gone (it has said what it had to), or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not peer.is_gone() and time.monotonic() < deadline:
+        time.sleep(0.1)

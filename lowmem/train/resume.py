@@ -111,6 +111,9 @@ def _checkpoint_to_resume(trainer: Trainer, allow_config_change: bool, start_fro
     if start_from is not None:
         if not allow_config_change:  # refused before newer checkpoints are set aside
             check_weights_only(Path(start_from), allow_config_change, trainer.is_main)
+        if Path(start_from).is_dir():  # a checkpoint that is not data is refused before anything is set aside too
+            run_on_main(trainer.accelerator, lambda: check_checkpoint_files(Path(start_from), FSDP_OPTIMIZER_DIR,
+                                                                            DEEPSPEED_DIR))
         return Path(broadcast_from_main(trainer.accelerator, lambda: str(checkpoints.start_from(start_from))))
 
     def newest_intact() -> tuple[Path | None, str | None]:

@@ -92,7 +92,7 @@ def test_a_compressed_input_that_cannot_be_read_to_its_end_stops_with_a_message_
     error = capsys.readouterr().err
     assert "Traceback" not in error and f"'{source}'" in error and "Nothing was written" in error
     expected = "ends in the middle of its" if "cut short" in damage else "is not valid"
-    assert expected in error and "bytes were read" in error
+    assert expected in error and ("lines were read" in error or "not one line of it could be read" in error)
     assert sorted(path.name for path in tmp_path.iterdir()) == [name]  # no parquet, no partial file
 
 

@@ -139,7 +139,7 @@ def test_a_distributed_checkpoints_metadata_and_values_are_read_as_data(tmp_path
 
     planted_value = tmp_path / "planted-value"
     dcp.save({"weight": torch.ones(3), "lr": Planted(ran)}, checkpoint_id=str(planted_value), no_dist=True)
-    with pytest.raises(UnsafeCheckpointError, match="the value lr of a sharded optimizer state"):
+    with pytest.raises(UnsafeCheckpointError, match=r"planted-value \(its value lr\)"):
         safe_load.load_distributed_checkpoint({"weight": torch.zeros(3), "lr": 0.0}, planted_value, no_dist=True)
     assert not ran.exists()
 
@@ -159,3 +159,49 @@ def test_deepspeed_files_may_name_deepspeeds_own_classes_only(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="zero_pp_rank_0.*system"):
         safe_load.check_deepspeed_checkpoint(tmp_path / "deepspeed")
     assert not ran.exists()
+
+
+def test_an_allowed_class_gets_no_new_attributes_from_a_pickle(tmp_path):
+    """The metadata's unpickler builds its own classes' instances, and never sets attributes on a class itself
+    (a pickle may name pathlib.PurePath, then try to give it a new attribute for the whole process)."""
+    import pathlib
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(b"cpathlib\nPurePath\n}(Vplanted\nI1\nub.")  # GLOBAL, {"planted": 1}, BUILD
+    with pytest.raises(UnsafeCheckpointError, match="new attributes for PurePath"):
+        safe_load.check_distributed_checkpoint(tmp_path)
+    assert not hasattr(pathlib.PurePath, "planted")
+
+
+def test_a_refused_checkpoint_named_to_resume_from_sets_nothing_aside(in_tmp, chat_data, tokenizer_dir, tmp_path):
+    config = tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=8, save_steps=4, keep_latest_n_ckp=2)
+    Trainer(config).fit()
+    run = in_tmp / "run"
+    before = sorted(path.name for path in run.iterdir())
+    assert {"checkpoint-4", "checkpoint-8"} <= set(before)
+    rewrite_as_saved(run / "checkpoint-4" / "rank0" / "rng.pt", {"torch": Planted(tmp_path / "ran")})
+    with pytest.raises(UnsafeCheckpointError):
+        Trainer(config).resume(start_from=run / "checkpoint-4")
+    assert sorted(path.name for path in run.iterdir()) == before  # checkpoint-8 was not moved aside
+    assert not (tmp_path / "ran").exists()
+
+
+def test_deepspeeds_checkpoint_engine_reads_as_data_within_the_block(tmp_path):
+    """DeepSpeed reads every checkpoint file through its checkpoint engine's `load`, with weights_only=False: within
+    `deepspeed_loads_as_data` it reads as data (its own classes allowed), and gets its own method back after."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    engine = type("Engine", (), {})()
+    engine.checkpoint_engine = TorchCheckpointEngine()
+    good, planted = tmp_path / "good.pt", tmp_path / "planted.pt"
+    torch.save({"loss_scaler": LossScaler(2.0), "w": torch.ones(2)}, good)
+    torch.save({"x": Planted(tmp_path / "ran")}, planted)
+    with safe_load.deepspeed_loads_as_data(engine):
+        loaded = engine.checkpoint_engine.load(str(good), map_location="cpu")
+        assert loaded["loss_scaler"].cur_scale == 2.0 and torch.equal(loaded["w"], torch.ones(2))
+        with pytest.raises(UnsafeCheckpointError):
+            engine.checkpoint_engine.load(str(planted), map_location="cpu")
+    assert not (tmp_path / "ran").exists()
+    assert "load" not in vars(engine.checkpoint_engine)  # the class's own method serves again
