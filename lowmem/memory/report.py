@@ -20,12 +20,18 @@ from lowmem.memory.log import LOG_GLOB, LOG_NAME, parse_log_name, run_id_time
 from lowmem.run_files import run_log_dir
 from lowmem.units import MB
 
-# A trend is GROWING when its slope is above both of these (MB per 1,000 steps): the floor, below which
-# a leak is too slow to matter (2 MB per 1,000 steps is 0.3 GB over the ~150,000 steps of three epochs
-# of a large run, under a tenth of a rank's 4 GB share on the reference host), and three standard errors
-# of the fitted slope, so that allocator noise in a short log is not called a leak. And the growth must
-# go on: the later half of the fitted records must still grow faster than the floor, or it was a one-off
-# rise (a cache filling, the first evaluation) that a straight line through a short log mistakes for a trend.
+# A trend is GROWING when three things hold (slopes in MB per 1,000 steps):
+# - its slope is above the floor, below which a leak is too slow to matter (2 MB per 1,000 steps is 0.3 GB
+#   over the ~150,000 steps of three epochs of a large run, under a tenth of a rank's 4 GB share on the
+#   reference host), and above three standard errors of the fitted slope;
+# - the rise outgrows the noise of the log itself: read as a random walk, the record-to-record changes would
+#   add up to about their standard deviation times the square root of their number, and the rise must be
+#   three times that. A leak rises at every record; a few steps up (the first saves fill allocator arenas, a
+#   cache fills once) are the noise of a short log, however steep a straight line through them looks: k equal
+#   steps among the changes give a ratio of about sqrt(k);
+# - the growth goes on: the later half of the fitted records must still grow faster than the floor, or it was
+#   a one-off rise that stopped.
+# The end record is left out of the fit: it is taken after the last save and validation, which allocate once.
 FLAT_FLOOR_MB_PER_1K = 2.0
 SIGNIFICANCE = 3.0
 MIN_FIT_RECORDS = 3
@@ -231,6 +237,8 @@ class RankSummary:
     slope_mb_per_1k_steps: float | None  # least-squares RSS growth after warm-up
     slope_stderr_mb_per_1k_steps: float | None
     recent_slope_mb_per_1k_steps: float | None  # the same over the later half of the fitted records
+    rise_mb: float | None  # RSS of the last fitted record less the first's
+    noise_mb: float | None  # what the fitted records' changes add up to by chance (`_rise_and_noise`)
     peak_gpu: int | None  # the highest CUDA peak allocated (reserved where no peak was logged)
     min_sys_available: int | None
     freed_total: int
@@ -275,9 +283,21 @@ def _slope_mb_per_1k(fit: list[tuple[int, int]]) -> tuple[float, float] | None:
     return per_step * 1000, per_step_error * 1000
 
 
-def _verdict(slope: float | None, stderr: float | None, recent: float | None, fit_records: int, end_step: int,
-             end_rss: int, budget: int | None) -> tuple[str, int | None, str]:
-    """(verdict, projected step, explanation) from the fitted slopes in MB per 1,000 steps."""
+def _rise_and_noise(fit: list[tuple[int, int]]) -> tuple[float, float]:
+    """(rise, noise) in MB of fitted (step, rss) pairs: the rise from the first to the last, and what the
+    record-to-record changes would add up to by chance (their standard deviation times the square root of their
+    number: a random walk's spread)."""
+    changes = np.diff(np.asarray([rss for _, rss in fit], dtype=np.float64)) / MB
+    rise = float(changes.sum())
+    noise = float(changes.std(ddof=1)) * math.sqrt(len(changes)) if len(changes) > 1 else math.inf
+    return rise, noise
+
+
+def _verdict(slope: float | None, stderr: float | None, recent: float | None, fit_records: int,
+             rise_noise: tuple[float, float], end_step: int, end_rss: int,
+             budget: int | None) -> tuple[str, int | None, str]:
+    """(verdict, projected step, explanation) from the fitted slopes in MB per 1,000 steps and the fit's rise
+    and noise in MB (`_rise_and_noise`)."""
     if slope is None or stderr is None:
         return "UNKNOWN", None, (f"too few records after the warm-up to fit a trend ({fit_records}; "
                                  f"{MIN_FIT_RECORDS} needed)")
@@ -285,6 +305,11 @@ def _verdict(slope: float | None, stderr: float | None, recent: float | None, fi
     trend = f"{slope:+,.1f} ± {stderr:,.1f} MB per 1,000 steps"
     if slope < threshold:
         return "FLAT", None, f"{trend}, below the {threshold:,.1f} MB threshold"
+    rise, noise = rise_noise
+    if rise < SIGNIFICANCE * noise:
+        return "FLAT", None, (f"{trend}, but the rise of {rise:,.1f} MB is within {SIGNIFICANCE:g} x the "
+                              f"{noise:,.1f} MB that the log's record-to-record changes add up to by chance: "
+                              "a few steps up, not a leak")
     if recent is not None and recent < FLAT_FLOOR_MB_PER_1K:
         return "FLAT", None, (f"{trend}, but {recent:+,.1f} over the later half: a one-off rise that stopped, "
                               "not a leak")
@@ -301,6 +326,9 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
               warmup_steps: int | None = None) -> RankSummary:
     """Start, peak and end RSS of one rank, its growth after warm-up, and the FLAT/GROWING verdict.
 
+    The trend is fitted on the records after the warm-up, less the end record (taken after the last save and
+    validation); the rules are those written above FLAT_FLOOR_MB_PER_1K.
+
     Args:
         records: one rank's records in the order written (at least one).
         budget_bytes: the rank's share of the budget; default: the `budget` field of the records.
@@ -314,13 +342,16 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
     rss = [record["rss"] for record in records]
     first_step, last_step = min(steps), max(steps)
     warmup = warmup_steps if warmup_steps is not None else warmup_fraction * (last_step - first_step)
-    fit = [(step, value) for step, value in zip(steps, rss) if step >= first_step + warmup]
+    fit = [(step, value) for step, value, record in zip(steps, rss, records)
+           if step >= first_step + warmup and record.get("event") != "end"]
     slope, stderr = _slope_mb_per_1k(fit) or (None, None)
     recent = _slope_mb_per_1k(fit[len(fit) // 2:])
     recent_slope = recent[0] if recent else None
     budgets = _values(records, "budget")
     budget = budget_bytes if budget_bytes is not None else (budgets[-1] if budgets else None)
-    verdict, projected, explanation = _verdict(slope, stderr, recent_slope, len(fit), steps[-1], rss[-1], budget)
+    rise_noise = _rise_and_noise(fit) if fit else (0.0, math.inf)
+    verdict, projected, explanation = _verdict(slope, stderr, recent_slope, len(fit), rise_noise, steps[-1],
+                                               rss[-1], budget)
     # The peak is the highest RSS a record saw, or, where logged, the kernel's high-water mark, which
     # also catches the peaks between records (they are taken right after a cleanup).
     highest = [max(record["rss"], record.get("rss_high_water") or 0) for record in records]
@@ -334,6 +365,7 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
         end_rss=rss[-1], fit_from_step=fit[0][0] if fit else None,
         fit_records=len(fit), slope_mb_per_1k_steps=slope, slope_stderr_mb_per_1k_steps=stderr,
         recent_slope_mb_per_1k_steps=recent_slope,
+        rise_mb=rise_noise[0] if fit else None, noise_mb=rise_noise[1] if len(fit) > 2 else None,
         peak_gpu=_peak_gpu(records), min_sys_available=min(available) if available else None,
         freed_total=sum(_values(records, "freed")), budget=budget,
         watchdog_events=sum(record.get("event") == "watchdog" for record in records),
@@ -394,7 +426,8 @@ def to_json(summaries: Sequence[RankSummary], notes: Sequence[str], plot_path: s
         "run": next((summary.run for summary in summaries if summary.run), None),
         "ranks": [summary.as_dict() for summary in summaries],
         "notes": list(notes),
-        "thresholds": {"flat_floor_mb_per_1k_steps": FLAT_FLOOR_MB_PER_1K, "significance_stderrs": SIGNIFICANCE},
+        "thresholds": {"flat_floor_mb_per_1k_steps": FLAT_FLOOR_MB_PER_1K, "significance_stderrs": SIGNIFICANCE,
+                       "rise_over_noise": SIGNIFICANCE},
         "plot": None if plot_path is None else str(plot_path),
     }
     return json.dumps(document, indent=2)

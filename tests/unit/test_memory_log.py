@@ -161,6 +161,63 @@ def test_noise_and_one_off_jumps_are_not_leaks():
     assert summarize(short).verdict == "UNKNOWN"
 
 
+def gpu_check_log_of_the_h200() -> list[dict]:
+    """The memory log of gpu_check's train stage on the H200 that memlog called GROWING (+14.7 MB per 1,000
+    steps), rebuilt from its figures on docs/gpu.md: 200 steps, a record every 10, saves at 50, 100 and 150, a
+    warm-up to step 60; 1.3 MB in all over the 140 steps after it, 0.7 MB after the save at 100 and 0.2 MB after
+    the one at 150, the rest in steps of 0.1 MB; the end record after the last save and validation."""
+    rises = {110: 0.7, 160: 0.2, 80: 0.1, 130: 0.1, 180: 0.1, 200: 0.1}
+    records, rss = [record(0, 1700.0, event="start")], 1764.0
+    for step in range(10, 201, 10):
+        rss += rises.get(step, 0.0) + (0.01 if step % 20 else -0.01)  # the last MB's jitter
+        records.append(record(step, rss))
+    return records + [record(200, rss + 1.5, event="end")]
+
+
+def gpu_check_log_of_the_cpu() -> list[dict]:
+    """The CPU's memory log that memlog called GROWING (+66 MB per 1,000 steps), rebuilt from its figures on
+    docs/gpu.md: 100 steps, a record every 4, saves at 25, 50 and 75 and a warm-up to step 29; 11 MB in all, in
+    steps after the saves at 50 and 75, with the end record after the last save."""
+    rises = {52: 7.0, 76: 4.0}
+    records, rss = [record(0, 420.0, event="start")], 512.0
+    for step in range(4, 101, 4):
+        rss += rises.get(step, 0.0) + (0.05 if step % 8 else -0.05)
+        records.append(record(step, rss))
+    return records + [record(100, rss + 3.0, event="end")]
+
+
+@pytest.mark.parametrize("log", [gpu_check_log_of_the_h200, gpu_check_log_of_the_cpu])
+def test_a_few_steps_up_in_a_short_log_are_not_a_leak(log):
+    records = log()
+    save_steps, memory_log_steps = (50, 10) if log is gpu_check_log_of_the_h200 else (25, 4)
+    summary = summarize(records, warmup_steps=save_steps + memory_log_steps)  # as gpu_check's memory_log stage
+    assert summary.slope_mb_per_1k_steps > 3 * FLAT_FLOOR_MB_PER_1K  # steep enough to have been called GROWING
+    assert summary.verdict == "FLAT", summary.explanation
+    assert "a few steps up" in summary.explanation
+    assert summary.rise_mb < 3 * summary.noise_mb
+
+
+def test_a_leak_in_a_short_log_is_growing():
+    # The same length and spacing as the H200's log, 0.1 MB more at every record: 1.4 MB over the fit, a
+    # rise no larger than that log's, but at every record.
+    records = [record(step, 1764.0 + step / 100) for step in range(10, 201, 10)]
+    summary = summarize(records, warmup_steps=60)
+    assert summary.verdict == "GROWING", summary.explanation
+    # With the steps up of the H200's log on top, still growing.
+    bumped = [dict(item, rss=item["rss"] + other["rss"] - gpu_check_log_of_the_h200()[1]["rss"])
+              for item, other in zip(records, gpu_check_log_of_the_h200()[1:])]
+    assert summarize(bumped, warmup_steps=60).verdict == "GROWING"
+
+
+def test_the_end_record_is_left_out_of_the_fit():
+    # Flat to the last record; the end record, after the final save and validation, 40 MB up.
+    records = [record(step, 800.0 + (0.2 if step % 20 else 0)) for step in range(10, 301, 10)]
+    records.append(record(300, 840.0, event="end"))
+    summary = summarize(records, warmup_steps=0)
+    assert summary.verdict == "FLAT", summary.explanation
+    assert summary.end_rss == 840 * MB and summary.fit_records == 30
+
+
 def test_warmup_is_left_out_of_the_fit():
     records = [record(step, 500 + (step if step < 1000 else 1000)) for step in range(100, 10_001, 100)]
     assert summarize(records, warmup_steps=0).slope_mb_per_1k_steps > 20
