@@ -3,6 +3,7 @@
     logs/train.log                      the run's training log (a resumed run appends to it)
     logs/memory_<run>_rank<r>.jsonl     the memory logs, one per rank per segment (`lowmem memlog RUN_FOLDER`)
     tokenizer.json                      the record of the tokenizer the run trains with (its hash, its data)
+    tracking.json                       the run's W&B run id, which a resume continues (`--report_to=wandb`)
 
 The launch folder's logs/ keeps the day's training log and links to the memory logs, where earlier versions
 wrote them.
@@ -16,6 +17,7 @@ LAUNCH_LOG_DIR = "logs"  # relative to the folder training was started from
 RUN_LOG_DIR = "logs"  # inside the run folder
 TRAINING_LOG_NAME = "train.log"
 TOKENIZER_RECORD_NAME = "tokenizer.json"
+TRACKING_RECORD_NAME = "tracking.json"
 
 
 def run_log_dir(output_dir: str | Path) -> Path:
@@ -31,3 +33,8 @@ def run_training_log(output_dir: str | Path) -> Path:
 def tokenizer_record_file(output_dir: str | Path) -> Path:
     """The record of the run's tokenizer (see `lowmem.data.tokenizer_identity`)."""
     return Path(output_dir) / TOKENIZER_RECORD_NAME
+
+
+def tracking_record_file(output_dir: str | Path) -> Path:
+    """The record of the run's tracker runs (the W&B run id a resume continues; see `lowmem.train.tracking`)."""
+    return Path(output_dir) / TRACKING_RECORD_NAME

@@ -4,6 +4,8 @@ The figures are the ones the training log already has: at every log line the los
 norm, tokens/s and RSS (`LineFigures`), at every validation the loss, perplexity and BLEU-4 (`EvalResult`),
 each against the optimizer step. TensorBoard's event files go to `tensorboard_dir(output_dir)`,
 logs/tensorboard/<basename of output_dir>/: a resumed run writes into the same folder and continues the curve.
+W&B's run id is chosen at a run's first start and kept in <output_dir>/tracking.json: a resumed run continues
+the same W&B run (resume="allow"), a new run in the folder (`--overwrite=True`) gets a new one.
 
     accelerator = create_accelerator(..., **tracker_arguments(config.report_to))  # before anything is built
     tracking = Tracking(accelerator, config)
@@ -16,17 +18,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import json
 import logging
+import secrets
+import string
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
 from accelerate import Accelerator
 
+from lowmem.atomic_files import write_json_atomic
 from lowmem.config import TrainConfig
 from lowmem.errors import ConfigError
 from lowmem.eval.validation import EvalResult
-from lowmem.run_files import LAUNCH_LOG_DIR
+from lowmem.run_files import LAUNCH_LOG_DIR, tracking_record_file
 from lowmem.train.log import LineFigures
 
 logger = logging.getLogger(__name__)
@@ -97,6 +103,62 @@ def tensorboard_dir(output_dir: str | Path, log_dir: str | Path = LAUNCH_LOG_DIR
     return Path(log_dir) / "tensorboard" / run_name(output_dir, log_dir)
 
 
+WANDB_ID_KEY = "wandb_run_id"  # in <output_dir>/tracking.json
+# W&B run ids may hold letters, digits, - and _; 8 lowercase letters and digits, as wandb's own ids.
+_WANDB_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_wandb_run_id() -> str:
+    """A fresh W&B run id: 8 random lowercase letters and digits (36^8 ids: two runs never share one)."""
+    return "".join(secrets.choice(_WANDB_ID_ALPHABET) for _ in range(8))
+
+
+def recorded_wandb_run_id(output_dir: str | Path) -> str | None:
+    """The W&B run id kept in the run folder, or None when there is none (no record, or one that cannot be read)."""
+    try:
+        record = json.loads(tracking_record_file(output_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    run_id = record.get(WANDB_ID_KEY) if isinstance(record, dict) else None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def wandb_run(output_dir: str | Path, resumed: bool) -> dict[str, str]:
+    """wandb.init's arguments that make a run and its resumes one W&B run: `id` (and `resume="allow"` on a resume).
+
+    A new run chooses an id and keeps it in <output_dir>/tracking.json (atomically, replacing an earlier run's: a
+    new run in the folder is a new W&B run); a resume reads it back. A resume with no id kept (a run started before
+    the id was kept, or with another tracker) starts a new W&B run and keeps its id for the next resume. Main
+    process only: the trackers live there.
+    """
+    run_id = recorded_wandb_run_id(output_dir) if resumed else None
+    if resumed and run_id is not None:
+        logger.info("W&B: continuing run %s (its id kept in %s).", run_id, tracking_record_file(output_dir))
+        return {"id": run_id, "resume": "allow"}
+    run_id = new_wandb_run_id()
+    record = tracking_record_file(output_dir)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(record, {WANDB_ID_KEY: run_id})
+    except OSError as error:
+        # Only a later resume needs the record: this run's curves go on, and the resume starts a new W&B run.
+        logger.warning("W&B: the run id %s cannot be kept in %s (%s): a resume of this run will start a new W&B "
+                       "run.", run_id, record, error)
+    else:
+        logger.info("W&B: new run %s%s (its id kept in %s for a resume).", run_id,
+                    ", no id kept from the run this resumes" if resumed else "", record)
+    return {"id": run_id}
+
+
+def forget_tracker_runs(output_dir: str | Path) -> None:
+    """A new run in a folder: remove the earlier run's record, so that a resume of this run with --report_to=wandb
+    (after a start with another tracker, or none) starts a W&B run of its own instead of continuing the earlier's."""
+    try:
+        tracking_record_file(output_dir).unlink(missing_ok=True)
+    except OSError:
+        pass  # a folder that cannot be written: training itself will say so when it saves
+
+
 def check_installed(report_to: str) -> None:
     """Fail before anything is built, with what to install, when the tracker's package is missing."""
     if report_to == "none":
@@ -145,16 +207,21 @@ class Tracking:
 
         TensorBoard: a fresh run hides what an earlier run in the same folder logged; a resumed run hides only
         what was logged after the checkpoint it continues from (steps a crash lost and the run trains again).
+        W&B: a resumed run continues the W&B run of the run it resumes (`wandb_run`).
         """
+        if not resumed and self.accelerator.is_main_process:
+            forget_tracker_runs(self.config.output_dir)  # whatever this run reports to
         if not self.enabled:
             return
         claim = self.accelerator.is_main_process and self.config.report_to == "tensorboard"
         name = run_name(self.config.output_dir, claim=claim)
         # TensorBoard drops earlier points at steps >= purge_step (a start event in the new file).
         purge_step = step + 1 if resumed else 0
-        init_kwargs = {"tensorboard": {"purge_step": purge_step}, "wandb": {"dir": LAUNCH_LOG_DIR, "name": name}}
+        wandb_kwargs: dict[str, Any] = {"dir": LAUNCH_LOG_DIR, "name": name}
         if self.accelerator.is_main_process and self.config.report_to == "wandb":
             Path(LAUNCH_LOG_DIR).mkdir(parents=True, exist_ok=True)  # wandb writes its run folder into logs/wandb/
+            wandb_kwargs.update(wandb_run(self.config.output_dir, resumed))
+        init_kwargs = {"tensorboard": {"purge_step": purge_step}, "wandb": wandb_kwargs}
         self._quiet_writer_threads()
         self._guarded(lambda: self.accelerator.init_trackers(name, config=hyperparameters(self.config),
                                                              init_kwargs=init_kwargs))
