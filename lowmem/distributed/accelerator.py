@@ -48,6 +48,58 @@ def bf16_for(device: torch.device, bf16: bool, bf16_on_cpu: bool = False) -> boo
     return bf16_on_cpu if device.type == "cpu" else bf16_supported(device)
 
 
+# What `accelerate launch` tells its processes of its --mixed_precision ("no" when neither the flag nor a config
+# file gave one: it then prints "`--mixed_precision` was set to a value of `'no'`" before our code runs).
+LAUNCHER_PRECISION_VARIABLE = "ACCELERATE_MIXED_PRECISION"
+
+
+def _precision_reason(mixed_precision: str, device: torch.device, bf16: bool, bf16_on_cpu: bool) -> str:
+    """Why the run computes as it does, in the words of the flags that decide it (see `bf16_for`)."""
+    if mixed_precision == "bf16":
+        return "from --bf16=True and --bf16_on_cpu=True" if device.type == "cpu" else "from --bf16=True"
+    if not bf16:
+        return "from --bf16=False"
+    if device.type == "cpu":
+        return "--bf16=True is for GPUs: the CPU runs float32 unless --bf16_on_cpu=True"
+    return "--bf16=True, but this GPU does not compute bf16 natively"
+
+
+def launcher_precision_note(mixed_precision: str, device: torch.device, bf16: bool,
+                            bf16_on_cpu: bool = False) -> str | None:
+    """One line for the run log when `accelerate launch` announced a precision the run does not use; else None.
+
+    lowmem chooses the precision itself (`create_accelerator` passes it to the Accelerator, which then ignores the
+    launcher's): without a config file, the launcher prints that `--mixed_precision` was set to 'no' while the run
+    trains in bf16. The launcher prints that before our code runs, so the log says which precision is used and why.
+
+    Args:
+        mixed_precision: the Accelerator's, "bf16" or "no".
+        device: this process's device.
+        bf16 / bf16_on_cpu: the config's flags, which decided it (see `bf16_for`).
+    """
+    launcher = os.environ.get(LAUNCHER_PRECISION_VARIABLE, "").strip().lower()
+    if not launcher or launcher == mixed_precision:
+        return None  # not started by accelerate launch, or it said what the run does
+    used = "bf16" if mixed_precision == "bf16" else "float32"
+    reason = _precision_reason(mixed_precision, device, bf16, bf16_on_cpu)
+    if launcher == "no":
+        launcher_said = "accelerate launch's note that --mixed_precision was set to 'no' is its own default"
+    else:
+        launcher_said = f"accelerate launch's --mixed_precision={launcher} is not used"
+    if used == "bf16":
+        other = "--bf16=False trains in float32"
+    else:
+        other = "--bf16=True trains in bf16 on GPUs that compute it natively (on the CPU with --bf16_on_cpu=True)"
+    return f"Mixed precision: {used} ({reason}). {launcher_said}: lowmem sets the precision itself; {other}."
+
+
+def log_launcher_precision_note(accelerator: Accelerator, bf16: bool, bf16_on_cpu: bool = False) -> None:
+    """Log `launcher_precision_note` for this run, when there is one."""
+    note = launcher_precision_note(str(accelerator.mixed_precision), accelerator.device, bf16, bf16_on_cpu)
+    if note is not None:
+        logger.info(note)
+
+
 def requested_processes() -> int:
     """How many processes the launcher was asked for, over all machines.
 

@@ -45,7 +45,7 @@ from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.data.path_checks import check_data_files
 from lowmem.disk_errors import writing
-from lowmem.distributed.accelerator import create_accelerator
+from lowmem.distributed.accelerator import create_accelerator, log_launcher_precision_note
 from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
                                            end_process_group, run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
@@ -159,6 +159,7 @@ class Trainer:
         settings = shared_memory_settings(config, self.accelerator)
         logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
                     self.accelerator.device, self.accelerator.mixed_precision)
+        log_launcher_precision_note(self.accelerator, config.bf16, config.bf16_on_cpu)  # the launcher's "'no'" note
         self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size,
                                                                settings, self.speed)
         # The main process samples the rows (the same choice everywhere, and one reading of the sample).

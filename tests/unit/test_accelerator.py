@@ -94,3 +94,59 @@ def test_threads_are_left_alone_otherwise(monkeypatch, sixteen_cores, accelerato
     monkeypatch.setenv("OMP_NUM_THREADS", omp)
     lowmem_accelerator.offload_optimizer_threads(accelerator)
     assert sixteen_cores == [] and lowmem_accelerator.os.environ["OMP_NUM_THREADS"] == omp
+
+
+# ----- accelerate launch's note on --mixed_precision -------------------------------------------------------------
+LAUNCHER_NOTE = ("accelerate launch's note that --mixed_precision was set to 'no' is its own default: lowmem sets "
+                 "the precision itself")
+
+
+def note_for(device: str, bf16: bool, bf16_on_cpu: bool = False) -> str | None:
+    """The note of a run on `device` with these flags, its precision decided as create_accelerator decides it."""
+    on = torch.device(device)
+    mixed_precision = "bf16" if lowmem_accelerator.bf16_for(on, bf16, bf16_on_cpu) else "no"
+    return lowmem_accelerator.launcher_precision_note(mixed_precision, on, bf16, bf16_on_cpu)
+
+
+def test_the_launcher_s_no_is_explained_when_the_run_trains_in_bf16(monkeypatch):
+    """`accelerate launch` without a config sets ACCELERATE_MIXED_PRECISION=no and prints that it did."""
+    fake_cuda(monkeypatch, majors=[9])  # an H100
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert note_for("cuda:0", bf16=True) == (f"Mixed precision: bf16 (from --bf16=True). {LAUNCHER_NOTE}; "
+                                             "--bf16=False trains in float32.")
+    assert note_for("cpu", bf16=True, bf16_on_cpu=True).startswith(
+        "Mixed precision: bf16 (from --bf16=True and --bf16_on_cpu=True). " + LAUNCHER_NOTE)
+    # float32, as the launcher said: nothing to explain, on a GPU or on the CPU without --bf16_on_cpu.
+    assert note_for("cuda:0", bf16=False) is None
+    assert note_for("cpu", bf16=True) is None
+    fake_cuda(monkeypatch, majors=[7])  # a V100: float32 whatever --bf16 says
+    assert note_for("cuda:0", bf16=True) is None
+
+
+def test_no_note_without_the_launcher_or_when_it_said_the_run_s_precision(monkeypatch):
+    fake_cuda(monkeypatch, majors=[9])
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # python, torchrun: the launcher said nothing
+    assert note_for("cuda:0", bf16=True) is None and note_for("cuda:0", bf16=False) is None
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # --mixed_precision bf16, or a config file's
+    assert note_for("cuda:0", bf16=True) is None
+
+
+def test_a_launcher_precision_the_run_does_not_use_is_named(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert note_for("cpu", bf16=True) == (
+        "Mixed precision: float32 (--bf16=True is for GPUs: the CPU runs float32 unless --bf16_on_cpu=True). "
+        "accelerate launch's --mixed_precision=bf16 is not used: lowmem sets the precision itself; --bf16=True "
+        "trains in bf16 on GPUs that compute it natively (on the CPU with --bf16_on_cpu=True).")
+    assert note_for("cpu", bf16=False).startswith("Mixed precision: float32 (from --bf16=False). ")
+
+
+def test_the_note_is_logged_for_the_run_s_accelerator(monkeypatch, caplog):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    in_bf16 = types.SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"))
+    in_float32 = types.SimpleNamespace(mixed_precision="no", device=torch.device("cpu"))
+    with caplog.at_level("INFO", logger=lowmem_accelerator.logger.name):
+        lowmem_accelerator.log_launcher_precision_note(in_bf16, bf16=True, bf16_on_cpu=True)  # type: ignore[arg-type]
+        lowmem_accelerator.log_launcher_precision_note(in_float32, bf16=True)  # type: ignore[arg-type]
+    assert [record.getMessage() for record in caplog.records] == [
+        f"Mixed precision: bf16 (from --bf16=True and --bf16_on_cpu=True). {LAUNCHER_NOTE}; --bf16=False trains in "
+        "float32."]
