@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 # Resume roles. Changing an "exact" field between a save and a resume changes what the rest of the run
 # computes (data order, batches, schedule); changing a "model_shape" field makes the saved weights unusable.
@@ -34,6 +34,14 @@ class OptionSpec:
     hint: str = ""  # appended to a failed check: what the special values mean, or a good range
     resume: frozenset[str] = frozenset()
     aliases: tuple[str, ...] = ()
+    alias_notes: tuple[tuple[str, str], ...] = ()  # (alias, why it exists) for the aliases that say so when used
+
+    def alias_note(self, alias: str, name: str) -> str | None:
+        """The line said when `alias` sets field `name`, for an alias declared with a note; else None."""
+        why = dict(self.alias_notes).get(alias)
+        if why is None:
+            return None
+        return f"--{alias} is lowmem's --{name} ({why}): {self.help}."
 
     def allowed(self) -> str:
         """The allowed values in words ("at least 1", "in [0, 1)", "bleu4 or val_loss"); empty when any is."""
@@ -78,7 +86,8 @@ class OptionSpec:
 
 def option(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
            maximum: float | None = None, below: float | None = None, choices: Iterable[Any] = (), hint: str = "",
-           resume: str | Iterable[str] = (), aliases: Iterable[str] = ()) -> Any:
+           resume: str | Iterable[str] = (), aliases: Iterable[str] = (),
+           alias_notes: Mapping[str, str] | None = None) -> Any:
     """A dataclass field with `default` whose metadata holds its help, bounds and resume roles.
 
     Args:
@@ -89,13 +98,18 @@ def option(default: Any, help: str, *, minimum: float | None = None, above: floa
         hint: what to add when the check fails (what special values mean, or a good range).
         resume: "exact" and/or "model_shape": what changing it between a save and a resume breaks.
         aliases: other command-line names for the field.
+        alias_notes: alias → why it exists (another library's name for the field, say): using that alias is then
+            said in one line naming the field (`OptionSpec.alias_note`).
     """
     roles = frozenset([resume] if isinstance(resume, str) else resume)
     unknown = roles - set(RESUME_ROLES)
     if unknown:
         raise ValueError(f"Unknown resume role(s) {sorted(unknown)}; use {RESUME_ROLES}.")
+    names, notes = tuple(aliases), dict(alias_notes or {})
+    if not set(notes) <= set(names):
+        raise ValueError(f"Notes for {sorted(set(notes) - set(names))}, which are not aliases of the field {names}.")
     spec = OptionSpec(help=help, minimum=minimum, above=above, maximum=maximum, below=below, choices=tuple(choices),
-                      hint=hint, resume=roles, aliases=tuple(aliases))
+                      hint=hint, resume=roles, aliases=names, alias_notes=tuple(notes.items()))
     return dataclasses.field(default=default, metadata={_METADATA_KEY: spec})
 
 

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import numbers
 import typing
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, TypeVar
 
 from lowmem.config.option import spec_of
 from lowmem.errors import ConfigError
+from lowmem.log_format import launch_rank
 from lowmem.program import command_line
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+logger = logging.getLogger(__name__)
 
 _AUTO = ("auto", "none", "")
 # What a yes/no option accepts on the command line, in any case; anything else is an error, not "true".
@@ -56,6 +60,18 @@ def class_defaults(config: DataclassInstance) -> dict[str, Any]:
 def config_aliases(config: DataclassInstance | type[DataclassInstance]) -> dict[str, str]:
     """Alias → field name, for the fields that have other command-line names (`--keep_best_n`)."""
     return {alias: field.name for field in dataclasses.fields(config) for alias in spec_of(field).aliases}
+
+
+def alias_notes(config: DataclassInstance | type[DataclassInstance]) -> dict[str, str]:
+    """Alias → the line said when it is used, for the aliases declared with a note (`--gradient_checkpointing`)."""
+    notes: dict[str, str] = {}
+    for field in dataclasses.fields(config):
+        spec = spec_of(field)
+        for alias in spec.aliases:
+            note = spec.alias_note(alias, field.name)
+            if note is not None:
+                notes[alias] = note
+    return notes
 
 
 def _coerce(name: str, value: Any, declared: Any) -> Any:
@@ -97,8 +113,9 @@ def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
     """Return a copy of `config` with `overrides` applied, each converted to its field's type.
 
     Names may use - for _ and may be an alias (`keep_best_n` for `keep_latest_n_ckp`); an alias given
-    together with its field is an error. An unknown name is an error listing the valid ones (and the
-    closest match).
+    together with its field is an error, and an alias declared with a note says so in one line
+    (`--gradient_checkpointing`, HF's name for `--activation_checkpointing`). An unknown name is an error listing
+    the valid ones (and the closest match).
     """
     fields = config_fields(config)
     aliases = config_aliases(config)
@@ -113,7 +130,20 @@ def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
             raise ConfigError(f"--{given_as[key]} and --{name} set the same option ({key}): give only one of them.")
         given_as[key] = name
         changes[key] = _coerce(key, value, fields[key])
+    _say_alias_notes(config, given_as.values())
     return dataclasses.replace(config, **changes)
+
+
+def _say_alias_notes(config: DataclassInstance, names: Iterable[str]) -> None:
+    """One line for each alias used that declares a note, once everything given was accepted; from the first
+    process of a launch only (every process reads the same flags)."""
+    if launch_rank() != 0:
+        return
+    notes = alias_notes(config)
+    for name in names:
+        note = notes.get(name.replace("-", "_"))
+        if note is not None:
+            logger.info(note)
 
 
 def given_fields(config: DataclassInstance | type[DataclassInstance], overrides: dict[str, Any]) -> frozenset[str]:

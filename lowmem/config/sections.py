@@ -54,10 +54,13 @@ class MemoryConfig:
     for memory."""
 
     ultra_low_mem: Optional[bool] = option(None, "reopen files per row group; None decides from the memory budget")
-    ultra_low_mem_threshold_gb: float = option(15.0, "below this host memory, ultra-low-mem mode and no workers",
-                                               above=0)
-    memory_budget_gb: float = option(0.0, "host memory the run may use; 0 = min(physical RAM, the tightest limit of "
-                                     "this process's own cgroup)",
+    # The help says what lowmem.memory.data_settings.decide_memory_settings does (a test checks the share).
+    ultra_low_mem_threshold_gb: float = option(15.0, "host memory in GiB (2^30 bytes) below which the automatic "
+                                               "settings save memory: ultra-low-mem mode, no pinned memory, and one "
+                                               "DataLoader worker per GPU process whose share of the budget is at "
+                                               "least 2 GiB (none below that, none on the CPU)", above=0)
+    memory_budget_gb: float = option(0.0, "host memory the run may use, in GiB (2^30 bytes); 0 = min(physical RAM, "
+                                     "the tightest limit of this process's own cgroup)",
                                      minimum=0, hint="0 detects it")
     memory_savers: str = option("auto", "auto: plan the memory before building the model and turn on the "
                                 "memory savers the budget needs (fixed mmap threshold, chunked loss, activation "
@@ -82,7 +85,8 @@ class MemoryConfig:
                                              hint="0 keeps glibc's default; 1 suits training on a CPU")
     activation_checkpointing: bool = option(False, "keep only each transformer block's input and recompute the "
                                             "block in the backward pass: activations no longer grow with depth, for "
-                                            "about a third more compute")
+                                            "about a third more compute", aliases=("gradient_checkpointing",),
+                                            alias_notes={"gradient_checkpointing": "HF's name for it"})
 
 
 @dataclass

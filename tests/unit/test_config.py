@@ -81,6 +81,49 @@ def test_keep_best_n_is_an_alias_of_keep_latest_n_ckp():
     assert "--keep_latest_n_ckp=3 (also --keep_best_n): how many best checkpoints" in describe_fields(TrainConfig())
 
 
+GRADIENT_CHECKPOINTING_NOTE = ("--gradient_checkpointing is lowmem's --activation_checkpointing (HF's name for it): "
+                               "keep only each transformer block's input and recompute the block")
+
+
+def test_gradient_checkpointing_is_hf_s_name_for_activation_checkpointing_and_says_so(caplog, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level(logging.INFO, logger="lowmem.config.overrides"):
+        assert apply_overrides(TrainConfig(), {"gradient_checkpointing": "True"}).activation_checkpointing is True
+    assert [record.getMessage()[:len(GRADIENT_CHECKPOINTING_NOTE)] for record in caplog.records] == [
+        GRADIENT_CHECKPOINTING_NOTE]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lowmem.config.overrides"):
+        assert apply_overrides(TrainConfig(), {"gradient-checkpointing": False}).activation_checkpointing is False
+        apply_overrides(TrainConfig(), {"activation_checkpointing": True, "keep_best_n": 2})  # no note of their own
+        with pytest.raises(ConfigError, match="--activation_checkpointing and --gradient_checkpointing set the same"):
+            apply_overrides(TrainConfig(), {"activation_checkpointing": True, "gradient_checkpointing": True})
+    assert [record.getMessage()[:len(GRADIENT_CHECKPOINTING_NOTE)] for record in caplog.records] == [
+        GRADIENT_CHECKPOINTING_NOTE]  # the first only: a refused set of flags says nothing but the error
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # the other processes of a launch read the same flags: said once
+    with caplog.at_level(logging.INFO, logger="lowmem.config.overrides"):
+        assert apply_overrides(TrainConfig(), {"gradient_checkpointing": True}).activation_checkpointing is True
+    assert not caplog.records
+    assert "(also --gradient_checkpointing)" in describe_fields(TrainConfig())
+
+
+def test_a_note_for_a_name_that_is_not_an_alias_is_refused():
+    with pytest.raises(ValueError, match="not aliases"):
+        option(1, "x", aliases=("y",), alias_notes={"z": "a typo"})
+
+
+def test_sizes_in_gb_say_they_are_gib_and_the_low_memory_threshold_says_what_it_chooses():
+    from lowmem.memory.data_settings import MIN_SHARE_FOR_A_WORKER_GIB
+
+    sized = [field for field in dataclasses.fields(TrainConfig) if field.name.endswith("_gb")]
+    assert {field.name for field in sized} >= {"ultra_low_mem_threshold_gb", "memory_budget_gb"}
+    assert [field.name for field in sized if "GiB (2^30 bytes)" not in spec_of(field).help] == []
+    threshold = spec_of(next(field for field in sized if field.name == "ultra_low_mem_threshold_gb")).help
+    assert "no workers" not in threshold
+    share = f"{MIN_SHARE_FOR_A_WORKER_GIB:g} GiB"
+    assert f"one DataLoader worker per GPU process whose share of the budget is at least {share}" in threshold
+
+
 def test_default_data_paths_fall_back_to_the_packaged_demo_data(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.INFO, logger="lowmem.config.demo"):
