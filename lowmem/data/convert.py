@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from lowmem.data.convert_formats import (COMPRESSIONS, SUFFIX_FORMATS, Record, f
                                          open_input, read_records, split_name)
 from lowmem.errors import DataError
 from lowmem.memory import release_arrow_memory, select_arrow_memory_pool
+from lowmem.program import command_line
 from lowmem.progress import progress_bar
 from lowmem.units import MB
 
@@ -245,6 +247,23 @@ def _nothing_converted(source: str, skipped: Skipped) -> DataError:
                      "and fields (--input_format, --prompt_field, --response_field, --text_field).")
 
 
+def check_output_not_given_as_input(inputs: str | list[str], output: str | None) -> None:
+    """Refuse `convert data.jsonl data.parquet` (the `cp` idiom) with the command that works: without --output, a
+    last input that ends in .parquet and does not exist was meant as the output, not as a file to read."""
+    entries = [inputs] if isinstance(inputs, str) else [os.fspath(entry) for entry in inputs]
+    if output is not None or len(entries) < 2:
+        return
+    *sources, last = entries
+    if not last.endswith(".parquet") or os.path.exists(last) or any(char in last for char in "*?["):
+        return  # a parquet file that exists, or a pattern, is an input (find_inputs says what it finds)
+    several = (" (with several inputs --output is a folder that receives one .parquet file each)"
+               if len(sources) > 1 else "")
+    command = command_line(f"convert {' '.join(shlex.quote(source) for source in sources)} "
+                           f"--output={shlex.quote(last)}")
+    raise DataError(f"Nothing to convert at '{last}': no such file. convert takes the files to read as arguments and "
+                    f"the parquet file to write as --output{several}: did you mean `{command}`? Nothing was written.")
+
+
 def find_inputs(inputs: str | list[str]) -> list[str]:
     """The files to convert: each entry a file, a folder (every file below it with a suffix convert reads) or a
     glob; sorted within each entry, in the order given, each file once."""
@@ -305,6 +324,7 @@ def convert(inputs: str | list[str], output: str | None = None, names: FieldName
     if names.text is not None and (names.prompt is not None or names.response is not None):
         raise DataError("--text_field writes one column of text, so --prompt_field and --response_field would not "
                         "be read. Give either --text_field or the prompt and response fields.")
+    check_output_not_given_as_input(inputs, output)
     pairs = plan_targets(find_inputs(inputs), output)
     for source, _ in pairs:  # each file's format now, so that a refusal comes before anything is written
         check_text_field(source, file_format(source, input_format), names)

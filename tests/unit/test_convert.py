@@ -373,6 +373,26 @@ def test_no_input_or_an_input_that_finds_nothing_is_an_error_that_says_what_was_
             convert(str(entry))
 
 
+def test_an_output_named_as_the_last_input_is_refused_with_the_command_that_works(tmp_path, capsys, monkeypatch):
+    """`lowmem convert data.jsonl data.parquet`, as `cp` would have it: one paragraph naming --output."""
+    monkeypatch.chdir(tmp_path)
+    _jsonl(tmp_path / "data.jsonl", PAIRS)
+    assert main(["convert", "data.jsonl", "data.parquet"]) == 2
+    error = capsys.readouterr().err
+    assert "did you mean `lowmem convert data.jsonl --output=data.parquet`?" in error, error
+    assert "Nothing to convert at 'data.parquet': no such file" in error and "Traceback" not in error
+    assert error.strip().count("\n") == 0  # one paragraph
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data.jsonl"]  # nothing written
+    _jsonl(tmp_path / "more.jsonl", PAIRS)
+    with pytest.raises(DataError, match=re.escape("`lowmem convert data.jsonl more.jsonl --output='my data.parquet'`")):
+        convert(["data.jsonl", "more.jsonl", "my data.parquet"])
+    # With --output given, a missing parquet input is only missing.
+    with pytest.raises(DataError, match=r"Nothing to convert at 'missing\.parquet'.*Check the path"):
+        convert(["data.jsonl", "missing.parquet"], "out")
+    assert main(["convert", "data.jsonl", "--output=data.parquet"]) == 0
+    assert _rows(tmp_path / "data.parquet") == PAIRS
+
+
 def test_the_converted_file_reads_through_parquet_stream(tmp_path):
     records = [{"instruction": row["prompt"], "input": "", "output": row["response"]} for row in PAIRS]
     [result] = convert(str(_jsonl(tmp_path / "alpaca.jsonl", records)), row_group_rows=7)
