@@ -48,11 +48,6 @@ def bf16_for(device: torch.device, bf16: bool, bf16_on_cpu: bool = False) -> boo
     return bf16_on_cpu if device.type == "cpu" else bf16_supported(device)
 
 
-# What `accelerate launch` tells its processes of its --mixed_precision ("no" when neither the flag nor a config
-# file gave one: it then prints "`--mixed_precision` was set to a value of `'no'`" before our code runs).
-LAUNCHER_PRECISION_VARIABLE = "ACCELERATE_MIXED_PRECISION"
-
-
 def _precision_reason(mixed_precision: str, device: torch.device, bf16: bool, bf16_on_cpu: bool) -> str:
     """Why the run computes as it does, in the words of the flags that decide it (see `bf16_for`)."""
     if mixed_precision == "bf16":
@@ -77,7 +72,9 @@ def launcher_precision_note(mixed_precision: str, device: torch.device, bf16: bo
         device: this process's device.
         bf16 / bf16_on_cpu: the config's flags, which decided it (see `bf16_for`).
     """
-    launcher = os.environ.get(LAUNCHER_PRECISION_VARIABLE, "").strip().lower()
+    # `accelerate launch` passes its --mixed_precision on in this variable: "no" when neither the flag nor a config
+    # file gave one, and then it prints "`--mixed_precision` was set to a value of `'no'`" before our code runs.
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "").strip().lower()
     if not launcher or launcher == mixed_precision:
         return None  # not started by accelerate launch, or it said what the run does
     used = "bf16" if mixed_precision == "bf16" else "float32"
