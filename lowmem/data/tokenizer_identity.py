@@ -2,16 +2,19 @@
 
 A checkpoint's token ids mean something only with the tokenizer that made them: the identity is logged when a
 run starts, written to `<output_dir>/tokenizer.json` and into every checkpoint, and a resume with a tokenizer
-of another hash is refused (`check_same_tokenizer`).
+of another hash is refused (`check_same_tokenizer`). A new run compares the tokenizer's training record with its
+own training files (`trained_on_same_files`): pieces learned from other text are not taken without a word.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from lowmem.data.storage import is_uri
 from lowmem.errors import ConfigError
 
 TRAINING_RECORD_FILE = "tokenizer_training.json"  # beside tokenizer.model: what it was trained on
@@ -27,16 +30,47 @@ def write_training_record(out_dir: Path, files: Sequence[str], columns: Sequence
     return record
 
 
+def read_training_record(tokenizer_dir: str | Path) -> dict[str, Any] | None:
+    """What the tokenizer in `tokenizer_dir` was trained on (`write_training_record`), or None where that was not
+    recorded (a tokenizer trained before it was, or one made elsewhere)."""
+    try:
+        record = json.loads((Path(tokenizer_dir) / TRAINING_RECORD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _file_key(path: str) -> str:
+    """A training file as records are compared: remote files as named, local ones by their real path, except the
+    demo files that ship inside the package, by name (the package's folder changes with the environment)."""
+    if is_uri(path):
+        return path
+    real = Path(os.path.realpath(path))
+    return f"lowmem demo data/{real.name}" if real.parent.name == "demo_data" else str(real)
+
+
+def trained_on_same_files(record: dict[str, Any], files: Sequence[str]) -> bool:
+    """Whether a tokenizer's training record names `files`: the same number of files, and each file it lists (the
+    first `MAX_FILES_LISTED`) among them."""
+    listed = record.get("files") or []
+    if record.get("file_count", len(listed)) != len(files):
+        return False
+    keys = {_file_key(str(file)) for file in files}
+    return all(_file_key(str(file)) in keys for file in listed)
+
+
+def describe_files(files: Sequence[str], count: int | None = None) -> str:
+    """The first two of `files` and how many more ("a.parquet, b.parquet and 3 more file(s)")."""
+    more = (len(files) if count is None else count) - len(files[:2])
+    return ", ".join(str(file) for file in files[:2]) + (f" and {more} more file(s)" if more > 0 else "")
+
+
 def tokenizer_identity(tokenizer_dir: str | Path, model_file: str = "tokenizer.model") -> dict[str, Any]:
     """The tokenizer in `tokenizer_dir`: its folder, the sha256 of its model file, and the data it was trained on
     (None for a tokenizer trained before that was recorded)."""
     folder = Path(tokenizer_dir)
     digest = hashlib.sha256((folder / model_file).read_bytes()).hexdigest()
-    try:
-        trained_on = json.loads((folder / TRAINING_RECORD_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        trained_on = None
-    return {"tokenizer_dir": str(folder), "sha256": digest, "trained_on": trained_on}
+    return {"tokenizer_dir": str(folder), "sha256": digest, "trained_on": read_training_record(folder)}
 
 
 def describe_identity(identity: dict[str, Any]) -> str:
@@ -44,8 +78,7 @@ def describe_identity(identity: dict[str, Any]) -> str:
     trained_on = identity.get("trained_on")
     if trained_on:
         files = trained_on.get("files") or []
-        more = trained_on.get("file_count", len(files)) - len(files[:2])
-        data = ", ".join(files[:2]) + (f" and {more} more file(s)" if more > 0 else "")
+        data = describe_files(files, trained_on.get("file_count", len(files)))
     else:
         data = "data not recorded"
     return f"{identity['tokenizer_dir']} (sha256 {identity['sha256'][:12]}, trained on {data})"

@@ -230,8 +230,10 @@ def _run_length_is_harmless(saved: dict[str, Any], config: TrainConfig, steps_pe
     saved_config = saved["config"]
     old_total = total_steps(steps_per_epoch, saved_config["epochs"], saved_config["max_steps"])
     new_total = total_steps(steps_per_epoch, config.epochs, config.max_steps)
-    return same_learning_rates(int(saved["train"]["step"]), config.learn_rate, config.warmup_steps,
-                               config.min_lr_ratio, old_total, new_total)
+    # The warmup the run started with (shortened to fit it, `fitted_warmup`), where the checkpoint records it.
+    warmup = int(saved.get("schedule", {}).get("warmup_steps", config.warmup_steps))
+    return same_learning_rates(int(saved["train"]["step"]), config.learn_rate, warmup, config.min_lr_ratio,
+                               old_total, new_total)
 
 
 def resume_differences(saved: dict[str, Any], config: TrainConfig, steps_per_epoch: int) -> tuple[list[str], list[str]]:

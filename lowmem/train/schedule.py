@@ -29,6 +29,22 @@ def total_steps(steps_per_epoch: int, epochs: int, max_steps: int) -> int:
     return min(steps, max_steps) if max_steps else steps
 
 
+# A warmup longer than this share of the run leaves the learning rate little or no decay (or never lets it
+# reach its peak): one left at its default is shortened to FITTED_WARMUP_SHARE of the run, one given is kept
+# as given; both are said in one line (`warmup_line`). A tenth is the usual share (HF's warmup_ratio examples,
+# nanoGPT's 2,000 of 600,000 steps is far less).
+MAX_WARMUP_SHARE = 0.25
+FITTED_WARMUP_SHARE = 0.1
+
+
+def fitted_warmup(warmup_steps: int, total: int, given: bool) -> int:
+    """The warmup a run of `total` optimizer steps uses: `warmup_steps`, or a tenth of the run when that is over a
+    quarter of it and was not given."""
+    if given or warmup_steps <= MAX_WARMUP_SHARE * total:
+        return warmup_steps
+    return max(1, round(FITTED_WARMUP_SHARE * total))
+
+
 def same_learning_rates(steps_done: int, peak_lr: float, warmup_steps: int, min_lr_ratio: float, old_total: int,
                         new_total: int) -> bool:
     """True when the first `steps_done` steps had the same learning rate under both run lengths (for example,
@@ -55,14 +71,21 @@ class LearningRateSchedule:
     stood, so the rate stays continuous and the decay ends at the run's new end. Its state is the run's length as
     last planned and, once stretched, where the stretch began.
 
+    The warmup is part of its state too: one that does not fit the run is shortened when the run starts
+    (`fitted_warmup`), and a resume keeps the warmup the run started with.
+
     Args:
         peak_lr, warmup_steps, min_lr_ratio: the schedule's shape (`--learn_rate`, `--warmup_steps`,
             `--min_lr_ratio`).
         total_steps: the run's optimizer steps in all.
+        warmup_given: whether `warmup_steps` was set by the user (then it is kept whatever the run's length).
     """
 
-    def __init__(self, peak_lr: float, warmup_steps: int, min_lr_ratio: float, total_steps: int) -> None:
-        self.peak_lr, self.warmup_steps, self.min_lr_ratio = peak_lr, warmup_steps, min_lr_ratio
+    def __init__(self, peak_lr: float, warmup_steps: int, min_lr_ratio: float, total_steps: int,
+                 warmup_given: bool = True) -> None:
+        self.peak_lr, self.min_lr_ratio = peak_lr, min_lr_ratio
+        self.configured_warmup, self.warmup_given = warmup_steps, warmup_given
+        self.warmup_steps = fitted_warmup(warmup_steps, total_steps, warmup_given)
         self.total_steps = total_steps
         # Once stretched, step s follows the schedule of `virtual_total` steps at
         # anchor_virtual + (s - anchor_step) * (virtual_total - anchor_virtual) / (total_steps - anchor_step).
@@ -92,11 +115,28 @@ class LearningRateSchedule:
         return (stretched_step(step, self.anchor_step, self.anchor_virtual, self.virtual_total, self.total_steps),
                 self.virtual_total)
 
+    def warmup_line(self) -> str | None:
+        """One line when the warmup does not fit the run: shortened, or kept as given; None when it fits."""
+        length, configured = self.virtual_total or self.total_steps, self.configured_warmup
+        if configured <= MAX_WARMUP_SHARE * length:
+            return None
+        what = (f"--warmup_steps={configured} is {configured / max(length, 1):.0%} of this run's {length:,} optimizer "
+                "steps: the learning rate would " + (f"never reach its peak of {self.peak_lr:g} nor decay"
+                                                     if configured >= length else "have little of the run to decay"))
+        if self.warmup_steps == configured:
+            return (f"{what}. Kept as given; leave --warmup_steps out to warm up over {FITTED_WARMUP_SHARE:.0%} of "
+                    f"the run ({fitted_warmup(configured, length, given=False):,} steps).")
+        return (f"{what}. Warming up over {self.warmup_steps:,} steps instead, {FITTED_WARMUP_SHARE:.0%} of the run "
+                f"(a warmup over {MAX_WARMUP_SHARE:.0%} of the run is shortened unless --warmup_steps is given).")
+
     def state_dict(self) -> dict[str, Any]:
         return {"total_steps": self.total_steps, "anchor_step": self.anchor_step,
-                "anchor_virtual": self.anchor_virtual, "virtual_total": self.virtual_total}
+                "anchor_virtual": self.anchor_virtual, "virtual_total": self.virtual_total,
+                "warmup_steps": self.warmup_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A checkpoint saved before the warmup was a part of the state warmed up over --warmup_steps as given.
+        self.warmup_steps = int(state.get("warmup_steps", self.configured_warmup))
         # A total of 0 comes from a checkpoint that did not record one: this run's total stands.
         self.total_steps = int(state.get("total_steps") or self.total_steps)
         self.anchor_step = int(state.get("anchor_step", 0))

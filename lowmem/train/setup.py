@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 from accelerate import Accelerator
@@ -19,7 +19,8 @@ from lowmem.data.collate import FixedShapes, TokenizingCollate
 from lowmem.data.sizing import sample_batch_sizes
 from lowmem.data.sources import build_row_group_index, resolve_data_files
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
-from lowmem.data.tokenizer_identity import describe_identity, tokenizer_identity
+from lowmem.data.tokenizer_identity import (describe_files, describe_identity, read_training_record,
+                                            tokenizer_identity, trained_on_same_files)
 from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main
 from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
 from lowmem.errors import ConfigError
@@ -76,6 +77,28 @@ def train_tokenizer_for(config: TrainConfig) -> Tokenizer:
         logger.warning("The training text supports %d tokenizer pieces, fewer than vocab_size=%d: using %d.",
                        tokenizer.vocab_size, config.vocab_size, tokenizer.vocab_size)
     return tokenizer
+
+
+def check_tokenizer_data(config: TrainConfig, explicit: Collection[str]) -> None:
+    """Before a new run writes anything: refuse a tokenizer trained on other files than the run's training data
+    (its `tokenizer_training.json` says which), unless --tokenizer_dir was given, which keeps it knowingly. A
+    tokenizer whose training data was not recorded passes."""
+    folder = Path(config.tokenizer_dir)
+    if "tokenizer_dir" in explicit or not (folder / TOKENIZER_FILE).is_file():
+        return
+    record = read_training_record(folder)
+    if record is None:
+        return
+    files = [file.name if file.is_remote else file.path for file in resolve_data_files(training_paths(config))]
+    if trained_on_same_files(record, files):
+        return
+    trained_on = record.get("files") or []
+    raise ConfigError(
+        f"The tokenizer in {folder} was trained on {describe_files(trained_on, record.get('file_count'))}, not on "
+        f"this run's training data ({describe_files(files)}): its pieces were learned from other text. For a "
+        f"tokenizer of this data, give a new folder, e.g. --tokenizer_dir={Path(config.output_dir) / 'tokenizer'} "
+        f"(it is trained there when the run starts); to train with that tokenizer anyway, give it explicitly: "
+        f"--tokenizer_dir={folder}. Nothing was written.")
 
 
 def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> tuple[Tokenizer, dict[str, Any]]:

@@ -64,8 +64,9 @@ from lowmem.train.log import StepLog, attach_run_log, setup_training_log
 from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
 from lowmem.train.resume import resume_from_checkpoint, resumed_tokenizer_dir, settle_architecture, settle_loss_targets
 from lowmem.train.schedule import LearningRateSchedule, total_steps
-from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, make_loader,
-                                make_memory_monitor, settle_best_metric, shared_memory_settings, steps_per_epoch)
+from lowmem.train.setup import (build_model_and_optimizer, check_tokenizer_data, decide_fixed_shapes, ensure_tokenizer,
+                                make_loader, make_memory_monitor, settle_best_metric, shared_memory_settings,
+                                steps_per_epoch)
 from lowmem.train.state import RngState, TrainState
 from lowmem.train.step import Batch, StepResult, compile_each_shape, count_rows, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
@@ -129,10 +130,13 @@ class Trainer:
         callbacks: hooks run on every rank at fixed points (see `lowmem.train.callbacks`).
         memory: the memory plan and savers `run_training` settled (`settle_memory`); without it the config runs
             as given, and its plan is only logged.
+        given: the fields set on the command line; with those that differ from the config class's defaults, they
+            are kept as given (a --warmup_steps over a quarter of the run is shortened only when not given).
     """
 
     def __init__(self, config: TrainConfig, accelerator: Accelerator | None = None,
-                 callbacks: Sequence[Callback] = (), memory: MemoryDecision | None = None) -> None:
+                 callbacks: Sequence[Callback] = (), memory: MemoryDecision | None = None,
+                 given: Collection[str] | None = None) -> None:
         validate_config(config)
         # Unset here (not through run_training) means a new run's: checkpoints always record a concrete value.
         config = settle_best_metric(settle_loss_targets(settle_architecture(config, is_keep_training=False),
@@ -173,7 +177,8 @@ class Trainer:
 
         self.state = TrainState()
         self.schedule = LearningRateSchedule(config.learn_rate, config.warmup_steps, config.min_lr_ratio,
-                                             planned_steps)
+                                             planned_steps,
+                                             warmup_given="warmup_steps" in explicit_fields(config, given))
         self.checkpoints = CheckpointManager(
             config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
             mode=METRIC_MODES[config.best_metric], is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,
@@ -412,6 +417,9 @@ class Trainer:
                 write_json_atomic(tokenizer_record_file(self.config.output_dir), self.tokenizer_identity)
 
         run_on_main(self.accelerator, write_record)
+        warmup = self.schedule.warmup_line()  # after a resume: the warmup the run started with
+        if warmup:
+            logger.warning(warmup)
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
         if self.speed.compile and self.fixed_shapes is not None:
@@ -540,6 +548,8 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     validate_config(config)
     check_data_files(config)
     check_output_dir(config.output_dir)
+    if not is_keep_training:  # a resume checks the tokenizer against its checkpoint's instead
+        check_tokenizer_data(config, given if given is not None else explicit_fields(config))
     config = settle_loss_targets(settle_architecture(config, is_keep_training), is_keep_training)
     if is_keep_training and given is not None and "tokenizer_dir" not in given:
         config = resumed_tokenizer_dir(config, resume_from)
@@ -557,7 +567,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         if not is_keep_training:
             start_fresh_run(accelerator, config.output_dir, overwrite)
         attach_run_log(run_training_log(config.output_dir))  # the folder is this run's now
-        trainer = Trainer(config, accelerator, callbacks, memory=memory)
+        trainer = Trainer(config, accelerator, callbacks, memory=memory, given=given)
         if is_keep_training:
             trainer.resume(allow_config_change, start_from=resume_from)
         summary = trainer.fit()

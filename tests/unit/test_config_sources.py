@@ -81,3 +81,30 @@ def test_data_of_ones_own_gets_a_run_folder_and_tokenizer_of_its_own(tmp_path, m
     demo = printed_config(capsys)  # nothing given, nothing in data/: the demo data set, in the demo's folders
     assert demo["output_dir"] == "model_save/demo" and demo["tokenizer_dir"] == "model_save/tokenizer"
     assert "demo_data" in demo["train_file"]
+
+
+def test_the_large_preset_on_data_of_ones_own_gets_folders_named_after_the_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    write_chat_rows(tmp_path / "data" / "train.parquet", 20, seed=1)
+    write_chat_rows(tmp_path / "data" / "valid.parquet", 10, seed=2)
+    write_chat_rows(tmp_path / "data" / "test.parquet", 10, seed=3)
+    # The preset's folders hold a run on the demo data (the README's first try): the user's rows never go there.
+    demo_run = tmp_path / "model_save" / "pretrain_large" / "checkpoint-7"
+    demo_run.mkdir(parents=True)
+    (demo_run / "trainer_state.json").write_text(json.dumps({"config": {"train_file": "/x/demo_data/train.parquet"}}))
+    mine = printed_config(capsys, "--use_large_config=True")
+    assert mine["output_dir"] == "model_save/train_pretrain_large"
+    assert mine["tokenizer_dir"] == "model_save/train_pretrain_large/tokenizer"
+    # An earlier large run on these rows, in the preset's folder: it goes on there, with its tokenizer.
+    (demo_run / "trainer_state.json").write_text(json.dumps({"config": {"train_file": "data/train.parquet"}}))
+    earlier = printed_config(capsys, "--use_large_config=True", "--is_keep_training=True")
+    assert earlier["output_dir"] == "model_save/pretrain_large"
+    assert earlier["tokenizer_dir"] == "model_save/tokenizer_large"
+
+
+def test_the_large_preset_on_the_demo_data_keeps_its_folders(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no data/: the demo data set
+    demo = printed_config(capsys, "--use_large_config=True")
+    assert "demo_data" in demo["train_file"]
+    assert demo["output_dir"] == "model_save/pretrain_large" and demo["tokenizer_dir"] == "model_save/tokenizer_large"

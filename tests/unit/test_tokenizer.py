@@ -344,3 +344,50 @@ def test_long_lines_are_chunked_not_dropped() -> None:
     assert chunks[0] == "第一行"
     assert "".join(chunks[1:]) == line
     assert all(len(c.encode("utf-8")) <= tk.MAX_SENTENCE_BYTES for c in chunks)
+
+
+# ----- a tokenizer trained on other data ------------------------------------------------------------------------
+def test_a_new_run_refuses_a_tokenizer_trained_on_other_files_before_writing_anything(tmp_path, monkeypatch, capsys):
+    from training_helpers import write_chat_rows
+
+    from lowmem.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    poems, mine = write_chat_rows(tmp_path / "poems.parquet", 300, seed=1), write_chat_rows(
+        tmp_path / "mine.parquet", 300, seed=2)
+    # The default preset's tokenizer folder holds one trained on the poems; the run names a folder of its own.
+    train_tokenizer([str(poems)], tmp_path / "model_save" / "tokenizer", vocab_size=600, columns=("prompt", "response"),
+                    hard_vocab_limit=False)
+    flags = [f"--train_file={mine}", f"--validation_file={mine}", f"--test_file={mine}", "--output_dir=run",
+             "--n_layer=1", "--n_head=2", "--n_embd=16", "--max_steps=1", "--vocab_size=600"]
+    capsys.readouterr()
+    assert main(["train", *flags]) == 2
+    message = capsys.readouterr().err
+    assert "The tokenizer in model_save/tokenizer was trained on" in message
+    assert str(poems) in message and str(mine) in message
+    assert "--tokenizer_dir=run/tokenizer" in message and "--tokenizer_dir=model_save/tokenizer" in message
+    assert not (tmp_path / "run").exists() and not (tmp_path / "logs").exists()
+    # Given on the command line, the same tokenizer is kept knowingly: the check lets it through.
+    from lowmem.config import TrainConfig
+    from lowmem.train.setup import check_tokenizer_data
+
+    config = TrainConfig(train_file=str(mine), output_dir="run")
+    check_tokenizer_data(config, explicit={"tokenizer_dir"})
+    check_tokenizer_data(TrainConfig(train_file=str(poems)), explicit=())  # its own data
+    with pytest.raises(ConfigError, match="was trained on"):
+        check_tokenizer_data(config, explicit=())
+
+
+def test_the_training_record_compares_files_by_their_real_path_and_the_demo_files_by_name(tmp_path):
+    from lowmem.data.tokenizer_identity import trained_on_same_files
+
+    (tmp_path / "a.parquet").write_bytes(b"")
+    (tmp_path / "link.parquet").symlink_to(tmp_path / "a.parquet")
+    record = {"files": [str(tmp_path / "a.parquet")], "file_count": 1}
+    assert trained_on_same_files(record, [str(tmp_path / "link.parquet")])
+    assert not trained_on_same_files(record, [str(tmp_path / "a.parquet"), str(tmp_path / "link2.parquet")])
+    assert not trained_on_same_files(record, [str(tmp_path / "b.parquet")])
+    # The demo files of another installation of the package are the same demo files.
+    demo = {"files": ["/venv1/site-packages/lowmem/demo_data/train.parquet"], "file_count": 1}
+    assert trained_on_same_files(demo, ["/venv2/site-packages/lowmem/demo_data/train.parquet"])
+    assert trained_on_same_files({"files": ["s3://b/x.parquet"], "file_count": 1}, ["s3://b/x.parquet"])

@@ -4,6 +4,7 @@ through the launcher in test_resume_runs.py and test_training.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -311,7 +312,7 @@ def test_a_checkpoint_saved_before_the_schedule_was_a_part_of_its_own_resumes_ex
     state = json.loads(state_file.read_text())
     schedule = state.pop("schedule")
     assert schedule == {"total_steps": 2 * STEPS_PER_EPOCH, "anchor_step": 0, "anchor_virtual": 0.0,
-                        "virtual_total": 0}
+                        "virtual_total": 0, "warmup_steps": 2}
 
     # A stretched schedule (after a resume on another number of processes) kept in `train` goes on stretched.
     state["train"].update(total_steps=20, lr_anchor_step=7, lr_anchor_virtual=7.0, lr_virtual_total=30)
@@ -319,7 +320,7 @@ def test_a_checkpoint_saved_before_the_schedule_was_a_part_of_its_own_resumes_ex
     stretched = Trainer(config(in_tmp / "b"))
     stretched.resume()
     assert stretched.schedule.state_dict() == {"total_steps": 20, "anchor_step": 7, "anchor_virtual": 7.0,
-                                               "virtual_total": 30}
+                                               "virtual_total": 30, "warmup_steps": 2}
     assert stretched.total_steps == 20 and stretched.step_log.total_steps == 20
     settings = stretched.config
     assert stretched.schedule.lr(10) == pytest.approx(get_lr(stretched_step(10, 7, 7.0, 30, 20), settings.learn_rate,
@@ -338,3 +339,24 @@ def test_a_checkpoint_saved_before_the_schedule_was_a_part_of_its_own_resumes_ex
     for step, loss in resumed_trace.losses.items():
         assert loss == pytest.approx(reference.losses[step], rel=1e-6), step
         assert resumed_trace.lrs[step] == reference.lrs[step], step
+
+
+def test_a_warmup_longer_than_the_run_is_shortened_said_at_the_start_and_kept_on_resume(in_tmp, chat_data,
+                                                                                        tokenizer_dir, caplog):
+    # warmup_steps at TrainConfig's default (50) and a run of 8 steps: shortened to 1, said in one line.
+    def config(**overrides) -> TrainConfig:
+        return dataclasses.replace(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=8, save_steps=4),
+                                   warmup_steps=TrainConfig().warmup_steps, **overrides)
+
+    with caplog.at_level("WARNING"):
+        Trainer(config(), callbacks=[StopAfterStep(4)]).fit()
+    assert "--warmup_steps=50 is 625% of this run's 8 optimizer steps" in caplog.text
+    assert "Warming up over 1 steps instead" in caplog.text
+    state = json.loads((in_tmp / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["schedule"]["warmup_steps"] == 1
+    resumed = Trainer(config())
+    resumed.resume()
+    assert resumed.schedule.warmup_steps == 1 and resumed.schedule.lr(7) < resumed.schedule.lr(1)
+    # Given on the command line (or set apart from the class's default), it is kept as given.
+    kept = Trainer(config(output_dir=str(in_tmp / "kept")), given={"warmup_steps"})
+    assert kept.schedule.warmup_steps == 50 and "Kept as given" in kept.schedule.warmup_line()

@@ -79,7 +79,8 @@ def test_the_schedule_is_a_stateful_part_that_stretches_without_a_jump():
     restored.load_state_dict(schedule.state_dict())
     assert [restored.lr(step) for step in range(40, 131)] == [schedule.lr(step) for step in range(40, 131)]
     assert restored.state_dict() == schedule.state_dict() == {"total_steps": 130, "anchor_step": 40,
-                                                              "anchor_virtual": 40.0, "virtual_total": 100}
+                                                              "anchor_virtual": 40.0, "virtual_total": 100,
+                                                              "warmup_steps": 10}
     unrecorded = LearningRateSchedule(1e-3, 10, 0.1, total_steps=77)
     unrecorded.load_state_dict(schedule_state_of_train_state({"step": 3}))  # a checkpoint that recorded no total
     assert unrecorded.total_steps == 77 and not unrecorded.stretched
@@ -289,3 +290,41 @@ def test_tokens_per_s_leaves_out_validation_and_saves(monkeypatch):
     figures = step_log.write(4, 0, 1e-3)
     assert figures.tokens_per_s == pytest.approx(2000.0)
     assert figures.loss == pytest.approx(2.0)
+
+
+# ----- a warmup that does not fit the run ------------------------------------------------------------------------
+def test_the_large_presets_warmup_on_the_demo_data_is_shortened_and_said():
+    from lowmem.train.schedule import LearningRateSchedule
+
+    # 3 processes x 7,995 rows at 64 rows a step: 124 steps an epoch, 372 in 3 epochs, under warmup_steps=1024.
+    schedule = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_given=False)
+    lrs = [schedule.lr(step) for step in range(372)]
+    assert schedule.warmup_steps == 37 and max(lrs) == pytest.approx(1e-4)
+    assert lrs[-1] == pytest.approx(1e-5, rel=0.01)  # decayed to the floor by the end
+    line = schedule.warmup_line()
+    assert line.startswith("--warmup_steps=1024 is 275% of this run's 372 optimizer steps: the learning rate would "
+                           "never reach its peak of 0.0001 nor decay. Warming up over 37 steps instead, 10% of the run")
+    # Given on the command line, it is kept, and the line says what it costs.
+    given = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_given=True)
+    assert given.warmup_steps == 1024 and max(given.lr(step) for step in range(372)) < 0.4e-4
+    assert "Kept as given; leave --warmup_steps out to warm up over 10% of the run (37 steps)" in given.warmup_line()
+    # --max_steps below the warmup: the same line.
+    short = LearningRateSchedule(2e-3, 50, 0.1, 30, warmup_given=False)
+    assert short.warmup_steps == 3 and "--warmup_steps=50 is 167% of this run's 30 optimizer steps" in \
+        short.warmup_line()
+    # A warmup that fits is left alone, without a line.
+    fits = LearningRateSchedule(2e-3, 50, 0.1, 1000, warmup_given=False)
+    assert fits.warmup_steps == 50 and fits.warmup_line() is None
+
+
+def test_the_warmup_a_run_started_with_is_kept_by_its_checkpoints():
+    from lowmem.train.schedule import LearningRateSchedule
+
+    started = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_given=False)
+    resumed = LearningRateSchedule(1e-4, 1024, 0.1, 248, warmup_given=False)  # on 2 processes: another length
+    resumed.load_state_dict(started.state_dict())
+    assert resumed.warmup_steps == 37
+    # A checkpoint saved before the warmup was part of the state warmed up over --warmup_steps as given.
+    older = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_given=False)
+    older.load_state_dict({"total_steps": 372, "anchor_step": 0, "anchor_virtual": 0.0, "virtual_total": 0})
+    assert older.warmup_steps == 1024
