@@ -61,7 +61,7 @@ def export(out: str, use_large_config: bool = False, checkpoint: str | None = No
 
     Exports the run's best/ model (else final/), or --checkpoint: a gpt2 model as GPT2LMHeadModel, a llama model
     as LlamaForCausalLM. OUT must not exist (or be empty); it is written aside and renamed into place. Needs
-    transformers 4.46 or later: pip install "lowmem[hf]".
+    transformers 4.46 or later: pip install "transformers>=4.46".
 
     Args:
         out: the folder to create.

@@ -19,7 +19,7 @@ def memlog(path: str | None = None, plot: str | None = None, json: bool = False,
         path: a run folder (an output_dir: its logs, the segments of a resumed run joined), a run id, a memory
             log file, or a folder of logs; by default the newest run in log_dir.
         plot: also draw RSS (and GPU memory) per rank against the step, with the budget line, into this PNG
-            (needs matplotlib: pip install "lowmem[plot]").
+            (needs matplotlib: pip install "matplotlib>=3.6").
         json: print the same data as JSON instead of a table.
         log_dir: where the memory logs are.
     """

@@ -141,7 +141,7 @@ class OptimConfig:
                               hint="0 turns clipping off", resume=EXACT)
     bf16: bool = option(True, "bf16 autocast on GPUs that support it (the CPU runs float32 unless bf16_on_cpu)")
     bf16_on_cpu: bool = option(False, "with bf16, bf16 autocast on the CPU too: the GPU's precision without a GPU "
-                               "(slower than float32 on most CPUs)")
+                               "(faster or slower than float32 depending on the CPU: docs/gpu.md)")
     # Speed settings: none changes what a step computes (the losses stay equal to float rounding), so a resume
     # may change any of them. None means "decide from the device" (`lowmem.distributed.performance.speed_settings`).
     compile: Optional[bool] = option(None, "torch.compile the training model (faster steps after the first few "

@@ -31,7 +31,7 @@ from lowmem.model.weights import WEIGHTS_FILE, load_model_config
 logger = logging.getLogger(__name__)
 
 MIN_TRANSFORMERS = (4, 46)
-INSTALL_HINT = 'pip install "lowmem[hf]"'
+INSTALL_HINT = 'pip install "transformers>=4.46" (or pip install ".[hf]" in lowmem\'s folder)'
 
 
 def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = None) -> Path:

@@ -192,6 +192,6 @@ def no_fit_message(choice: SaverChoice, explicit: Collection[str], launch_hint: 
     else:
         text += (" Nothing tried here fits: a smaller model (--n_layer, --n_embd), a shorter --max_seq_len or a "
                  "machine with more memory is needed.")
-    return (text + " --memory_budget_gb=GB sets the budget when the detected one is wrong; --memory_savers=off "
+    return (text + " --memory_budget_gb=GiB sets the budget when the detected one is wrong; --memory_savers=off "
             f"trains as configured, at the risk of the OOM killer. `{command_line('plan ...')}` with the same "
             "flags prints the plan part by part.")

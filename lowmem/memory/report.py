@@ -439,8 +439,8 @@ def plot_memory(records_by_rank: Mapping[int, list[dict[str, Any]]], summaries: 
     try:
         from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
     except ImportError as error:
-        raise LowmemError("Plotting needs matplotlib: pip install matplotlib (or pip install 'lowmem[plot]').") \
-            from error
+        raise LowmemError('Plotting needs matplotlib: pip install "matplotlib>=3.6" (or pip install ".[plot]" in '
+                          "lowmem's folder).") from error
     has_gpu = any(record.get("cuda_allocated") is not None
                   for records in records_by_rank.values() for record in records)
     figure = Figure(figsize=(10, 7 if has_gpu else 4.5), layout="constrained")

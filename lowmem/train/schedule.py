@@ -11,8 +11,9 @@ def get_lr(step: float, peak_lr: float, warmup_steps: int, total_steps: int, min
     """Learning rate for optimizer step `step` (0-based; a fraction where a stretched schedule falls between steps).
 
     Rises linearly from peak_lr / warmup_steps to peak_lr over `warmup_steps`, then follows half a cosine
-    down to `peak_lr * min_lr_ratio` at `total_steps`, and stays there. A pure function of the step, so a
-    resumed run continues the schedule exactly from its step count.
+    down to `peak_lr * min_lr_ratio` at `total_steps`, and stays there. A pure function of its arguments: what a
+    run changes on the way (a warmup shortened to fit it, a stretch after a resume on another number of processes)
+    is the state of `LearningRateSchedule`, saved in each checkpoint.
     """
     min_lr = peak_lr * min_lr_ratio
     if step < warmup_steps:

@@ -49,7 +49,9 @@ EVAL_TAGS = ("eval/val_loss", "eval/perplexity", "eval/bleu4")
 TAGS = LINE_TAGS + EVAL_TAGS
 
 # What each tracker needs installed, and how to install it.
-INSTALL = {"tensorboard": ("tensorboard", 'pip install "lowmem[tensorboard]"'), "wandb": ("wandb", "pip install wandb")}
+INSTALL = {"tensorboard": ("tensorboard", 'pip install "tensorboard>=2.14" (or pip install ".[tensorboard]" in '
+                                          "lowmem's folder)"),
+           "wandb": ("wandb", "pip install wandb")}
 
 
 RUN_FOLDER_FILE = "run_folder.txt"  # in logs/tensorboard/<name>/: the run folder that owns the name

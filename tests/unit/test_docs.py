@@ -247,6 +247,10 @@ def test_no_page_installs_lowmem_from_a_registry_by_name():
                  if re.search(r"pip install\s+[\"']?lowmem\b", page.read_text(encoding="utf-8"))
                  or "lowmem[" in page.read_text(encoding="utf-8")]
     assert not offenders, offenders
+    # Nor do the install hints of lowmem's own messages and help.
+    hints = [path.relative_to(ROOT).as_posix() for path in sorted((ROOT / "lowmem").rglob("*.py"))
+             if "lowmem[" in path.read_text(encoding="utf-8")]
+    assert not hints, hints
 
 
 def test_every_extra_the_pages_install_exists():

@@ -240,7 +240,7 @@ def test_no_model_or_no_transformers_is_one_message(gpt2_run: TrainConfig, tmp_p
     assert main(["export", str(tmp_path / "out"), f"--output_dir={tmp_path / 'nothing'}"]) == 2
     assert "No trained model in" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
-    with pytest.raises(ConfigError, match=r'pip install "lowmem\[hf\]"'):
+    with pytest.raises(ConfigError, match=r'pip install "transformers>=4\.46"'):
         export_hf(gpt2_run, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

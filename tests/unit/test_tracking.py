@@ -55,7 +55,7 @@ def test_a_resumed_run_continues_the_curve_in_the_same_folder(tmp_path, monkeypa
 
 def test_a_missing_package_is_a_config_error_that_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed: find_spec answers None
-    with pytest.raises(ConfigError, match=re.escape('pip install "lowmem[tensorboard]"')):
+    with pytest.raises(ConfigError, match=re.escape('pip install "tensorboard>=2.14"')):
         tracker_arguments("tensorboard")
     assert tracker_arguments("none") == {}
     monkeypatch.setitem(sys.modules, "wandb", None)
