@@ -310,5 +310,13 @@ def test_the_logits_widths_on_the_pages_are_the_padded_vocabularies():
     assert set(widths) <= padded, f"logits widths that are not a padded vocabulary ({sorted(padded)}): {widths}"
 
 
-def test_the_memory_page_keeps_the_place_of_the_verdict_rule():
-    assert "\n<!-- verdict rule -->\n" in page_text("docs/memory.md")
+def test_the_memory_page_gives_the_verdict_rule_the_code_applies():
+    from lowmem.memory.report import FLAT_FLOOR_MB_PER_1K, MIN_FIT_RECORDS, SIGNIFICANCE
+
+    numbers = {2: "two", 3: "three", 4: "four", 5: "five"}
+    text = page_text("docs/memory.md")
+    assert f"a slope above both {FLAT_FLOOR_MB_PER_1K:g} MB per 1,000 steps" in text
+    assert f"{numbers[int(SIGNIFICANCE)]} standard errors of the fitted slope" in text
+    assert f"more than {numbers[int(SIGNIFICANCE)]} times what the record-to-record changes" in text
+    assert f"fewer than {MIN_FIT_RECORDS} (`MIN_FIT_RECORDS`" in text
+    assert "less the end record" in text
