@@ -32,16 +32,18 @@ def total_steps(steps_per_epoch: int, epochs: int, max_steps: int) -> int:
 
 # A warmup longer than this share of the run leaves the learning rate little or no decay (or never lets it
 # reach its peak): one left at its default is shortened to FITTED_WARMUP_SHARE of the run, one given is kept
-# as given; both are said in one line (`warmup_line`). A tenth is the usual share (HF's warmup_ratio examples,
-# nanoGPT's 2,000 of 600,000 steps is far less).
+# as given, and so is one of a run that --max_steps cuts short (a quick try, or a run to be continued with a
+# larger --max_steps, which stays exact while every step taken is in the warmup); each is said in one line
+# (`warmup_line`). A tenth is the usual share (HF's warmup_ratio examples; nanoGPT's 2,000 of 600,000 steps
+# is far less).
 MAX_WARMUP_SHARE = 0.25
 FITTED_WARMUP_SHARE = 0.1
 
 
-def fitted_warmup(warmup_steps: int, total: int, given: bool) -> int:
+def fitted_warmup(warmup_steps: int, total: int, kept: bool) -> int:
     """The warmup a run of `total` optimizer steps uses: `warmup_steps`, or a tenth of the run when that is over a
-    quarter of it and was not given."""
-    if given or warmup_steps <= MAX_WARMUP_SHARE * total:
+    quarter of it and is not to be `kept`."""
+    if kept or warmup_steps <= MAX_WARMUP_SHARE * total:
         return warmup_steps
     return max(1, round(FITTED_WARMUP_SHARE * total))
 
@@ -79,14 +81,15 @@ class LearningRateSchedule:
         peak_lr, warmup_steps, min_lr_ratio: the schedule's shape (`--learn_rate`, `--warmup_steps`,
             `--min_lr_ratio`).
         total_steps: the run's optimizer steps in all.
-        warmup_given: whether `warmup_steps` was set by the user (then it is kept whatever the run's length).
+        warmup_kept_by: the flag that keeps `warmup_steps` whatever the run's length ("--warmup_steps" when given,
+            "--max_steps" when it cuts the run short), or None to fit a warmup that does not fit the run.
     """
 
     def __init__(self, peak_lr: float, warmup_steps: int, min_lr_ratio: float, total_steps: int,
-                 warmup_given: bool = True) -> None:
+                 warmup_kept_by: str | None = "--warmup_steps") -> None:
         self.peak_lr, self.min_lr_ratio = peak_lr, min_lr_ratio
-        self.configured_warmup, self.warmup_given = warmup_steps, warmup_given
-        self.warmup_steps = fitted_warmup(warmup_steps, total_steps, warmup_given)
+        self.configured_warmup, self.warmup_kept_by = warmup_steps, warmup_kept_by
+        self.warmup_steps = fitted_warmup(warmup_steps, total_steps, kept=warmup_kept_by is not None)
         self.total_steps = total_steps
         # Once stretched, step s follows the schedule of `virtual_total` steps at
         # anchor_virtual + (s - anchor_step) * (virtual_total - anchor_virtual) / (total_steps - anchor_step).
@@ -124,11 +127,17 @@ class LearningRateSchedule:
         what = (f"--warmup_steps={configured} is {configured / max(length, 1):.0%} of this run's {length:,} optimizer "
                 "steps: the learning rate would " + (f"never reach its peak of {self.peak_lr:g} nor decay"
                                                      if configured >= length else "have little of the run to decay"))
+        fitted = fitted_warmup(configured, length, kept=False)
+        if self.warmup_steps == configured and self.warmup_kept_by == "--max_steps":
+            return (f"{what}. Kept, as --max_steps cuts the run short: while every step taken is in the warmup, a "
+                    f"larger --max_steps with --is_keep_training=True continues it exactly; --warmup_steps={fitted:,} "
+                    f"fits this length.")
         if self.warmup_steps == configured:
             return (f"{what}. Kept as given; leave --warmup_steps out to warm up over {FITTED_WARMUP_SHARE:.0%} of "
-                    f"the run ({fitted_warmup(configured, length, given=False):,} steps).")
+                    f"the run ({fitted:,} steps).")
         return (f"{what}. Warming up over {self.warmup_steps:,} steps instead, {FITTED_WARMUP_SHARE:.0%} of the run "
-                f"(a warmup over {MAX_WARMUP_SHARE:.0%} of the run is shortened unless --warmup_steps is given).")
+                f"(a warmup over {MAX_WARMUP_SHARE:.0%} of the run is shortened unless --warmup_steps or --max_steps "
+                "is given).")
 
     def state_dict(self) -> dict[str, Any]:
         return {"total_steps": self.total_steps, "anchor_step": self.anchor_step,

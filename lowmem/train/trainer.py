@@ -121,6 +121,15 @@ class StepAgreement:
     global_rows: int  # rows of this step's micro-batches on every rank: not trained when the epoch ends here
 
 
+def warmup_kept_by(config: TrainConfig, given: Collection[str] | None, planned_steps: int) -> str | None:
+    """The flag that keeps --warmup_steps as it is even when it does not fit the run (`fitted_warmup`): the warmup
+    given itself, or a --max_steps given that cuts the run short; None when neither was."""
+    explicit = explicit_fields(config, given)
+    if "warmup_steps" in explicit:
+        return "--warmup_steps"
+    return "--max_steps" if "max_steps" in explicit and planned_steps == config.max_steps else None
+
+
 class Trainer:
     """Trains a GPT as a TrainConfig says; see the module's docstring for its parts.
 
@@ -131,7 +140,8 @@ class Trainer:
         memory: the memory plan and savers `run_training` settled (`settle_memory`); without it the config runs
             as given, and its plan is only logged.
         given: the fields set on the command line; with those that differ from the config class's defaults, they
-            are kept as given (a --warmup_steps over a quarter of the run is shortened only when not given).
+            are kept as given (a --warmup_steps over a quarter of the run is shortened only when neither it nor a
+            --max_steps that cuts the run short was given: `warmup_kept_by`).
     """
 
     def __init__(self, config: TrainConfig, accelerator: Accelerator | None = None,
@@ -177,8 +187,7 @@ class Trainer:
 
         self.state = TrainState()
         self.schedule = LearningRateSchedule(config.learn_rate, config.warmup_steps, config.min_lr_ratio,
-                                             planned_steps,
-                                             warmup_given="warmup_steps" in explicit_fields(config, given))
+                                             planned_steps, warmup_kept_by=warmup_kept_by(config, given, planned_steps))
         self.checkpoints = CheckpointManager(
             config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
             mode=METRIC_MODES[config.best_metric], is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import logging
+import multiprocessing
 import sys
 import types
 from pathlib import Path
@@ -128,8 +129,15 @@ def simulate_training(folder: Path, leak: bool, steps: int = 300, every: int = 1
     return log.path
 
 
+def simulate_in_a_fresh_process(folder: Path, leak: bool) -> Path:
+    """`simulate_training` in a new interpreter: its RSS is that loop's alone, not that of whatever the tests run
+    before it in this process left behind (threads, heap fragments)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(simulate_training, (folder, leak))
+
+
 def test_planted_leak_is_growing_at_its_true_rate(tmp_path):
-    records, notes = read_log(simulate_training(tmp_path, leak=True))
+    records, notes = read_log(simulate_in_a_fresh_process(tmp_path, leak=True))
     assert notes == [] and len(records) == 30
     summary = summarize(records)
     assert summary.verdict == "GROWING", summary.explanation
@@ -139,7 +147,7 @@ def test_planted_leak_is_growing_at_its_true_rate(tmp_path):
 
 
 def test_run_without_leak_is_flat(tmp_path):
-    records, _ = read_log(simulate_training(tmp_path, leak=False))
+    records, _ = read_log(simulate_in_a_fresh_process(tmp_path, leak=False))
     summary = summarize(records)
     assert summary.verdict == "FLAT", summary.explanation
     assert summary.slope_mb_per_1k_steps < FLAT_FLOOR_MB_PER_1K

@@ -343,14 +343,15 @@ def test_a_checkpoint_saved_before_the_schedule_was_a_part_of_its_own_resumes_ex
 
 def test_a_warmup_longer_than_the_run_is_shortened_said_at_the_start_and_kept_on_resume(in_tmp, chat_data,
                                                                                         tokenizer_dir, caplog):
-    # warmup_steps at TrainConfig's default (50) and a run of 8 steps: shortened to 1, said in one line.
+    # warmup_steps at TrainConfig's default (50) and one epoch of 12 steps: shortened to 1, said in one line.
     def config(**overrides) -> TrainConfig:
-        return dataclasses.replace(tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=8, save_steps=4),
+        return dataclasses.replace(tiny_config(in_tmp, chat_data, tokenizer_dir, save_steps=4),
                                    warmup_steps=TrainConfig().warmup_steps, **overrides)
 
     with caplog.at_level("WARNING"):
         Trainer(config(), callbacks=[StopAfterStep(4)]).fit()
-    assert "--warmup_steps=50 is 625% of this run's 8 optimizer steps" in caplog.text
+    assert f"--warmup_steps=50 is {50 / STEPS_PER_EPOCH:.0%} of this run's {STEPS_PER_EPOCH} optimizer steps" \
+        in caplog.text
     assert "Warming up over 1 steps instead" in caplog.text
     state = json.loads((in_tmp / "run" / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["schedule"]["warmup_steps"] == 1
@@ -360,3 +361,6 @@ def test_a_warmup_longer_than_the_run_is_shortened_said_at_the_start_and_kept_on
     # Given on the command line (or set apart from the class's default), it is kept as given.
     kept = Trainer(config(output_dir=str(in_tmp / "kept")), given={"warmup_steps"})
     assert kept.schedule.warmup_steps == 50 and "Kept as given" in kept.schedule.warmup_line()
+    # A --max_steps that cuts the run short keeps it too: a larger one continues the run exactly.
+    cut = Trainer(config(output_dir=str(in_tmp / "cut"), max_steps=8))
+    assert cut.schedule.warmup_steps == 50 and "Kept, as --max_steps cuts the run short" in cut.schedule.warmup_line()

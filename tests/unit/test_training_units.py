@@ -297,7 +297,7 @@ def test_the_large_presets_warmup_on_the_demo_data_is_shortened_and_said():
     from lowmem.train.schedule import LearningRateSchedule
 
     # 3 processes x 7,995 rows at 64 rows a step: 124 steps an epoch, 372 in 3 epochs, under warmup_steps=1024.
-    schedule = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_given=False)
+    schedule = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_kept_by=None)
     lrs = [schedule.lr(step) for step in range(372)]
     assert schedule.warmup_steps == 37 and max(lrs) == pytest.approx(1e-4)
     assert lrs[-1] == pytest.approx(1e-5, rel=0.01)  # decayed to the floor by the end
@@ -305,26 +305,29 @@ def test_the_large_presets_warmup_on_the_demo_data_is_shortened_and_said():
     assert line.startswith("--warmup_steps=1024 is 275% of this run's 372 optimizer steps: the learning rate would "
                            "never reach its peak of 0.0001 nor decay. Warming up over 37 steps instead, 10% of the run")
     # Given on the command line, it is kept, and the line says what it costs.
-    given = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_given=True)
+    given = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_kept_by="--warmup_steps")
     assert given.warmup_steps == 1024 and max(given.lr(step) for step in range(372)) < 0.4e-4
     assert "Kept as given; leave --warmup_steps out to warm up over 10% of the run (37 steps)" in given.warmup_line()
-    # --max_steps below the warmup: the same line.
-    short = LearningRateSchedule(2e-3, 50, 0.1, 30, warmup_given=False)
-    assert short.warmup_steps == 3 and "--warmup_steps=50 is 167% of this run's 30 optimizer steps" in \
-        short.warmup_line()
+    # --max_steps below the warmup: the same line; the warmup is kept, so that a larger --max_steps continues
+    # the run exactly while every step taken is in it.
+    short = LearningRateSchedule(2e-3, 50, 0.1, 30, warmup_kept_by="--max_steps")
+    assert short.warmup_steps == 50 and short.warmup_line().startswith(
+        "--warmup_steps=50 is 167% of this run's 30 optimizer steps: the learning rate would never reach its peak of "
+        "0.002 nor decay. Kept, as --max_steps cuts the run short")
+    assert "--warmup_steps=3 fits this length" in short.warmup_line()
     # A warmup that fits is left alone, without a line.
-    fits = LearningRateSchedule(2e-3, 50, 0.1, 1000, warmup_given=False)
+    fits = LearningRateSchedule(2e-3, 50, 0.1, 1000, warmup_kept_by=None)
     assert fits.warmup_steps == 50 and fits.warmup_line() is None
 
 
 def test_the_warmup_a_run_started_with_is_kept_by_its_checkpoints():
     from lowmem.train.schedule import LearningRateSchedule
 
-    started = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_given=False)
-    resumed = LearningRateSchedule(1e-4, 1024, 0.1, 248, warmup_given=False)  # on 2 processes: another length
+    started = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_kept_by=None)
+    resumed = LearningRateSchedule(1e-4, 1024, 0.1, 248, warmup_kept_by=None)  # on 2 processes: another length
     resumed.load_state_dict(started.state_dict())
     assert resumed.warmup_steps == 37
     # A checkpoint saved before the warmup was part of the state warmed up over --warmup_steps as given.
-    older = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_given=False)
+    older = LearningRateSchedule(1e-4, 1024, 0.1, 372, warmup_kept_by=None)
     older.load_state_dict({"total_steps": 372, "anchor_step": 0, "anchor_virtual": 0.0, "virtual_total": 0})
     assert older.warmup_steps == 1024
