@@ -108,3 +108,18 @@ def test_the_large_preset_on_the_demo_data_keeps_its_folders(tmp_path, monkeypat
     demo = printed_config(capsys, "--use_large_config=True")
     assert "demo_data" in demo["train_file"]
     assert demo["output_dir"] == "model_save/pretrain_large" and demo["tokenizer_dir"] == "model_save/tokenizer_large"
+
+
+def test_the_users_scripts_import_the_config_from_the_checkout():
+    # `from config import TrainConfig` from the project's folder, as the users' scripts do.
+    import importlib.util
+
+    from training_helpers import ROOT
+
+    from lowmem.config import TrainConfig, TrainConfigPretrainLarge
+
+    spec = importlib.util.spec_from_file_location("config", ROOT / "config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.TrainConfig is TrainConfig and module.TrainConfigPretrainLarge is TrainConfigPretrainLarge
+    assert module.TrainConfigPretrainLarge().output_dir == "model_save/pretrain_large"
