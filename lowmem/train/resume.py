@@ -159,25 +159,36 @@ def _stretch_schedule(trainer: Trainer) -> int:
     return total - step
 
 
-def settle_architecture(config: TrainConfig, is_keep_training: bool) -> TrainConfig:
-    """`config` with its architecture decided: as given; else, when resuming, the run's checkpoints' (gpt2
-    for those saved before the option existed); else NEW_RUN_ARCHITECTURE. A resumed run thus keeps its
-    model whatever the default, and an explicit other value is refused by the resume check."""
+def saved_config_to_resume(config: TrainConfig, checkpoint: str | Path | None = None) -> dict[str, Any] | None:
+    """The config saved with the checkpoint a resume continues from: `checkpoint` when one is named
+    (--resume_from_checkpoint), else the run's newest with a readable trainer state; None when there is none."""
+    if checkpoint:
+        return dict(read_trainer_state(Path(checkpoint))["config"])
+    return newest_saved_config(config.output_dir)
+
+
+def settle_architecture(config: TrainConfig, is_keep_training: bool,
+                        checkpoint: str | Path | None = None) -> TrainConfig:
+    """`config` with its architecture decided: as given; else, when resuming, that of the checkpoint it resumes
+    from (`saved_config_to_resume`; gpt2 for those saved before the option existed); else NEW_RUN_ARCHITECTURE.
+    A resumed run thus keeps its model whatever the default, and an explicit other value is refused by the
+    resume check."""
     if config.architecture is not None:
         return config
-    saved = newest_saved_config(config.output_dir) if is_keep_training else None
+    saved = saved_config_to_resume(config, checkpoint) if is_keep_training else None
     if saved is None:
         return dataclasses.replace(config, architecture=NEW_RUN_ARCHITECTURE)
     return dataclasses.replace(config, architecture=_in_effect(saved)["architecture"])
 
 
-def settle_loss_targets(config: TrainConfig, is_keep_training: bool) -> TrainConfig:
+def settle_loss_targets(config: TrainConfig, is_keep_training: bool,
+                        checkpoint: str | Path | None = None) -> TrainConfig:
     """`config` with --loss_on_response_only decided: as given; else, when resuming a run of the same columns,
-    its checkpoints' (runs saved when every token was the default keep it); else from the data
-    (`lowmem.config.columns.response_only`). Checkpoints thus always record a concrete value."""
+    that of the checkpoint it resumes from (runs saved when every token was the default keep it); else from the
+    data (`lowmem.config.columns.response_only`). Checkpoints thus always record a concrete value."""
     if config.loss_on_response_only is not None:
         return config
-    saved = newest_saved_config(config.output_dir) if is_keep_training else None
+    saved = saved_config_to_resume(config, checkpoint) if is_keep_training else None
     saved = _in_effect(saved) if saved is not None else {}
     kept = saved.get("loss_on_response_only")
     if kept is None or saved.get("text_column") != config.text_column:  # other columns: the resume check says so
@@ -192,8 +203,7 @@ def resumed_tokenizer_dir(config: TrainConfig, checkpoint: str | Path | None = N
     """`config` with the tokenizer folder the checkpoint it resumes from was trained with (`checkpoint`, else the
     run's newest): a resume that does not name one continues with the run's own, wherever today's defaults
     point."""
-    saved = read_trainer_state(Path(checkpoint))["config"] if checkpoint else newest_saved_config(config.output_dir)
-    saved_dir = (saved or {}).get("tokenizer_dir")
+    saved_dir = (saved_config_to_resume(config, checkpoint) or {}).get("tokenizer_dir")
     if not saved_dir or saved_dir == config.tokenizer_dir:
         return config
     logger.info("Tokenizer of the run in %s: %s.", config.output_dir, saved_dir)

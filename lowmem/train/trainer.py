@@ -559,7 +559,9 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     check_output_dir(config.output_dir)
     if not is_keep_training:  # a resume checks the tokenizer against its checkpoint's instead
         check_tokenizer_data(config, given if given is not None else explicit_fields(config))
-    config = settle_loss_targets(settle_architecture(config, is_keep_training), is_keep_training)
+    # A resume settles from the checkpoint it continues from: the one named, else the newest.
+    config = settle_loss_targets(settle_architecture(config, is_keep_training, resume_from), is_keep_training,
+                                 resume_from)
     if is_keep_training and given is not None and "tokenizer_dir" not in given:
         config = resumed_tokenizer_dir(config, resume_from)
     stop_when_launcher_dies()
@@ -567,7 +569,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
                                      config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
                                      **tracker_arguments(config.report_to))
     config, memory = settle_memory(config, accelerator, explicit_fields(config, given), is_keep_training,
-                                   allow_config_change)
+                                   allow_config_change, checkpoint=resume_from)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LAUNCH_LOG_DIR)
     log_decision(memory)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder

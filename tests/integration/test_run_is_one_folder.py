@@ -60,3 +60,25 @@ def test_a_run_is_one_folder_resumes_from_a_chosen_checkpoint_and_keeps_its_toke
             and f"--tokenizer_dir={tmp_path / 'tok'}" in refused.stderr)
     assert sorted(path.name for path in run.iterdir()) == before
     assert json.loads((run / "tokenizer.json").read_text()) == record
+
+
+def test_a_resume_from_a_named_checkpoint_settles_from_it_not_from_the_newest(tmp_path):
+    # checkpoint-5 was saved with the loss on the responses only (the default for prompt/response rows); the
+    # newest, checkpoint-10, by a resume that changed it. A resume from checkpoint-5 that does not name the
+    # setting takes checkpoint-5's and continues exactly.
+    chat_data = resume_chat_data(tmp_path)
+    base = ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=10", "--save_steps=5",
+            "--eval_bleu_samples=0"]
+    run = tmp_path / "run"
+    assert run_command(base, cwd=tmp_path).returncode == 0
+    changed = run_command([*base, f"--resume_from_checkpoint={run / 'checkpoint-5'}", "--allow_config_change=True",
+                           "--loss_on_response_only=False"], cwd=tmp_path)
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert json.loads((run / "checkpoint-10" / "trainer_state.json").read_text())["config"][
+        "loss_on_response_only"] is False
+
+    again = run_command([*base, f"--resume_from_checkpoint={run / 'checkpoint-5'}"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "loss on the response tokens only" in again.stderr.split("Resumed from")[0]
+    assert json.loads((run / "checkpoint-10" / "trainer_state.json").read_text())["config"][
+        "loss_on_response_only"] is True
