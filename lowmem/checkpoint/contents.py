@@ -137,9 +137,8 @@ def newest_trainer_state(run_dir: str | Path) -> dict[str, Any] | None:
     """The trainer state of the newest checkpoint of `run_dir` that has a readable one (with its config), or None.
     For what every checkpoint of a run shares (the architecture, the memory savers): nothing is verified."""
     steps = []
-    # checkpoint-N.old: a save replacing checkpoint-N was interrupted; CheckpointManager will rename it back.
     for folder in Path(run_dir).glob("checkpoint-*"):
-        number = folder.name.split("-", 1)[1].removesuffix(".old")
+        number = folder.name.split("-", 1)[1]
         if number.isdigit():
             steps.append((int(number), folder))
     for _, folder in sorted(steps, reverse=True):

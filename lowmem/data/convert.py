@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lowmem.atomic_files import file_built_aside
-from lowmem.data.convert_fields import FieldNames, Layout, Skip, choose_layout
+from lowmem.data.convert_fields import FieldNames, RecordLayout, Skip, choose_layout
 from lowmem.data.convert_formats import (COMPRESSIONS, SUFFIX_FORMATS, Record, file_format, is_convertible,
                                          open_input, read_records, split_name)
 from lowmem.errors import DataError
@@ -223,14 +223,14 @@ def compressed_input_problem(source: str, compression: str, error: OSError, line
             "what it is. Nothing was written.")
 
 
-def _layout_for(source: str, line: int, value: object, names: FieldNames) -> Layout:
+def _layout_for(source: str, line: int, value: object, names: FieldNames) -> RecordLayout:
     try:
         return choose_layout(value, names)
     except DataError as error:
         raise DataError(f"'{source}', line {line}: {error}") from None
 
 
-def _write_rows(layout: Layout, writer: _RowGroupWriter, value: object, line: int, skipped: Skipped) -> bool:
+def _write_rows(layout: RecordLayout, writer: _RowGroupWriter, value: object, line: int, skipped: Skipped) -> bool:
     """Write the rows of one record (counting those left out); True when a row group was completed."""
     filled = False
     for row in layout.rows(value):

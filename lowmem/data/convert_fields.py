@@ -53,7 +53,7 @@ class FieldNames:
 
 
 @dataclass(frozen=True)
-class Layout:
+class RecordLayout:
     """How the records of one file become rows.
 
     kind: "pairs" (prompt fields → prompt, the response field → response), "text" (one field → text),
@@ -101,22 +101,22 @@ class Layout:
         return response if isinstance(response, Skip) else (prompt, response)
 
 
-def choose_layout(record: Any, names: FieldNames) -> Layout:
+def choose_layout(record: Any, names: FieldNames) -> RecordLayout:
     """The layout for a file whose first record is `record`: the named fields, or the first known one it has."""
     if isinstance(record, str):
-        return Layout("lines")
+        return RecordLayout("lines")
     if names.text is not None:
-        return Layout("text", (names.text,))
+        return RecordLayout("text", (names.text,))
     if names.given:
-        return Layout("pairs", (names.prompt or PAIR_COLUMNS[0],), names.response or PAIR_COLUMNS[1])
+        return RecordLayout("pairs", (names.prompt or PAIR_COLUMNS[0],), names.response or PAIR_COLUMNS[1])
     if has_field(record, "text") and not has_field(record, "prompt") and not has_field(record, "response"):
-        return Layout("text", ("text",))
+        return RecordLayout("text", ("text",))
     for prompt_fields, response_field in ALIASES:
         if has_field(record, prompt_fields[0]) and has_field(record, response_field):
-            return Layout("pairs", prompt_fields, response_field)
+            return RecordLayout("pairs", prompt_fields, response_field)
     for name in CONVERSATION_FIELDS:
         if isinstance(field_value(record, name), list):
-            return Layout("conversation", response_field=name)
+            return RecordLayout("conversation", response_field=name)
     known = ", ".join("/".join((*fields[:1], response)) for fields, response in ALIASES)
     raise DataError(
         f"The first record has none of the fields convert looks for ({known}, text, or a conversation under "
@@ -234,7 +234,7 @@ def suggest_flags(record: dict | str | None, columns: tuple[str, ...]) -> tuple[
     return [], _text_note(columns) if auto.kind == "text" else ""
 
 
-def _auto_layout(record: dict) -> Layout | None:
+def _auto_layout(record: dict) -> RecordLayout | None:
     try:
         return choose_layout(record, FieldNames())
     except DataError:

@@ -21,7 +21,7 @@ and every layer's sequence is rebuilt from them. The next epoch starts afresh wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from lowmem.data.lanes import Layout, LayoutSpec
 from lowmem.data.plan import EpochPlan, Piece, PieceSequence
@@ -144,18 +144,29 @@ def close_layer(layers: list[Layer], spec: LayoutSpec) -> list[Layer]:
     return layers
 
 
+StateMerger = Callable[[list[dict[str, Any]]], dict[str, Any]]
+# How the saved states of another kind of stream merge (by the state's "kind"): a stream whose states hold other
+# streams' states (a mixture) registers its own merge here, so that this module, which it uses, never imports it.
+STATE_MERGERS: dict[str, StateMerger] = {}
+
+
+def register_state_merger(kind: str, merge: StateMerger) -> None:
+    """Have `merge_rank_states` merge the states of `kind` with `merge`."""
+    STATE_MERGERS[kind] = merge
+
+
 def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """One state holding every consumer's position, from the states each rank saved (any order).
+    """One state holding every consumer's position, from the states each rank saved (any order): a ParquetStream's
+    here, another kind's by the merge it registered (`register_state_merger`).
 
     A run that resumes on another number of processes or workers loads this merged state on every rank.
     """
     if not states:
         raise DataError("No saved data positions to merge.")
     first = states[0]
-    if first.get("kind") == "mixture":
-        from lowmem.data.mixture import merge_mixture_states  # the mixture's states hold streams' states
-
-        return merge_mixture_states(states)
+    merge_kind = STATE_MERGERS.get(str(first.get("kind")))
+    if merge_kind is not None:
+        return merge_kind(states)
     merged_positions: dict[str, Position] = {}
     next_workers: dict[str, int] = {}
     for state in states:

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lowmem.data.elastic import Layer, merge_rank_states
+from lowmem.data.elastic import Layer, merge_rank_states, register_state_merger
 from lowmem.data.plan import consumer_range
 from lowmem.data.sources import DEFAULT_COLUMNS
 from lowmem.data.stream import ConsumerNumbering, ParquetStream
@@ -548,3 +548,6 @@ def merge_mixture_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     merged["next_workers"] = {str(state["rank"]): int(state.get("next_worker", 0))
                               for state in states if "rank" in state}
     return merged
+
+
+register_state_merger(STATE_KIND, merge_mixture_states)

@@ -177,11 +177,12 @@ HANDED_BY_ITS_CALLER = {
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """Module → the package's modules it imports at module level (annotations' imports included). Packages'
-    __init__ modules are left out: they import their own modules to re-export them."""
+    """Module → the package's modules it imports, at module level (annotations' imports included) and inside
+    functions (a lazy import is a cycle at run time all the same). Packages' __init__ modules are left out: they
+    import their own modules to re-export them."""
     packages = {_module_name(path) for path in PACKAGE.rglob("__init__.py")}
     modules = {_module_name(path): path for path in PACKAGE.rglob("*.py") if _module_name(path) not in packages}
-    return {module: {name for name, _ in _imports(path, with_lazy=False) if name in modules and name != module}
+    return {module: {name for name, _ in _imports(path) if name in modules and name != module}
             for module, path in modules.items()}
 
 
