@@ -1,4 +1,5 @@
-"""StreamLoader: a DataLoader over a ParquetStream whose position can be saved and restored exactly."""
+"""StreamLoader: a DataLoader over a stream of rows (`RowStream`: a ParquetStream or a MixedStream) whose position
+can be saved and restored exactly."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data import default_convert
 
-from lowmem.data.stream import ParquetStream, Position
+from lowmem.data.stream import Position
+from lowmem.data.stream_type import RowStream
 from lowmem.errors import LowmemError
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ class _BatchedStream(IterableDataset):
     """Batches and collates rows where they are read (in the worker), tagging each batch with the
     reading consumer and its position just after the batch's last row."""
 
-    def __init__(self, stream: "ParquetStream | MixedStream", batch_size: int, collate_fn: Collate, drop_last: bool):
+    def __init__(self, stream: "RowStream[Any]", batch_size: int, collate_fn: Collate, drop_last: bool):
         super().__init__()
         self.stream, self.batch_size, self.collate_fn, self.drop_last = stream, batch_size, collate_fn, drop_last
 
@@ -75,7 +77,7 @@ class _BatchedStream(IterableDataset):
 
 
 class StreamLoader:
-    """Batches of a ParquetStream through a torch DataLoader, with an exact, saveable position.
+    """Batches of a stream of rows (`RowStream`) through a torch DataLoader, with an exact, saveable position.
 
     Rows are batched and collated inside the workers. Every batch carries its worker's stream position,
     and the loader records it when the batch is handed to the caller, so `state_dict()` describes
@@ -84,7 +86,7 @@ class StreamLoader:
     continue exactly; with others, the rest of the epoch is shared out anew.
 
     Args:
-        stream: the ParquetStream to read (its `num_workers` is set to this loader's).
+        stream: the stream to read, a ParquetStream or a MixedStream (its `num_workers` is set to this loader's).
         batch_size: rows per batch.
         collate_fn: turns a list of row dicts into a batch (default: the list itself).
         num_workers: DataLoader worker processes for this rank; each reads its own share of the rank's rows.
@@ -95,7 +97,7 @@ class StreamLoader:
 
     def __init__(
         self,
-        stream: "ParquetStream | MixedStream",
+        stream: "RowStream[Any]",
         batch_size: int,
         collate_fn: Collate | None = None,
         num_workers: int = 0,

@@ -18,6 +18,7 @@ from lowmem.data.mixture import MixedStream
 from lowmem.data.collate import FixedShapes, TokenizingCollate
 from lowmem.data.sizing import sample_batch_sizes
 from lowmem.data.sources import build_row_group_index, resolve_data_files
+from lowmem.data.stream_type import RowStream
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 from lowmem.data.tokenizer_identity import (describe_files, describe_identity, read_training_record,
                                             tokenizer_identity, trained_on_same_files)
@@ -186,7 +187,7 @@ def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: A
     if isinstance(files, list):
         mixture = MixedStream(files, shuffle=shuffle, **arguments)
         logger.info("Training sources: %s.", mixture.describe())
-        stream: ParquetStream | MixedStream = mixture
+        stream: RowStream[Any] = mixture
     else:
         stream = ParquetStream(files, shuffle=shuffle, **arguments)
     return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate,
