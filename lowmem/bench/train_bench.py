@@ -300,13 +300,10 @@ def compile_plain_loop_shapes(model: torch.nn.Module, optimizer: torch.optim.Opt
                               device: torch.device, shapes: FixedShapes, pad_id: int) -> None:
     """A forward and backward pass of padding in each fixed shape (no target counts, no step, gradients dropped,
     random state restored): the compiled plain loop's graphs, made before its timed steps."""
-    from lowmem.model import IGNORE_INDEX
-
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for sequences in sorted({shapes.sequences, shapes.rows}):
-            input_ids = torch.full((sequences, shapes.width), pad_id, dtype=torch.long, device=device)  # (B, T)
+        for input_ids, targets in shapes.padding_batches(pad_id):
             with inference_autocast(device, config.bf16, config.bf16_on_cpu):
-                loss = model(input_ids, torch.full_like(input_ids, IGNORE_INDEX))[1]
+                loss = model(input_ids.to(device), targets.to(device))[1]
             loss.backward()
             optimizer.zero_grad(set_to_none=True)
 

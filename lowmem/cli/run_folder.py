@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any, Collection, TypeVar
 
@@ -14,7 +13,7 @@ from lowmem.config.demo import DEMO_OUTPUT_DIR, data_name, uses_demo_data
 from lowmem.config.overrides import class_defaults
 from lowmem.config.train_config import TrainConfig
 from lowmem.config.train_sources import training_paths
-from lowmem.data.storage import is_uri
+from lowmem.data.tokenizer_identity import data_file_key
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +21,8 @@ ConfigT = TypeVar("ConfigT", bound=TrainConfig)
 
 
 def _same_file(saved: Any, train_file: str) -> bool:
-    """Whether a saved --train_file names `train_file` (the same text, or the same local file)."""
-    if not isinstance(saved, str):
-        return False
-    if saved == train_file or is_uri(saved) or is_uri(train_file):
-        return saved == train_file
-    return os.path.realpath(saved) == os.path.realpath(train_file)
+    """Whether a saved --train_file names `train_file` (the same remote name, or the same local file)."""
+    return isinstance(saved, str) and data_file_key(saved) == data_file_key(train_file)
 
 
 def _earlier_run_on(run_dir: str, train_file: str) -> bool:

@@ -54,6 +54,15 @@ class FixedShapes:
         the usual shape turns out to be (the memory plan needs it before the rows are sampled)."""
         return rows * width
 
+    def padding_batches(self, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, targets) of a micro-batch of padding in each shape, smaller first: what compiles a model's
+        graphs before training, learning nothing (no target counts, so the loss and every gradient are 0)."""
+        batches = []
+        for sequences in sorted({self.sequences, self.rows}):
+            input_ids = torch.full((sequences, self.width), pad_id, dtype=torch.long)  # (B, T)
+            batches.append((input_ids, torch.full_like(input_ids, IGNORE_INDEX)))
+        return batches
+
     def describe(self) -> str:
         if self.sequences >= self.rows:
             return f"{self.rows} x {self.width}"

@@ -214,7 +214,7 @@ def compressed_input_problem(source: str, compression: str, error: OSError, line
     """One paragraph for a compressed file that cannot be decompressed to its end: cut short (an interrupted
     download or copy), or damaged, or not compressed data at all despite its name."""
     where = f"its first {line:,} lines were read" if line else "not one line of it could be read"
-    test = f"{'gzip' if compression == 'gzip' else 'zstd'} -t {source}"
+    test = f"{compression} -t {source}"
     if "truncated" in str(error).lower():
         return (f"'{source}' ends in the middle of its {compression} data: the file was cut short (an interrupted "
                 f"download or copy?); {where}. Fetch or copy it again (`{test}` checks it). Nothing was written.")

@@ -40,7 +40,7 @@ def read_training_record(tokenizer_dir: str | Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def _file_key(path: str) -> str:
+def data_file_key(path: str) -> str:
     """A training file as records are compared: remote files as named, local ones by their real path, except the
     demo files that ship inside the package, by name (the package's folder changes with the environment)."""
     if is_uri(path):
@@ -55,8 +55,8 @@ def trained_on_same_files(record: dict[str, Any], files: Sequence[str]) -> bool:
     listed = record.get("files") or []
     if record.get("file_count", len(listed)) != len(files):
         return False
-    keys = {_file_key(str(file)) for file in files}
-    return all(_file_key(str(file)) in keys for file in listed)
+    keys = {data_file_key(str(file)) for file in files}
+    return all(data_file_key(str(file)) in keys for file in listed)
 
 
 def describe_files(files: Sequence[str], count: int | None = None) -> str:

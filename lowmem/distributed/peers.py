@@ -126,9 +126,8 @@ class PeerWatch:
 
     def reporter(self, lost: list[Peer]) -> bool:
         """True on the lowest surviving rank of this machine: the one that says it."""
-        dead = {peer.rank for peer in lost}
-        alive = [peer.rank for peer in self.peers if peer.host == self.host and peer.rank not in dead]
-        return bool(alive) and self.rank == min(alive)
+        reporter = self._reporter_peer(lost)
+        return reporter is not None and self.rank == reporter.rank
 
     def check(self, error: BaseException) -> None:
         """After `error` broke training: when a rank of this machine is gone, log the line (on the lowest
@@ -146,13 +145,16 @@ class PeerWatch:
         if self.reporter(lost):
             logger.error(self.explain(lost), extra={"all_ranks": True})
         else:
-            wait_while_alive(self._reporter_peer(lost), SURVIVOR_WAIT_SECONDS)
+            reporter = self._reporter_peer(lost)
+            if reporter is not None:
+                wait_while_alive(reporter, SURVIVOR_WAIT_SECONDS)
         raise ProcessLostError("") from None
 
-    def _reporter_peer(self, lost: list[Peer]) -> Peer:
+    def _reporter_peer(self, lost: list[Peer]) -> Peer | None:
+        """The lowest surviving rank of this machine, or None when none is left."""
         dead = {peer.rank for peer in lost}
-        return min((peer for peer in self.peers if peer.host == self.host and peer.rank not in dead),
-                   key=lambda peer: peer.rank)
+        alive = [peer for peer in self.peers if peer.host == self.host and peer.rank not in dead]
+        return min(alive, key=lambda peer: peer.rank) if alive else None
 
 
 def wait_while_alive(peer: Peer, seconds: float) -> None:

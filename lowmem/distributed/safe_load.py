@@ -8,9 +8,11 @@ every file a resume reads is read as data only, and checked before any rank load
     *.pt (torch.save)        `torch.load(weights_only=True)`: tensors, numbers, strings, lists, dicts (the random
                              states of checkpoints written before they were stored as tensors: numpy arrays too)
     optimizer/ (FSDP)        torch.distributed.checkpoint: its `.metadata` pickle read by an unpickler that knows
-                             only that file's own classes, its small values with `weights_only=True`
-    deepspeed/               read by DeepSpeed itself, after every global its pickles name was found among the
-                             classes DeepSpeed's own writer uses
+                             only that file's own classes (in the check and in torch's reader alike), its small
+                             values with `weights_only=True`
+    deepspeed/               checked first: every global its pickles name is among the classes DeepSpeed's own
+                             writer uses; then read through DeepSpeed's checkpoint engine with `weights_only=True`
+                             and those classes allowed (`deepspeed_loads_as_data`)
 
 `check_checkpoint_files` runs the checks on a whole checkpoint folder; a file that names anything else is refused
 with `UnsafeCheckpointError` before anything in it runs. `evaluate`, `generate` and `export` read safetensors and
@@ -23,8 +25,8 @@ import importlib
 import io
 import pickle
 import types
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -94,7 +96,8 @@ def unsafe_globals(path: Path) -> list[str]:
 
 def check_torch_file(path: Path, allowed: Iterable[str] = ()) -> None:
     """Refuse `path` when its pickle names a global outside torch's data types and `allowed`."""
-    unknown = [name for name in unsafe_globals(path) if name not in set(allowed)]
+    allowed = set(allowed)
+    unknown = [name for name in unsafe_globals(path) if name not in allowed]
     if unknown:
         raise refusal(path, unknown)
 

@@ -43,8 +43,7 @@ from accelerate.utils import DistributedType
 from lowmem.config import OptimConfig
 from lowmem.distributed.accelerator import offloads_optimizer
 from lowmem.distributed.collectives import broadcast_from_main
-from lowmem.distributed.safe_load import (check_deepspeed_checkpoint, deepspeed_loads_as_data,
-                                         load_distributed_checkpoint, load_torch_file)
+from lowmem.distributed.safe_load import deepspeed_loads_as_data, load_distributed_checkpoint, load_torch_file
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict,
@@ -352,8 +351,7 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
         )
     if kind == DEEPSPEED:
         # The engine restores the module's weights and the optimizer's fp32 master weights and moments, its files
-        # read as data (its own loader would unpickle them as they are).
-        check_deepspeed_checkpoint(folder / DEEPSPEED_DIR)
+        # read as data (its own loader would unpickle them as they are; the main process checked them before).
         with deepspeed_loads_as_data(model):
             # model is DeepSpeed's engine here: typed as a Module, its methods reach mypy as Module.__getattr__'s.
             load_path, _ = model.load_checkpoint(  # type: ignore[operator]

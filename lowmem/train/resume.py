@@ -83,9 +83,6 @@ def resume_from_checkpoint(trainer: Trainer, allow_config_change: bool = False,
     planned_total = trainer.total_steps  # this run's length, before the checkpoint's schedule replaces it
     # Saved before the schedule was a part of its own: its state is in `train`.
     saved.setdefault("schedule", schedule_state_of_train_state(saved.get("train", {})))
-    # Every file a rank will unpickle holds data only: checked once, before any rank loads anything (a refusal
-    # stops every rank, with the main process's message).
-    run_on_main(trainer.accelerator, lambda: check_checkpoint_files(folder, FSDP_OPTIMIZER_DIR, DEEPSPEED_DIR))
     trainer.checkpoint.load(folder, saved, skip=("data",), with_optimizer=with_optimizer)
     run_facts = trainer.checkpoint.run_facts
     rescaled = processes_changed(saved, run_facts)
@@ -112,8 +109,7 @@ def _checkpoint_to_resume(trainer: Trainer, allow_config_change: bool, start_fro
         if not allow_config_change:  # refused before newer checkpoints are set aside
             check_weights_only(Path(start_from), allow_config_change, trainer.is_main)
         if Path(start_from).is_dir():  # a checkpoint that is not data is refused before anything is set aside too
-            run_on_main(trainer.accelerator, lambda: check_checkpoint_files(Path(start_from), FSDP_OPTIMIZER_DIR,
-                                                                            DEEPSPEED_DIR))
+            _check_files_are_data(trainer, Path(start_from))
         return Path(broadcast_from_main(trainer.accelerator, lambda: str(checkpoints.start_from(start_from))))
 
     def newest_intact() -> tuple[Path | None, str | None]:
@@ -123,7 +119,15 @@ def _checkpoint_to_resume(trainer: Trainer, allow_config_change: bool, start_fro
     folder, refusal = broadcast_from_main(trainer.accelerator, newest_intact)
     if refusal is not None:
         raise ConfigError(refusal if trainer.is_main else "")
+    if folder is not None:
+        _check_files_are_data(trainer, folder)
     return folder
+
+
+def _check_files_are_data(trainer: Trainer, folder: Path) -> None:
+    """Every file of `folder` a rank will unpickle holds data only: checked once, by the main process, before any
+    rank loads anything (a refusal stops every rank, with the main process's message)."""
+    run_on_main(trainer.accelerator, lambda: check_checkpoint_files(folder, FSDP_OPTIMIZER_DIR, DEEPSPEED_DIR))
 
 
 def _load_data_position(trainer: Trainer, folder: Path, saved: dict[str, Any], allow_config_change: bool,

@@ -78,7 +78,7 @@ def _python_state(saved: Any) -> tuple[Any, ...]:
     """`random.setstate`'s tuple from the stored data (or the tuple an earlier checkpoint held)."""
     if not isinstance(saved, dict):
         return tuple(saved)
-    return (saved["version"], tuple(int(word) for word in saved["words"].tolist()), saved["gauss_next"])
+    return (saved["version"], tuple(saved["words"].tolist()), saved["gauss_next"])
 
 
 def _numpy_state(saved: Any) -> tuple[Any, ...]:

@@ -178,9 +178,7 @@ def compile_each_shape(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     started = time.perf_counter()
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # dropout draws nothing that training would have drawn
-        for sequences in sorted({shapes.sequences, shapes.rows}):
-            input_ids = torch.full((sequences, shapes.width), pad_id, dtype=torch.long)  # (B, T)
-            targets = torch.full_like(input_ids, IGNORE_INDEX)  # nothing counts: the loss and gradients are 0
+        for input_ids, targets in shapes.padding_batches(pad_id):  # nothing counts: the loss and gradients are 0
             segment_ids = torch.zeros_like(input_ids) if packed else None  # padding only: attends to padding
             # One process or DDP: nothing to all-reduce. FSDP2 reduces as usual: without it, it would keep the
             # gradients whole until the first step.
