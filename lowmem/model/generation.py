@@ -2,8 +2,12 @@
 
 The cache (`KVCache`) keeps the keys and values of positions already run, so each new token costs one
 position's work instead of a pass over the whole context. Prompts of different lengths are left-padded and
-masked (`_attention_mask`); the loop bans repeated n-grams and filters the logits (top-k, top-p) before
+masked (`attention_mask`); the loop bans repeated n-grams and filters the logits (top-k, top-p) before
 sampling.
+
+The loop and the model meet at one method, `GPT.next_token_logits(idx)`: `generate` hands it the whole context
+at every step, and what else it needs (the left padding, the cache) waits for it in `GPT.decoding`, a
+`DecodingState`, for the duration of the call.
 
 Shapes in comments use B = batch size, T = sequence length, nh = n_head, hs = head size and V = padded
 vocabulary size.
@@ -11,8 +15,9 @@ vocabulary size.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -78,11 +83,12 @@ class KVCache:
 
 
 @dataclass
-class _DecodingState:
-    """What `GPT._next_token_logits` needs besides the tokens while `GPT.generate` runs.
+class DecodingState:
+    """What `GPT.next_token_logits` needs besides the tokens while `GPT.generate` runs.
 
-    It lives on the model for the duration of `generate` rather than being passed along, so that
-    `_next_token_logits(idx)` keeps one argument: tests and tools replace that method to script the logits.
+    It waits in `GPT.decoding` for the duration of `generate` rather than being passed along, so that
+    `next_token_logits(idx)` keeps one argument: tests and tools replace that method on an instance to script
+    the logits.
     """
 
     # (B,) left-padding tokens at the start of each prompt row; None when no row is padded.
@@ -120,8 +126,8 @@ def generate(
     each further step recomputes the last `max_seq_len` tokens, as the uncached path does.
 
     Args:
-        model: the GPT; while it runs, `model._decoding` holds the left padding and the key/value cache that
-            `model._next_token_logits` reads.
+        model: the GPT; while it runs, `model.decoding` holds the left padding and the key/value cache that
+            `model.next_token_logits` reads.
         idx: prompt token ids, LongTensor (B, T) with T >= 1; left-padded when `prompt_lengths` is given.
         max_new_tokens: the most tokens to append.
         temperature: divides the logits before sampling; below 1 sharpens, above 1 flattens.
@@ -146,7 +152,23 @@ def generate(
         LongTensor (B, T + n) holding the prompt (padding included) followed by the n <= max_new_tokens
         new tokens. Ids are always < `config.vocab_size`: the padding rows of the vocabulary are never
         chosen.
+
+    Raises:
+        ValueError: if `idx` is not (B, T) with T >= 1, or `prompt_lengths` is not B lengths in [1, T].
+        ConfigError: if a sampling setting is out of range.
     """
+    _check_settings(idx, max_new_tokens, temperature, top_k, top_p)
+    sampling = _Sampling(model.config.vocab_size, greedy or temperature == 0, temperature, top_k, top_p,
+                         no_repeat_ngram_size, generator)
+    state = _decoding_state(model, idx, max_new_tokens, use_cache, prompt_lengths)
+    with _decoding(model, state):
+        return _decode(model, idx, max_new_tokens, sampling, eos_id, pad_id)
+
+
+def _check_settings(idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+                    top_p: float | None) -> None:
+    """Refuse a prompt that is not (B, T) with T >= 1 (ValueError) and sampling settings out of range
+    (ConfigError), before the model is touched."""
     if idx.dim() != 2 or idx.size(1) < 1:
         raise ValueError(f"idx must have shape (batch, seq_len) with seq_len >= 1, got {tuple(idx.shape)}.")
     if max_new_tokens < 0:
@@ -157,45 +179,87 @@ def generate(
         raise ConfigError(f"top_k must be >= 1 or None (no limit), got {top_k}.")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ConfigError(f"top_p must be in (0, 1] or None (no limit), got {top_p}.")
-    greedy = greedy or temperature == 0
-    vocab_size = model.config.vocab_size
-    fill_id = eos_id if pad_id is None else pad_id
+
+
+def _decoding_state(model: GPT, idx: torch.Tensor, max_new_tokens: int, use_cache: bool,
+                    prompt_lengths: torch.Tensor | None) -> DecodingState:
+    """The left padding of the prompt `idx` (B, T) and, with `use_cache`, an empty cache long enough for the
+    whole generation (at most `max_seq_len`)."""
     B, T = idx.shape
     max_len = model.config.max_seq_len
     n_pad = _left_padding(prompt_lengths, B, T, idx.device)  # (B,) or None
     # A prompt that already fills the context would use the cache for its first step only.
     cache = KVCache(model.config.n_layer, min(T + max_new_tokens, max_len)) if use_cache and T < max_len else None
+    return DecodingState(n_pad=n_pad, cache=cache)
 
+
+@contextlib.contextmanager
+def _decoding(model: GPT, state: DecodingState) -> Iterator[None]:
+    """Eval mode and `model.decoding = state` for the duration of a generation; both undone afterwards, on an
+    error too, so that neither dropout stays off nor the cache outlives the call."""
     was_training = model.training
     model.eval()
-    model._decoding = _DecodingState(n_pad=n_pad, cache=cache)
+    model.decoding = state
     try:
-        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)  # (B,)
-        answer_start = idx.size(1)
-        for _ in range(max_new_tokens):
-            # The whole context: `_next_token_logits` crops it, or runs only what the cache lacks.
-            logits = model._next_token_logits(idx).float()  # (B, V)
-            # The padding rows of the vocabulary are not tokens the tokenizer can decode.
-            logits[:, vocab_size:] = float("-inf")
-            if no_repeat_ngram_size > 0:
-                _ban_repeated_ngrams(logits, idx[:, answer_start:], no_repeat_ngram_size)
-            if greedy:
-                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
-                probs = F.softmax(_filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
-                next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
-            if eos_id is not None:
-                # Finished rows keep emitting padding so the batch stays rectangular.
-                assert fill_id is not None  # pad_id if given, else eos_id, which is set here
-                next_id = torch.where(finished.unsqueeze(1), torch.full_like(next_id, fill_id), next_id)
-                finished |= next_id.squeeze(1) == eos_id
-            idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
-            if eos_id is not None and bool(finished.all()):
-                break
+        yield
     finally:
-        model._decoding = None  # also frees the cache
+        model.decoding = None  # also frees the cache
         model.train(was_training)
+
+
+def _decode(model: GPT, idx: torch.Tensor, max_new_tokens: int, sampling: _Sampling, eos_id: int | None,
+            pad_id: int | None) -> torch.Tensor:
+    """The decoding loop: `idx` (B, T) followed by up to `max_new_tokens` tokens, one per step (see `generate`)."""
+    finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
+    answer_start = idx.size(1)
+    for _ in range(max_new_tokens):
+        # The whole context: `next_token_logits` crops it, or runs only what the cache lacks.
+        next_id = sampling.choose(model.next_token_logits(idx), idx[:, answer_start:])  # (B, 1)
+        if eos_id is not None:
+            next_id, finished = _pad_finished_rows(next_id, finished, eos_id, pad_id)
+        idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
+        if eos_id is not None and bool(finished.all()):
+            break
     return idx
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """How `generate` picks each next token from the model's logits: its sampling settings, once
+    `_check_settings` has accepted them."""
+
+    vocab_size: int  # the real vocabulary; the rows past it only pad the embedding
+    greedy: bool  # also when the temperature is 0
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    no_repeat_ngram_size: int
+    generator: torch.Generator | None
+
+    def choose(self, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        """The next token (B, 1) from the last position's logits (B, V), given the answer so far (B, t).
+
+        The logits are changed in place when they already are float32, as the loop never reads them again.
+        """
+        logits = logits.float()  # (B, V)
+        # The padding rows of the vocabulary are not tokens the tokenizer can decode.
+        logits[:, self.vocab_size :] = float("-inf")
+        if self.no_repeat_ngram_size > 0:
+            _ban_repeated_ngrams(logits, answer, self.no_repeat_ngram_size)
+        if self.greedy:
+            return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+        probs = F.softmax(_filter_logits(logits / self.temperature, self.top_k, self.top_p), dim=-1)  # (B, V)
+        return torch.multinomial(probs, num_samples=1, generator=self.generator)  # (B, 1)
+
+
+def _pad_finished_rows(next_id: torch.Tensor, finished: torch.Tensor, eos_id: int,
+                       pad_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen tokens (B, 1) with padding (`pad_id`, else `eos_id`) in rows that have finished, and the rows
+    finished (B,) once these tokens are added."""
+    fill_id = eos_id if pad_id is None else pad_id
+    # Finished rows keep emitting padding so the batch stays rectangular.
+    next_id = torch.where(finished.unsqueeze(1), torch.full_like(next_id, fill_id), next_id)  # (B, 1)
+    return next_id, finished | (next_id.squeeze(1) == eos_id)  # (B, 1), (B,)
 
 
 def _left_padding(prompt_lengths: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:
@@ -219,7 +283,7 @@ def _left_padding(prompt_lengths: torch.Tensor | None, B: int, T: int, device: t
     return n_pad if bool(n_pad.any()) else None
 
 
-def _attention_mask(Tq: int, Tk: int, n_pad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def attention_mask(Tq: int, Tk: int, n_pad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """Boolean attention mask (B or 1, 1, Tq, Tk), True where a query may attend to a key.
 
     The Tq queries are the last Tq of the Tk key positions. A query sees itself and earlier keys, except

@@ -33,7 +33,7 @@ from lowmem.model import generation
 from lowmem.model.config import ARCHITECTURES as ARCHITECTURES
 from lowmem.model.config import GPTConfig
 from lowmem.model.flex import document_block_mask, flex_attend, is_block_mask
-from lowmem.model.generation import KVCache, LayerKVCache, _attention_mask, _DecodingState
+from lowmem.model.generation import DecodingState, KVCache, LayerKVCache, attention_mask
 from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
 from lowmem.model.rotary import apply_rotary, rotary_angles
 
@@ -273,8 +273,8 @@ class GPT(nn.Module):
         for block in cast("Iterable[Block]", self.blocks):
             nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.out_proj.weight, mean=0.0, std=residual_std)
-        # Set only while `generate` runs.
-        self._decoding: _DecodingState | None = None
+        # The left padding and key/value cache `next_token_logits` reads; set only while `generate` runs.
+        self.decoding: DecodingState | None = None
         # Tokens per chunk of the loss (see `use_memory_savers`); 0 computes the whole logits at once.
         self.loss_chunk_tokens = 0
         # The kernel for attention within packed rows (see `use_attention`).
@@ -379,14 +379,17 @@ class GPT(nn.Module):
     # ----------------------------------------------------------------------------------------------------
     # Forward and loss
 
-    def _hidden(
+    def hidden_states(
         self,
         idx: torch.Tensor,
         n_pad: torch.Tensor | None = None,
         cache: KVCache | None = None,
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final normalised hidden states for token ids `idx` (B, T) -> (B, T, C).
+        """Final normalised hidden states for token ids `idx` (B, T) -> (B, T, C), before the language-model head.
+
+        `forward` and `next_token_logits` apply the head to all positions or to the last one; with a cache, a
+        prompt can be run in pieces here and give the hidden states of one pass over the whole.
 
         Args:
             idx: token ids; with a cache, those of the positions after the cached ones.
@@ -416,11 +419,11 @@ class GPT(nn.Module):
             # Each row's first real token gets position 0, as if its prompt had been given alone; padding
             # (hidden from every real position by the mask) clamps to 0 to stay a valid index.
             pos = (pos - n_pad.unsqueeze(1)).clamp_min(0)  # (B, T)
-            attn_mask = _attention_mask(T, start + T, n_pad, idx.device)  # (B, 1, T, start + T)
+            attn_mask = attention_mask(T, start + T, n_pad, idx.device)  # (B, 1, T, start + T)
         elif start > 0 and T > 1:
             # Several new queries after cached ones: SDPA's `is_causal` aligns the mask to the first key,
             # not the last, so it would be wrong here.
-            attn_mask = _attention_mask(T, start + T, None, idx.device)  # (1, 1, T, start + T)
+            attn_mask = attention_mask(T, start + T, None, idx.device)  # (1, 1, T, start + T)
         x = self.tok_emb(idx)  # (B, T, C)
         rotary = None
         if self.pos_emb is None:
@@ -462,7 +465,7 @@ class GPT(nn.Module):
             a float32 scalar, the weighted mean over counted positions (0.0 when no position counts, so a
             fully masked batch cannot turn the loss or the gradients into NaN), or None without targets.
         """
-        x = self._hidden(idx, segment_ids=segment_ids)  # (B, T, C)
+        x = self.hidden_states(idx, segment_ids=segment_ids)  # (B, T, C)
         if targets is None:
             return self.lm_head(x), None  # (B, T, V)
 
@@ -526,14 +529,21 @@ class GPT(nn.Module):
     # ----------------------------------------------------------------------------------------------------
     # Generation
 
-    def _next_token_logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits for the token after `idx` (B, T) -> (B, V), over the padded vocabulary.
+    def next_token_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for the token after `idx` (B, T) -> (B, V), over the padded vocabulary: one step of `generate`.
 
         Contexts longer than `max_seq_len` are cropped to their last `max_seq_len` tokens. While
-        `generate` runs, `self._decoding` says how many left-padding tokens each row starts with and holds
-        the key/value cache; with a cache only the positions it has not seen yet are run.
+        `generate` runs, `self.decoding` says how many left-padding tokens each row starts with and holds
+        the key/value cache; with a cache only the positions it has not seen yet are run. Outside `generate`
+        every row is a full prompt, run whole.
+
+        `generate` calls this method and nothing else of the model at each step, always with the one argument:
+        replacing it on an instance scripts the logits of a generation.
+
+        Args:
+            idx: the whole context so far, LongTensor (B, T); left-padded as the generation's prompt was.
         """
-        state = self._decoding if self._decoding is not None else _DecodingState()
+        state = self.decoding if self.decoding is not None else DecodingState()
         n_pad, cache = state.n_pad, state.cache
         max_len = self.config.max_seq_len
         if cache is not None and idx.size(1) > max_len:
@@ -544,14 +554,14 @@ class GPT(nn.Module):
             state.cache = cache = None
         if cache is not None:
             # The whole prompt on the first step, then only the token chosen last.
-            x = self._hidden(idx[:, cache.length :], n_pad, cache)  # (B, T_new, C)
+            x = self.hidden_states(idx[:, cache.length :], n_pad, cache)  # (B, T_new, C)
         else:
             if idx.size(1) > max_len:
                 cut = idx.size(1) - max_len
                 idx = idx[:, cut:]  # (B, max_seq_len)
                 if n_pad is not None:
                     n_pad = (n_pad - cut).clamp_min(0)  # (B,), the padding that is still in the window
-            x = self._hidden(idx, n_pad)  # (B, T, C)
+            x = self.hidden_states(idx, n_pad)  # (B, T, C)
         # Only the last position is needed: skip the (B, T, V) logits tensor.
         return self.lm_head(x[:, -1, :])  # (B, V)
 

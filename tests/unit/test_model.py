@@ -397,7 +397,7 @@ def test_generate_top_k_and_top_p_restrict_the_candidates(monkeypatch):
     model = tiny_model()
     probs = torch.zeros(model.config.padded_vocab_size)
     probs[:4] = torch.tensor([0.4, 0.3, 0.2, 0.1])
-    monkeypatch.setattr(model, "_next_token_logits", lambda idx: probs.log().expand(idx.size(0), -1).clone())
+    monkeypatch.setattr(model, "next_token_logits", lambda idx: probs.log().expand(idx.size(0), -1).clone())
     prompt = torch.zeros(400, 1, dtype=torch.long)
 
     def sampled(**kwargs) -> set[int]:
@@ -446,7 +446,7 @@ def test_generate_finished_rows_emit_padding_until_all_finish(monkeypatch):
         step["i"] += 1
         return logits
 
-    monkeypatch.setattr(model, "_next_token_logits", scripted_logits)
+    monkeypatch.setattr(model, "next_token_logits", scripted_logits)
     prompt = torch.full((2, 2), 4)
     out = model.generate(prompt, max_new_tokens=10, eos_id=eos, greedy=True, pad_id=pad)
     assert out.tolist() == [[4, 4, 5, eos, pad, pad], [4, 4, 6, 7, 8, eos]]
@@ -523,12 +523,12 @@ def test_kv_cache_writes_in_place_and_returns_all_positions():
 def test_cached_forward_matches_full_forward(architecture):
     model = tiny_model(max_seq_len=32, architecture=architecture)
     idx, _ = random_batch(model.config, B=2, T=20)
-    full = model.lm_head(model._hidden(idx))  # (B, T, V)
+    full = model.lm_head(model.hidden_states(idx))  # (B, T, V)
     cache = KVCache(model.config.n_layer, max_len=20)
     with torch.no_grad():
-        parts = [model.lm_head(model._hidden(idx[:, :6], cache=cache))]  # a prompt
-        parts += [model.lm_head(model._hidden(idx[:, t : t + 1], cache=cache)) for t in range(6, 12)]  # steps
-        parts.append(model.lm_head(model._hidden(idx[:, 12:], cache=cache)))  # several positions after a cache
+        parts = [model.lm_head(model.hidden_states(idx[:, :6], cache=cache))]  # a prompt
+        parts += [model.lm_head(model.hidden_states(idx[:, t : t + 1], cache=cache)) for t in range(6, 12)]  # steps
+        parts.append(model.lm_head(model.hidden_states(idx[:, 12:], cache=cache)))  # several positions after a cache
     torch.testing.assert_close(torch.cat(parts, dim=1), full)
 
 
@@ -562,20 +562,20 @@ def test_generate_cached_and_uncached_give_the_same_greedy_tokens(seed, architec
 def test_generate_with_cache_runs_only_the_new_token_per_step(monkeypatch):
     model = tiny_model(max_seq_len=64)
     widths = []
-    hidden = model._hidden
+    hidden = model.hidden_states
 
     def recording_hidden(idx, *args, **kwargs):
         widths.append(idx.size(1))
         return hidden(idx, *args, **kwargs)
 
-    monkeypatch.setattr(model, "_hidden", recording_hidden)
+    monkeypatch.setattr(model, "hidden_states", recording_hidden)
     prompt, _ = random_batch(model.config, B=2, T=5)
     model.generate(prompt, max_new_tokens=4, greedy=True)
     assert widths == [5, 1, 1, 1]
     widths.clear()
     model.generate(prompt, max_new_tokens=4, greedy=True, use_cache=False)
     assert widths == [5, 6, 7, 8]
-    assert model._decoding is None  # the cache does not outlive the call
+    assert model.decoding is None  # the cache does not outlive the call
 
 
 @ARCHITECTURE
@@ -683,7 +683,7 @@ def test_no_repeat_ngram_size_forbids_repeating_an_ngram_of_the_answer(monkeypat
     def scripted(idx):  # the same preferences at every step: plain greedy repeats token 0 forever
         return preference.expand(idx.size(0), -1).clone()
 
-    monkeypatch.setattr(model, "_next_token_logits", scripted)
+    monkeypatch.setattr(model, "next_token_logits", scripted)
     prompt = torch.tensor([[5, 0, 0, 0]])
     plain = model.generate(prompt, max_new_tokens=10, greedy=True, use_cache=False)[0, 4:].tolist()
     assert plain == [0] * 10

@@ -74,10 +74,10 @@ def test_inference_runs_in_float32_on_the_cpu():
     prompt = torch.randint(0, 50, (1, 4))
     with inference_autocast(torch.device("cpu"), True):
         assert not torch.is_autocast_enabled("cpu")
-        logits = model._next_token_logits(prompt)
+        logits = model.next_token_logits(prompt)
         generated = model.generate(prompt, max_new_tokens=4, greedy=True)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, model._next_token_logits(prompt), rtol=0, atol=0)
+    torch.testing.assert_close(logits, model.next_token_logits(prompt), rtol=0, atol=0)
     assert torch.equal(generated, model.generate(prompt, max_new_tokens=4, greedy=True))
 
 
