@@ -129,13 +129,13 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
 def newest_saved_config(run_dir: str | Path) -> dict[str, Any] | None:
     """The training config saved with the newest checkpoint of `run_dir` that has a readable trainer state,
     or None. For settings every checkpoint of a run shares (the model's architecture): nothing is verified."""
-    state = newest_trainer_state(run_dir)
-    return None if state is None else dict(state["config"])
+    found = newest_readable_checkpoint(run_dir)
+    return None if found is None else dict(found[1]["config"])
 
 
-def newest_trainer_state(run_dir: str | Path) -> dict[str, Any] | None:
-    """The trainer state of the newest checkpoint of `run_dir` that has a readable one (with its config), or None.
-    For what every checkpoint of a run shares (the architecture, the memory savers): nothing is verified."""
+def newest_readable_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of `run_dir` that has a readable trainer state (with its config), and that state; or
+    None. For what every checkpoint of a run shares (the architecture, the memory savers): nothing is verified."""
     steps = []
     for folder in Path(run_dir).glob("checkpoint-*"):
         number = folder.name.split("-", 1)[1]
@@ -145,7 +145,7 @@ def newest_trainer_state(run_dir: str | Path) -> dict[str, Any] | None:
         try:
             state = read_trainer_state(folder)
             dict(state["config"])
-            return state
+            return folder, state
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None

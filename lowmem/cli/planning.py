@@ -32,6 +32,7 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     from lowmem.errors import ConfigError
     from lowmem.memory.plan import DDP, DEEPSPEED, FSDP, SINGLE, STRATEGIES
     from lowmem.train.memory_fit import RunLayout, decide, explicit_fields
+    from lowmem.train.startup import read_saved_run
 
     config, given = resolve_config(use_large_config, overrides)
     validate_config(config)
@@ -51,7 +52,9 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     layout = RunLayout(strategy=strategy, processes=num_processes, world_size=num_processes,
                        device="cuda" if on_gpu else "cpu", bf16=config.bf16 and (on_gpu or config.bf16_on_cpu),
                        deepspeed_offload=strategy == DEEPSPEED, launcher=num_processes > 1, gpu_bytes=gpu_bytes)
-    decision = decide(config, layout, explicit_fields(config, given), is_keep_training)
+    saved_choice = read_saved_run(config.output_dir).memory_choice(allow_config_change=False) \
+        if is_keep_training else None
+    decision = decide(config, layout, explicit_fields(config, given), saved_choice)
     for line in decision.lines + decision.warnings:
         print(line)
     if decision.error is not None:

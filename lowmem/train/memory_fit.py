@@ -21,7 +21,6 @@ from typing import Any, Callable, Collection
 import psutil
 import torch
 
-from lowmem.checkpoint.contents import newest_trainer_state, read_trainer_state
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns
 from lowmem.config.train_sources import training_paths
@@ -204,26 +203,19 @@ class MemoryDecision:
                 "predicted_high_water": self.predicted_high_water(True)}
 
 
-def _saved_choice(config: TrainConfig, checkpoint: str | Path | None = None) -> dict[str, Any] | None:
-    """The memory choice saved with the checkpoint a resume continues from: `checkpoint` when one is named, else
-    the run's newest."""
-    state = read_trainer_state(Path(checkpoint)) if checkpoint else newest_trainer_state(config.output_dir)
-    return None if state is None else state.get(SAVED_KEY)
-
-
-def decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], is_keep_training: bool = False,
-           allow_config_change: bool = False, base_bytes: int | None = None,
-           checkpoint: str | Path | None = None) -> MemoryDecision:
+def decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str],
+           saved_choice: dict[str, Any] | None = None, base_bytes: int | None = None) -> MemoryDecision:
     """Plan the run and choose its memory savers (rank 0's work in `settle_memory`); errors come back as data.
-    A resume keeps the choice saved with the checkpoint it continues from (`checkpoint`, else the newest)."""
+    A resume keeps `saved_choice`, the choice saved with the checkpoint it continues from
+    (`lowmem.train.startup.SavedRun.memory_choice`)."""
     try:
-        return _decide(config, layout, explicit, is_keep_training, allow_config_change, base_bytes, checkpoint)
+        return _decide(config, layout, explicit, saved_choice, base_bytes)
     except LowmemError as error:
         return MemoryDecision(error=str(error))
 
 
-def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], is_keep_training: bool,
-            allow_config_change: bool, base_bytes: int | None, checkpoint: str | Path | None) -> MemoryDecision:
+def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], saved: dict[str, Any] | None,
+            base_bytes: int | None) -> MemoryDecision:
     budget = int(config.memory_budget_gb * GIB) if config.memory_budget_gb > 0 else None
     if budget is None:
         from lowmem.memory.budget import memory_budget_bytes
@@ -231,7 +223,6 @@ def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], i
         budget = memory_budget_bytes()
     source = budget_source(config.memory_budget_gb)
     decision = MemoryDecision(budget_bytes=budget)
-    saved = _saved_choice(config, checkpoint) if is_keep_training and not allow_config_change else None
     if config.memory_savers == "auto" and saved is not None:
         # A resumed run keeps the savers it chose, whatever this host's budget: the batches stay the same.
         decision.changes = {name: value for name, value in saved.get("changes", {}).items()
@@ -272,19 +263,17 @@ def _resume_line(saved: dict[str, Any], decision: MemoryDecision, budget: int) -
     return text + "."
 
 
-def settle_memory(config: TrainConfig, accelerator: Any, explicit: Collection[str], is_keep_training: bool = False,
-                  allow_config_change: bool = False,
-                  checkpoint: str | Path | None = None) -> tuple[TrainConfig, MemoryDecision]:
-    """Rank 0 plans and chooses the memory savers; every rank gets the same decision and config (a resume: the
-    choice saved with `checkpoint`, else with the run's newest checkpoint).
+def settle_memory(config: TrainConfig, accelerator: Any, explicit: Collection[str],
+                  saved_choice: dict[str, Any] | None = None) -> tuple[TrainConfig, MemoryDecision]:
+    """Rank 0 plans and chooses the memory savers; every rank gets the same decision and config (a resume:
+    `saved_choice`, the choice saved with the checkpoint it continues from).
 
     Raises ConfigError (on every rank; only the main process's says why) when nothing fits.
     """
     from lowmem.distributed.collectives import broadcast_from_main
 
     layout = layout_of(accelerator)
-    decision = broadcast_from_main(accelerator, lambda: decide(config, layout, explicit, is_keep_training,
-                                                                allow_config_change, checkpoint=checkpoint))
+    decision = broadcast_from_main(accelerator, lambda: decide(config, layout, explicit, saved_choice))
     if decision.error is not None:
         raise ConfigError(decision.error if accelerator.is_main_process else "")
     if decision.changes:

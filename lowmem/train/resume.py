@@ -1,34 +1,34 @@
 """Whether and how a run continues from a checkpoint: which checkpoint, what may have changed since it was
-saved, the settings a resumed run keeps, the data position on another number of processes or workers, and the
-learning-rate schedule's steps left.
+saved, the data position on another number of processes or workers, and the learning-rate schedule's steps left.
 
-The checkpoint layer only stores, checks and loads (`lowmem.checkpoint`); every decision of a resume is here:
+The checkpoint layer only stores, checks and loads (`lowmem.checkpoint`); the start-up reads the saved run and
+settles the config from it (`lowmem.train.startup`); the Trainer's parts load themselves (`Trainer.resume`, through
+`TrainingCheckpoint`). Every decision of a resume is here:
 
-    resume_from_checkpoint    the whole resume of a Trainer, in order
-    settle_architecture,      settings a resumed run keeps from its checkpoints whatever today's defaults
-      settle_loss_targets,
-      resumed_tokenizer_dir
-    check_resume,             refusing what cannot continue exactly (unless --allow_config_change) or at all
+    choose_checkpoint         which checkpoint: the one named (the newer ones set aside), else the newest intact one
+    decide_resume,            refusing what cannot continue exactly (unless --allow_config_change) or at all, and
+      check_resume,           what changed, said in the resume's line
       resume_differences,
       check_weights_only
-    processes_changed,        another number of processes or DataLoader workers: the rest of the epoch shared out
-      readers_changed,        anew among the new readers (`lowmem.data.elastic`), which needs every old rank's
+    data_position_to_load,    another number of processes or DataLoader workers: the rest of the epoch shared out
+      epoch_may_restart,      anew among the new readers (`lowmem.data.elastic`), which needs every old rank's
       merged_data_state,      position; steps, the schedule and the best-checkpoint ranking continue, the global
-      rescale_line            batch changes with the number of processes, said in one line
+      steps_after_rescale,    batch changes with the number of processes, said in one line
+      rescale_line
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lowmem.checkpoint.contents import (TRAINER_STATE_FILE, newest_saved_config, rank_part_file, read_part_file,
-                                       read_trainer_state)
-from lowmem.checkpoint.folders import read_marker
+from accelerate import Accelerator
+
+from lowmem.checkpoint.contents import TRAINER_STATE_FILE, rank_part_file, read_part_file
+from lowmem.checkpoint.folders import CheckpointManager, read_marker
 from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, TrainConfig
-from lowmem.config.columns import response_only
 from lowmem.data.elastic import merge_rank_states
 from lowmem.data.tokenizer_identity import check_same_tokenizer
 from lowmem.distributed.collectives import broadcast_from_main, run_on_main
@@ -36,182 +36,102 @@ from lowmem.distributed.safe_load import check_checkpoint_files
 from lowmem.distributed.strategy import DEEPSPEED_DIR, FSDP_OPTIMIZER_DIR
 from lowmem.errors import ConfigError, DataContentChanged, DataError
 from lowmem.train.schedule import same_learning_rates, schedule_state_of_train_state, total_steps
-from lowmem.train.setup import NEW_RUN_ARCHITECTURE
-
-if TYPE_CHECKING:
-    from lowmem.train.trainer import Trainer
+from lowmem.train.startup import in_effect
 
 logger = logging.getLogger(__name__)
 
 # The run's length only sets the schedule's total: changing it keeps a resume exact as long as every step
 # already taken had the same learning rate under the old and the new total.
 RUN_LENGTH_FIELDS = ("epochs", "max_steps")
-# Fields added after checkpoints were written without them: the value those runs had in effect.
-VALUES_BEFORE_THE_FIELD = {"dataloader_mix_row_groups": 1, "architecture": "gpt2", "text_column": "",
-                           "train_sources": ""}
 # What decides the layout of the data readers: a change of any of them shares the epoch's rest out anew.
 READER_FIELDS = ("dataloader_buffer_size", "dataloader_mix_row_groups")
 READER_FACTS = ("world_size", "workers_per_rank")
 
 
-def _in_effect(saved_config: dict[str, Any]) -> dict[str, Any]:
-    """A saved config with the values its run had in effect for the fields added after it was written."""
-    return {**VALUES_BEFORE_THE_FIELD, **saved_config}
+@dataclass
+class ResumeDecision:
+    """What a resume continues from and how: the checkpoint, its trainer state, the changes that make it inexact
+    (said in the resume's line), whether the optimizer state is loaded, and whether the readers' layout changed
+    (the rest of the epoch shared out anew, the schedule stretched over the steps left)."""
+
+    folder: Path
+    saved: dict[str, Any]
+    changes: list[str]
+    with_optimizer: bool
+    rescaled: bool
 
 
-def resume_from_checkpoint(trainer: Trainer, allow_config_change: bool = False,
-                           start_from: str | Path | None = None) -> Path | None:
-    """Continue `trainer` from the latest complete checkpoint of its run folder (or from `start_from`, one of its
-    checkpoints, the newer ones set aside), if there is one; returns it. Every rank calls it.
-
-    In order: the checkpoint chosen (damaged ones only: refused), the tokenizer and the settings compared with
-    the saved ones (`check_resume`, `check_weights_only`), every part loaded, the data position loaded (merged
-    from every old rank's on another layout of readers), and the schedule continued (stretched over the steps
-    left after a change of processes).
-    """
-    config = trainer.config
-    folder = _checkpoint_to_resume(trainer, allow_config_change, start_from)
-    if folder is None:
-        logger.info("No complete checkpoint in %s: starting fresh.", config.output_dir)
-        return None
-    saved = read_trainer_state(folder)
-    check_same_tokenizer(saved.get("tokenizer"), trainer.tokenizer_identity, folder)
-    changes = check_resume(folder, saved, config, allow_config_change, trainer.steps_per_epoch)
-    with_optimizer = check_weights_only(folder, allow_config_change, trainer.is_main, trainer.checkpoints.damage)
-    if not with_optimizer:
-        changes.append("optimizer state started afresh")
-    planned_total = trainer.total_steps  # this run's length, before the checkpoint's schedule replaces it
-    # Saved before the schedule was a part of its own: its state is in `train`.
-    saved.setdefault("schedule", schedule_state_of_train_state(saved.get("train", {})))
-    trainer.checkpoint.load(folder, saved, skip=("data",), with_optimizer=with_optimizer)
-    run_facts = trainer.checkpoint.run_facts
-    rescaled = processes_changed(saved, run_facts)
-    _load_data_position(trainer, folder, saved, allow_config_change, may_restart_epoch=bool(changes) or rescaled)
-    if rescaled:
-        steps_left = _stretch_schedule(trainer)
-        logger.info(rescale_line(saved, config, run_facts, len(trainer.data.loader.stream), steps_left))
-    else:  # a stretched schedule keeps the total it planned; otherwise this run's length stands
-        trainer.total_steps = trainer.schedule.total_steps if trainer.schedule.stretched else planned_total
-    trainer.checkpoints.last_saved_step = trainer.state.step
-    trainer.resumed_from = folder
-    state = trainer.state
-    logger.info("Resumed from %s: epoch %d, step %d, %s tokens seen%s.", folder, state.epoch, state.step,
-                f"{state.tokens_seen:,}", f" (changed: {'; '.join(changes)})" if changes else "")
-    return folder
-
-
-def _checkpoint_to_resume(trainer: Trainer, allow_config_change: bool, start_from: str | Path | None) -> Path | None:
+def choose_checkpoint(checkpoints: CheckpointManager, accelerator: Accelerator, allow_config_change: bool,
+                      start_from: str | Path | None) -> Path | None:
     """The checkpoint every rank resumes from, chosen by the main process: `start_from` (the newer ones set aside),
     else the newest intact one, else None. Checkpoints that exist but are all damaged stop the resume: a run is
-    never started fresh over them."""
-    checkpoints = trainer.checkpoints
+    never started fresh over them. Every file a rank will unpickle is checked to hold data only, once, before
+    any rank loads anything."""
+    is_main = accelerator.is_main_process
     if start_from is not None:
         if not allow_config_change:  # refused before newer checkpoints are set aside
-            check_weights_only(Path(start_from), allow_config_change, trainer.is_main)
+            check_weights_only(Path(start_from), allow_config_change, is_main)
         if Path(start_from).is_dir():  # a checkpoint that is not data is refused before anything is set aside too
-            _check_files_are_data(trainer, Path(start_from))
-        return Path(broadcast_from_main(trainer.accelerator, lambda: str(checkpoints.start_from(start_from))))
+            _check_files_are_data(accelerator, Path(start_from))
+        return Path(broadcast_from_main(accelerator, lambda: str(checkpoints.start_from(start_from))))
 
     def newest_intact() -> tuple[Path | None, str | None]:
         found = checkpoints.latest_complete()
         return found, checkpoints.no_usable_checkpoint(found)
 
-    folder, refusal = broadcast_from_main(trainer.accelerator, newest_intact)
+    folder, refusal = broadcast_from_main(accelerator, newest_intact)
     if refusal is not None:
-        raise ConfigError(refusal if trainer.is_main else "")
+        raise ConfigError(refusal if is_main else "")
     if folder is not None:
-        _check_files_are_data(trainer, folder)
+        _check_files_are_data(accelerator, folder)
     return folder
 
 
-def _check_files_are_data(trainer: Trainer, folder: Path) -> None:
-    """Every file of `folder` a rank will unpickle holds data only: checked once, by the main process, before any
-    rank loads anything (a refusal stops every rank, with the main process's message)."""
-    run_on_main(trainer.accelerator, lambda: check_checkpoint_files(folder, FSDP_OPTIMIZER_DIR, DEEPSPEED_DIR))
+def _check_files_are_data(accelerator: Accelerator, folder: Path) -> None:
+    """Every file of `folder` a rank will unpickle holds data only: checked by the main process (a refusal stops
+    every rank, with the main process's message)."""
+    run_on_main(accelerator, lambda: check_checkpoint_files(folder, FSDP_OPTIMIZER_DIR, DEEPSPEED_DIR))
 
 
-def _load_data_position(trainer: Trainer, folder: Path, saved: dict[str, Any], allow_config_change: bool,
-                        may_restart_epoch: bool) -> None:
-    """This rank's data position from `folder`: its own, or every old rank's merged when the readers' layout
-    changed. Data files rewritten since the save are refused, or read on from the saved position with
-    `allow_config_change`; a position that no longer fits changed settings restarts the epoch."""
-    stream = trainer.data.loader.stream
-    stream.allow_changed_content = allow_config_change
-    try:
-        if readers_changed(saved, trainer.config, trainer.checkpoint.run_facts):
-            trainer.data.load_state_dict(merged_data_state(folder, int(saved.get("world_size", 1))))
-        else:
-            trainer.checkpoint.load_part(folder, "data")
-    except DataError as error:
-        if isinstance(error, DataContentChanged) or not may_restart_epoch:
-            raise  # other rows under a saved position: refused, whatever else changed
-        logger.warning("The saved data position does not fit the changed settings (%s): epoch %d restarts.",
-                       error, trainer.state.epoch)
+def decide_resume(folder: Path, saved: dict[str, Any], config: TrainConfig, tokenizer_identity: dict[str, Any],
+                  run_facts: dict[str, Any], steps_per_epoch: int, allow_config_change: bool, is_main: bool = True,
+                  damaged: dict[str, list[str]] | None = None) -> ResumeDecision:
+    """Whether the run may continue from `folder` (its trainer state `saved`) with this config, tokenizer and
+    layout (`run_facts`), and how: the tokenizer and the settings compared with the saved ones (`check_resume`,
+    `check_weights_only`; `damaged` names the newer checkpoints the choice fell back from)."""
+    check_same_tokenizer(saved.get("tokenizer"), tokenizer_identity, folder)
+    changes = check_resume(folder, saved, config, allow_config_change, steps_per_epoch)
+    with_optimizer = check_weights_only(folder, allow_config_change, is_main, damaged)
+    if not with_optimizer:
+        changes.append("optimizer state started afresh")
+    # Saved before the schedule was a part of its own: its state is in `train`.
+    saved.setdefault("schedule", schedule_state_of_train_state(saved.get("train", {})))
+    return ResumeDecision(folder, saved, changes, with_optimizer, processes_changed(saved, run_facts))
 
 
-def _stretch_schedule(trainer: Trainer) -> int:
-    """After a resume on another number of processes: the steps left are this epoch's rest and the later epochs
-    at the new rate; the schedule is stretched over them from where it stood. Returns the steps left."""
-    config, step = trainer.config, trainer.state.step
-    steps_left = (len(trainer.data.loader) // config.gradient_accumulation_steps
-                  + max(0, config.epochs - trainer.state.epoch - 1) * trainer.steps_per_epoch)
+def data_position_to_load(decision: ResumeDecision, config: TrainConfig,
+                          run_facts: dict[str, Any]) -> dict[str, Any] | None:
+    """The data position to load when the readers' layout changed: every old rank's merged into one (None: the
+    layout is the same, and each rank loads its own part)."""
+    if not readers_changed(decision.saved, config, run_facts):
+        return None
+    return merged_data_state(decision.folder, int(decision.saved.get("world_size", 1)))
+
+
+def epoch_may_restart(error: DataError, decision: ResumeDecision) -> bool:
+    """Whether a saved data position that failed to load (`error`) restarts the epoch: only when settings changed
+    (the position no longer fits them); other rows under a saved position are refused, whatever else changed."""
+    return not isinstance(error, DataContentChanged) and (bool(decision.changes) or decision.rescaled)
+
+
+def steps_after_rescale(config: TrainConfig, step: int, epoch: int, micro_batches_left: int,
+                        steps_per_epoch: int) -> int:
+    """The run's total steps after a resume on another number of processes: this epoch's rest (its
+    `micro_batches_left` at the new rate) and the later epochs, from `step`, within --max_steps."""
+    steps_left = (micro_batches_left // config.gradient_accumulation_steps
+                  + max(0, config.epochs - epoch - 1) * steps_per_epoch)
     total = step + steps_left
-    if config.max_steps:
-        total = min(total, config.max_steps)
-    trainer.schedule.stretch(step, total)
-    trainer.total_steps = total
-    return total - step
-
-
-def saved_config_to_resume(config: TrainConfig, checkpoint: str | Path | None = None) -> dict[str, Any] | None:
-    """The config saved with the checkpoint a resume continues from: `checkpoint` when one is named
-    (--resume_from_checkpoint), else the run's newest with a readable trainer state; None when there is none."""
-    if checkpoint:
-        return dict(read_trainer_state(Path(checkpoint))["config"])
-    return newest_saved_config(config.output_dir)
-
-
-def settle_architecture(config: TrainConfig, is_keep_training: bool,
-                        checkpoint: str | Path | None = None) -> TrainConfig:
-    """`config` with its architecture decided: as given; else, when resuming, that of the checkpoint it resumes
-    from (`saved_config_to_resume`; gpt2 for those saved before the option existed); else NEW_RUN_ARCHITECTURE.
-    A resumed run thus keeps its model whatever the default, and an explicit other value is refused by the
-    resume check."""
-    if config.architecture is not None:
-        return config
-    saved = saved_config_to_resume(config, checkpoint) if is_keep_training else None
-    if saved is None:
-        return dataclasses.replace(config, architecture=NEW_RUN_ARCHITECTURE)
-    return dataclasses.replace(config, architecture=_in_effect(saved)["architecture"])
-
-
-def settle_loss_targets(config: TrainConfig, is_keep_training: bool,
-                        checkpoint: str | Path | None = None) -> TrainConfig:
-    """`config` with --loss_on_response_only decided: as given; else, when resuming a run of the same columns,
-    that of the checkpoint it resumes from (runs saved when every token was the default keep it); else from the
-    data (`lowmem.config.columns.response_only`). Checkpoints thus always record a concrete value."""
-    if config.loss_on_response_only is not None:
-        return config
-    saved = saved_config_to_resume(config, checkpoint) if is_keep_training else None
-    saved = _in_effect(saved) if saved is not None else {}
-    kept = saved.get("loss_on_response_only")
-    if kept is None or saved.get("text_column") != config.text_column:  # other columns: the resume check says so
-        return dataclasses.replace(config, loss_on_response_only=response_only(config))
-    if kept != response_only(config):
-        logger.info("The run in %s was saved with --loss_on_response_only=%s: kept (a new run of this data would "
-                    "take %s).", config.output_dir, kept, response_only(config))
-    return dataclasses.replace(config, loss_on_response_only=bool(kept))
-
-
-def resumed_tokenizer_dir(config: TrainConfig, checkpoint: str | Path | None = None) -> TrainConfig:
-    """`config` with the tokenizer folder the checkpoint it resumes from was trained with (`checkpoint`, else the
-    run's newest): a resume that does not name one continues with the run's own, wherever today's defaults
-    point."""
-    saved_dir = (saved_config_to_resume(config, checkpoint) or {}).get("tokenizer_dir")
-    if not saved_dir or saved_dir == config.tokenizer_dir:
-        return config
-    logger.info("Tokenizer of the run in %s: %s.", config.output_dir, saved_dir)
-    return dataclasses.replace(config, tokenizer_dir=saved_dir)
+    return min(total, config.max_steps) if config.max_steps else total
 
 
 def check_weights_only(folder: Path, allow_config_change: bool, is_main: bool = True,
@@ -256,7 +176,7 @@ def resume_differences(saved: dict[str, Any], config: TrainConfig, steps_per_epo
     `steps_per_epoch` is this run's; a changed run length counts only when it changed a learning rate
     already used. The run facts (processes, workers) are not among them: a resume may change them.
     """
-    saved_config = _in_effect(saved["config"])
+    saved_config = in_effect(saved["config"])
     changed = [name for name in RESUME_EXACT_FIELDS if saved_config.get(name) != getattr(config, name)]
     changed.sort(key=lambda name: name in RUN_LENGTH_FIELDS)  # what changes the batches is named first
     if changed and set(changed) <= set(RUN_LENGTH_FIELDS) and _run_length_is_harmless(saved, config, steps_per_epoch):
@@ -295,7 +215,7 @@ def processes_changed(saved: dict[str, Any], run_facts: dict[str, Any]) -> bool:
 
 def readers_changed(saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any]) -> bool:
     """True when the saved run read its data with another layout than this run will."""
-    saved_config = _in_effect(saved["config"])
+    saved_config = in_effect(saved["config"])
     return (processes_changed(saved, run_facts)
             or any(saved_config.get(name) != getattr(config, name) for name in READER_FIELDS))
 

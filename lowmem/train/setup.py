@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Collection
@@ -41,23 +40,6 @@ logger = logging.getLogger(__name__)
 # The architecture of a new run whose config leaves it unset: the one that reached the lower validation loss
 # on the demo data in the same training time (README, "Architectures").
 NEW_RUN_ARCHITECTURE = "llama"
-
-
-def settle_best_metric(config: TrainConfig) -> TrainConfig:
-    """`config` with a checkpoint ranking it can compute: without BLEU (--eval_bleu_samples=0, or one text
-    column, which has no prompts to answer), ranking by bleu4 would keep no best checkpoint and write no best/,
-    so the validation loss ranks them instead, said in one line."""
-    if config.best_metric != "bleu4" or (config.eval_bleu_samples != 0 and not config.text_column):
-        return config
-    if config.text_column:
-        logger.info("One text column (--text_column=%s) has no prompts to answer: validation computes the loss "
-                    "and perplexity without BLEU-4, and best/ and the best checkpoints are chosen by validation "
-                    "loss.", config.text_column)
-        return dataclasses.replace(config, best_metric="val_loss")
-    logger.warning("--eval_bleu_samples=0 computes no BLEU-4 to rank checkpoints by: best/ and the best "
-                   "checkpoints are chosen by validation loss (--best_metric=val_loss says so; "
-                   "--eval_bleu_samples=N ranks by BLEU-4 again).")
-    return dataclasses.replace(config, best_metric="val_loss")
 
 
 def model_config_for(config: TrainConfig, vocab_size: int) -> GPTConfig:

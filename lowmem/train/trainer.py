@@ -37,14 +37,14 @@ from lowmem.atomic_files import write_json_atomic
 from lowmem.checkpoint.contents import RESUME_ONLY, TrainingCheckpoint
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.checkpoint.folders import CheckpointManager
-from lowmem.checkpoint.run_lock import check_output_dir, lock_run_folder, start_fresh_run
+from lowmem.checkpoint.run_lock import lock_run_folder, start_fresh_run
 from lowmem.config import TrainConfig, validate_config
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.config.train_sources import training_data
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
-from lowmem.data.path_checks import check_data_files
 from lowmem.disk_errors import writing
+from lowmem.errors import DataError
 from lowmem.distributed.accelerator import create_accelerator, log_launcher_precision_note
 from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
                                            end_process_group, run_on_main)
@@ -62,11 +62,12 @@ from lowmem.run_files import LAUNCH_LOG_DIR, run_training_log, tokenizer_record_
 from lowmem.train.callbacks import Callback
 from lowmem.train.log import StepLog, attach_run_log, setup_training_log
 from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
-from lowmem.train.resume import resume_from_checkpoint, resumed_tokenizer_dir, settle_architecture, settle_loss_targets
+from lowmem.train.resume import (ResumeDecision, choose_checkpoint, data_position_to_load, decide_resume,
+                                 epoch_may_restart, rescale_line, steps_after_rescale)
 from lowmem.train.schedule import LearningRateSchedule, total_steps
-from lowmem.train.setup import (build_model_and_optimizer, check_tokenizer_data, decide_fixed_shapes, ensure_tokenizer,
-                                make_loader, make_memory_monitor, settle_best_metric, shared_memory_settings,
-                                steps_per_epoch)
+from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, make_loader,
+                                make_memory_monitor, shared_memory_settings, steps_per_epoch)
+from lowmem.train.startup import SavedRun, settled_config, start_up
 from lowmem.train.state import RngState, TrainState
 from lowmem.train.step import Batch, StepResult, compile_each_shape, count_rows, count_tokens, take, train_step
 from lowmem.train.stop import GracefulStop
@@ -107,6 +108,10 @@ class LoaderPosition:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
 
+    def allow_changed_content(self, allow: bool) -> None:
+        """Whether a saved position over data files rewritten since the save loads (read on from it) or is refused."""
+        self.loader.stream.allow_changed_content = allow
+
 
 @dataclass
 class StepAgreement:
@@ -134,7 +139,8 @@ class Trainer:
     """Trains a GPT as a TrainConfig says; see the module's docstring for its parts.
 
     Args:
-        config: the training configuration (validated here).
+        config: the training configuration: as `run_training`'s start-up settled it when `saved_run` is given,
+            else validated and settled here as a new run's (`lowmem.train.startup.settled_config`).
         accelerator: the run's Accelerator (default: one on the GPUs if there are any, else the CPU).
         callbacks: hooks run on every rank at fixed points (see `lowmem.train.callbacks`).
         memory: the memory plan and savers `run_training` settled (`settle_memory`); without it the config runs
@@ -142,15 +148,17 @@ class Trainer:
         given: the fields set on the command line; with those that differ from the config class's defaults, they
             are kept as given (a --warmup_steps over a quarter of the run is shortened only when neither it nor a
             --max_steps that cuts the run short was given: `warmup_kept_by`).
+        saved_run: what the start-up read of the run folder (`lowmem.train.startup.start_up`), with `config`
+            settled from it; `resume` takes the trainer state read there.
     """
 
     def __init__(self, config: TrainConfig, accelerator: Accelerator | None = None,
                  callbacks: Sequence[Callback] = (), memory: MemoryDecision | None = None,
-                 given: Collection[str] | None = None) -> None:
-        validate_config(config)
-        # Unset here (not through run_training) means a new run's: checkpoints always record a concrete value.
-        config = settle_best_metric(settle_loss_targets(settle_architecture(config, is_keep_training=False),
-                                                        is_keep_training=False))
+                 given: Collection[str] | None = None, saved_run: SavedRun | None = None) -> None:
+        if saved_run is None:  # not through run_training: a new run's values (checkpoints record concrete ones)
+            validate_config(config)
+            config = settled_config(config, SavedRun())
+        self.saved_run = saved_run or SavedRun()
         self.config, self.callbacks = config, list(callbacks)
         self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                                              config.process_group_timeout_minutes,
@@ -408,14 +416,57 @@ class Trainer:
 
     def resume(self, allow_config_change: bool = False, start_from: str | Path | None = None) -> Path | None:
         """Continue from the latest complete checkpoint in the run folder (or from `start_from`, one of its
-        checkpoints, the newer ones set aside), if there is one; returns it.
+        checkpoints, the newer ones set aside), if there is one; returns it. Every rank calls it.
 
         Settings that decide the data order, batches or schedule must match the checkpoint's unless
         `allow_config_change`; then a data position that no longer fits restarts the epoch, data files rewritten
         since the save are read on from the saved position, and a checkpoint kept for its score only (no optimizer
-        state) resumes with a fresh optimizer. Checkpoints that exist but are all damaged stop the resume.
+        state) resumes with a fresh optimizer. Checkpoints that exist but are all damaged stop the resume. What
+        may continue is decided by `lowmem.train.resume`; each part loads its own state (`TrainingCheckpoint`).
         """
-        return resume_from_checkpoint(self, allow_config_change, start_from)
+        folder = choose_checkpoint(self.checkpoints, self.accelerator, allow_config_change, start_from)
+        if folder is None:
+            logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
+            return None
+        run_facts = self.checkpoint.run_facts
+        decision = decide_resume(folder, self.saved_run.state_of(folder), self.config, self.tokenizer_identity,
+                                 run_facts, self.steps_per_epoch, allow_config_change, self.is_main,
+                                 self.checkpoints.damage)
+        planned_total = self.total_steps  # this run's length, before the checkpoint's schedule replaces it
+        self.checkpoint.load(folder, decision.saved, skip=("data",), with_optimizer=decision.with_optimizer)
+        self._resume_data_position(decision, allow_config_change)
+        if decision.rescaled:
+            total = steps_after_rescale(self.config, self.state.step, self.state.epoch, len(self.data.loader),
+                                        self.steps_per_epoch)
+            self.schedule.stretch(self.state.step, total)
+            self.total_steps = total
+            logger.info(rescale_line(decision.saved, self.config, run_facts, len(self.data.loader.stream),
+                                     total - self.state.step))
+        else:  # a stretched schedule keeps the total it planned; otherwise this run's length stands
+            self.total_steps = self.schedule.total_steps if self.schedule.stretched else planned_total
+        self.checkpoints.last_saved_step = self.state.step
+        self.resumed_from = folder
+        state, changes = self.state, decision.changes
+        logger.info("Resumed from %s: epoch %d, step %d, %s tokens seen%s.", folder, state.epoch, state.step,
+                    f"{state.tokens_seen:,}", f" (changed: {'; '.join(changes)})" if changes else "")
+        return folder
+
+    def _resume_data_position(self, decision: ResumeDecision, allow_config_change: bool) -> None:
+        """This rank's data position from the checkpoint: its own, or every old rank's merged when the readers'
+        layout changed. Data files rewritten since the save are refused, or read on from the saved position with
+        `allow_config_change`; a position that no longer fits changed settings restarts the epoch."""
+        self.data.allow_changed_content(allow_config_change)
+        try:
+            merged = data_position_to_load(decision, self.config, self.checkpoint.run_facts)
+            if merged is not None:
+                self.data.load_state_dict(merged)
+            else:
+                self.checkpoint.load_part(decision.folder, "data")
+        except DataError as error:
+            if not epoch_may_restart(error, decision):
+                raise
+            logger.warning("The saved data position does not fit the changed settings (%s): epoch %d restarts.",
+                           error, self.state.epoch)
 
     # ----- start and end ----------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -554,22 +605,13 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         resume_from: with `is_keep_training`, the checkpoint folder of `config.output_dir` to continue from
             instead of the newest (the newer ones are moved aside, not deleted).
     """
-    validate_config(config)
-    check_data_files(config)
-    check_output_dir(config.output_dir)
-    if not is_keep_training:  # a resume checks the tokenizer against its checkpoint's instead
-        check_tokenizer_data(config, given if given is not None else explicit_fields(config))
-    # A resume settles from the checkpoint it continues from: the one named, else the newest.
-    config = settle_loss_targets(settle_architecture(config, is_keep_training, resume_from), is_keep_training,
-                                 resume_from)
-    if is_keep_training and given is not None and "tokenizer_dir" not in given:
-        config = resumed_tokenizer_dir(config, resume_from)
+    config, saved_run = start_up(config, given, is_keep_training, resume_from)  # the saved run, read once
     stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                      config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
                                      **tracker_arguments(config.report_to))
-    config, memory = settle_memory(config, accelerator, explicit_fields(config, given), is_keep_training,
-                                   allow_config_change, checkpoint=resume_from)
+    config, memory = settle_memory(config, accelerator, explicit_fields(config, given),
+                                   saved_run.memory_choice(allow_config_change))
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LAUNCH_LOG_DIR)
     log_decision(memory)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
@@ -578,7 +620,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         if not is_keep_training:
             start_fresh_run(accelerator, config.output_dir, overwrite)
         attach_run_log(run_training_log(config.output_dir))  # the folder is this run's now
-        trainer = Trainer(config, accelerator, callbacks, memory=memory, given=given)
+        trainer = Trainer(config, accelerator, callbacks, memory=memory, given=given, saved_run=saved_run)
         if is_keep_training:
             trainer.resume(allow_config_change, start_from=resume_from)
         summary = trainer.fit()

@@ -22,8 +22,9 @@ from lowmem.data.sources import build_row_group_index
 from lowmem.data.tokenizer import Tokenizer
 from lowmem.errors import ConfigError, DataError
 from lowmem.model import IGNORE_INDEX
-from lowmem.train.resume import resume_differences, settle_loss_targets
-from lowmem.train.setup import settle_best_metric, train_tokenizer_for
+from lowmem.train.resume import resume_differences
+from lowmem.train.setup import train_tokenizer_for
+from lowmem.train.startup import read_saved_run, settle_best_metric, settle_loss_targets
 
 _SYLLABLES = list("春风明月江南归去相思落花流水千里故人长亭夜雨西楼山青云白酒醉梦")
 EVERY_TOKEN_LINE = "loss on every token (one text column)"
@@ -164,22 +165,22 @@ def test_a_run_saved_with_every_token_resumes_with_every_token(tmp_path, caplog)
     (run / "checkpoint-4" / "trainer_state.json").write_text(json.dumps(state))
     config = _config(output_dir=str(run))
     with caplog.at_level("INFO"):
-        resumed = settle_loss_targets(config, is_keep_training=True)
+        resumed = settle_loss_targets(config, read_saved_run(run).config)
     assert resumed.loss_on_response_only is False
     assert "saved with --loss_on_response_only=False: kept" in caplog.text
     assert resume_differences(state, resumed, steps_per_epoch=10) == ([], [])
-    assert settle_loss_targets(config, is_keep_training=False).loss_on_response_only is True  # a new run
+    assert settle_loss_targets(config, None).loss_on_response_only is True  # a new run
     # Given explicitly, the flag is kept as given, and the resume check names the change.
-    changed = settle_loss_targets(_config(output_dir=str(run), loss_on_response_only=True), is_keep_training=True)
+    changed = settle_loss_targets(_config(output_dir=str(run), loss_on_response_only=True), read_saved_run(run).config)
     assert resume_differences(state, changed, steps_per_epoch=10)[0] == ["loss_on_response_only: False → True"]
 
 
 def test_a_run_saved_with_the_response_only_resumes_so(tmp_path):
     run = tmp_path / "run"
     state = _saved_run(run, loss_on_response_only=True)
-    resumed = settle_loss_targets(_config(output_dir=str(run)), is_keep_training=True)
+    resumed = settle_loss_targets(_config(output_dir=str(run)), read_saved_run(run).config)
     assert resumed.loss_on_response_only is True and resume_differences(state, resumed, 10) == ([], [])
     # Other columns than the run's: decided from the data, and the resume check refuses the change of columns.
-    text = settle_loss_targets(_config(output_dir=str(run), text_column="text"), is_keep_training=True)
+    text = settle_loss_targets(_config(output_dir=str(run), text_column="text"), read_saved_run(run).config)
     assert text.loss_on_response_only is False
     assert "text_column: '' → 'text'" in resume_differences(state, text, 10)[0]

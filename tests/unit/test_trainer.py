@@ -364,3 +364,40 @@ def test_a_warmup_longer_than_the_run_is_shortened_said_at_the_start_and_kept_on
     # A --max_steps that cuts the run short keeps it too: a larger one continues the run exactly.
     cut = Trainer(config(output_dir=str(in_tmp / "cut"), max_steps=8))
     assert cut.schedule.warmup_steps == 50 and "Kept, as --max_steps cuts the run short" in cut.schedule.warmup_line()
+
+
+def _count_reads(monkeypatch, name: str) -> dict[str, int]:
+    """Every opening of a file called `name` for reading text from here on, by path: `Path.read_text` and `open`
+    both go through `io.open` (a checkpoint's integrity check reads bytes, which are not counted)."""
+    import builtins
+    import io
+
+    reads: dict[str, int] = {}
+    real_open = io.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if Path(str(file)).name == name and not set(mode) & set("wax+b"):
+            reads[str(Path(file).parent.name)] = reads.get(str(Path(file).parent.name), 0) + 1
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    return reads
+
+
+def test_the_start_up_reads_the_saved_run_once(in_tmp, chat_data, tokenizer_dir, monkeypatch):
+    from lowmem.train.trainer import run_training
+
+    config = tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=6, save_steps=3, keep_latest_n_ckp=2,
+                         keep_optimizer_n_ckp=2)
+    reads = _count_reads(monkeypatch, "trainer_state.json")
+    run_training(config)
+    assert reads == {}  # a new run reads no saved run
+    assert (in_tmp / "run" / "checkpoint-3").is_dir() and (in_tmp / "run" / "checkpoint-6").is_dir()
+    # A resume from the newest: its trainer state read once, for the settles, the memory savers and the resume.
+    summary = run_training(config, is_keep_training=True)
+    assert reads == {"checkpoint-6": 1} and summary["steps"] == 6
+    # A resume from a named older one: that one read once, the newer one (set aside) not at all.
+    reads.clear()
+    summary = run_training(config, is_keep_training=True, resume_from=str(in_tmp / "run" / "checkpoint-3"))
+    assert reads == {"checkpoint-3": 1} and summary["steps"] == 6

@@ -226,29 +226,32 @@ def _run_folder_with_a_checkpoint(folder, saved_config: dict) -> None:
 
 
 def test_the_architecture_of_a_new_run_and_of_a_resumed_one(tmp_path):
-    from lowmem.train.resume import resume_differences, settle_architecture
+    from lowmem.train.resume import resume_differences
     from lowmem.train.setup import NEW_RUN_ARCHITECTURE
+    from lowmem.train.startup import read_saved_run, settle_architecture
+
+    def resumed(config: TrainConfig) -> TrainConfig:  # what a resume settles: from the run folder's saved run
+        return settle_architecture(config, read_saved_run(config.output_dir).config)
 
     fresh = TrainConfig(output_dir=str(tmp_path / "new"))
-    assert settle_architecture(fresh, is_keep_training=True).architecture == NEW_RUN_ARCHITECTURE
+    assert resumed(fresh).architecture == NEW_RUN_ARCHITECTURE
     # A run saved before the option existed holds a gpt2 model: its resume keeps it, whatever the default.
     old = tmp_path / "old"
     _run_folder_with_a_checkpoint(old, {"n_layer": 4})
-    resumed = settle_architecture(TrainConfig(output_dir=str(old)), is_keep_training=True)
-    assert resumed.architecture == "gpt2"
-    before_the_option = {k: v for k, v in dataclasses.asdict(resumed).items() if k != "architecture"}
-    assert resume_differences({"config": before_the_option, "train": {"step": 7}}, resumed, 100) == ([], [])
+    resumed_old = resumed(TrainConfig(output_dir=str(old)))
+    assert resumed_old.architecture == "gpt2"
+    before_the_option = {k: v for k, v in dataclasses.asdict(resumed_old).items() if k != "architecture"}
+    assert resume_differences({"config": before_the_option, "train": {"step": 7}}, resumed_old, 100) == ([], [])
     # A llama run resumes as llama; an explicit other value is kept here and refused by the resume check.
     llama = tmp_path / "llama"
     _run_folder_with_a_checkpoint(llama, {"architecture": "llama"})
-    assert settle_architecture(TrainConfig(output_dir=str(llama)), is_keep_training=True).architecture == "llama"
-    explicit = settle_architecture(TrainConfig(output_dir=str(llama), architecture="gpt2"), is_keep_training=True)
+    assert resumed(TrainConfig(output_dir=str(llama))).architecture == "llama"
+    explicit = resumed(TrainConfig(output_dir=str(llama), architecture="gpt2"))
     assert explicit.architecture == "gpt2"
     saved = {"config": dataclasses.asdict(TrainConfig(architecture="llama")), "train": {"step": 7}}
     assert resume_differences(saved, explicit, 100)[1] == ["architecture: 'llama' → 'gpt2'"]
     # Without --is_keep_training a folder's checkpoints do not decide.
-    assert settle_architecture(TrainConfig(output_dir=str(old)), is_keep_training=False).architecture == \
-        NEW_RUN_ARCHITECTURE
+    assert settle_architecture(TrainConfig(output_dir=str(old)), None).architecture == NEW_RUN_ARCHITECTURE
 
 
 def test_a_model_file_written_before_the_architecture_field_loads_as_gpt2(tmp_path):
