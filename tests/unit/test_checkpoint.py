@@ -15,7 +15,7 @@ from typing import Callable
 
 import pytest
 
-import lowmem.checkpoint.folders as ckpt
+import lowmem.checkpoint.marker as ckpt_marker
 from lowmem.checkpoint import MANIFEST_NAME, MARKER_NAME, CheckpointManager, file_crc32, write_json_atomic
 from lowmem.errors import CheckpointError, ConfigError, LowmemError
 
@@ -59,7 +59,7 @@ def test_save_lists_every_file_with_size_and_crc32(tmp_path: Path) -> None:
 
 def test_marker_is_written_last_inside_the_temporary_folder(tmp_path: Path, monkeypatch) -> None:
     seen = []
-    real = ckpt.write_json_atomic
+    real = ckpt_marker.write_json_atomic
 
     def spy(path, obj):
         if Path(path).name == MARKER_NAME:
@@ -68,7 +68,7 @@ def test_marker_is_written_last_inside_the_temporary_folder(tmp_path: Path, monk
                          (tmp_path / "checkpoint-7").exists()))
         real(path, obj)
 
-    monkeypatch.setattr(ckpt, "write_json_atomic", spy)
+    monkeypatch.setattr(ckpt_marker, "write_json_atomic", spy)
     manager(tmp_path).save(7, writer())
     assert seen == [(".checkpoint-7.tmp", ["model.bin", "state/rng.json"], True, False)]
     assert (tmp_path / "checkpoint-7" / MARKER_NAME).exists()
@@ -216,7 +216,7 @@ def test_replacement_interrupted_between_renames_is_restored(tmp_path: Path) -> 
 def test_deletion_removes_the_marker_first(tmp_path: Path, monkeypatch) -> None:
     mgr = manager(tmp_path, keep_best_n=0)
     mgr.save(1, writer())
-    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda *a, **k: None)  # as if killed during the deletion
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # as if killed during the deletion
     mgr.save(2, writer())
     assert not (tmp_path / "checkpoint-1" / MARKER_NAME).exists()
     monkeypatch.undo()
@@ -370,7 +370,7 @@ def test_write_json_atomic_keeps_old_file_on_failure(tmp_path: Path) -> None:
 
 
 def test_file_crc32_streams_in_chunks(tmp_path: Path) -> None:
-    data = os.urandom(3 * ckpt._CHUNK + 17)
+    data = os.urandom(3 * ckpt_marker.CHUNK + 17)
     (tmp_path / "f").write_bytes(data)
     assert file_crc32(tmp_path / "f", sync=True) == (len(data), f"{zlib.crc32(data):08x}")
 
@@ -384,7 +384,7 @@ def test_disk_full_is_a_checkpoint_error_that_says_what_is_needed(tmp_path: Path
         (folder / "model.bin").write_bytes(b"\0" * MB)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 * MB, 99 * MB, MB // 2))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 * MB, 99 * MB, MB // 2))
     with pytest.raises(CheckpointError) as caught:
         mgr.save(200, fills_disk)
     message = str(caught.value)
@@ -399,14 +399,14 @@ def test_disk_full_is_a_checkpoint_error_that_says_what_is_needed(tmp_path: Path
 def test_disk_full_while_writing_the_marker(tmp_path: Path, monkeypatch) -> None:
     mgr = manager(tmp_path)
     mgr.save(100, writer())
-    real = ckpt.write_json_atomic
+    real = ckpt_marker.write_json_atomic
 
     def full(path, obj):
         if Path(path).name == MARKER_NAME:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, obj)
 
-    monkeypatch.setattr(ckpt, "write_json_atomic", full)
+    monkeypatch.setattr(ckpt_marker, "write_json_atomic", full)
     with pytest.raises(CheckpointError, match="Not enough disk space"):
         mgr.save(200, writer())
     assert on_disk(tmp_path) == ["checkpoint-100"]
