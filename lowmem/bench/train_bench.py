@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import psutil
 import torch
 
-from lowmem.config import TrainConfig
+from lowmem.config import OptimConfig, TrainConfig
 from lowmem.config.columns import data_columns, response_only
 from lowmem.data.collate import FixedShapes, TokenizingCollate
 from lowmem.distributed.performance import (SpeedSettings, inference_autocast, mfu, peak_bf16_tflops,
@@ -296,7 +296,7 @@ def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int
                      pad_id, device.type == "cuda")
 
 
-def compile_plain_loop_shapes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+def compile_plain_loop_shapes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: OptimConfig,
                               device: torch.device, shapes: FixedShapes, pad_id: int) -> None:
     """A forward and backward pass of padding in each fixed shape (no target counts, no step, gradients dropped,
     random state restored): the compiled plain loop's graphs, made before its timed steps."""
@@ -308,7 +308,7 @@ def compile_plain_loop_shapes(model: torch.nn.Module, optimizer: torch.optim.Opt
             optimizer.zero_grad(set_to_none=True)
 
 
-def compile_like_training(model: torch.nn.Module, config: TrainConfig, speed: SpeedSettings) -> torch.nn.Module:
+def compile_like_training(model: torch.nn.Module, config: OptimConfig, speed: SpeedSettings) -> torch.nn.Module:
     """`torch.compile(model)` with the backend of lowmem's model when training compiles it (`speed`), else `model`.
 
     For fixed batch shapes the graph is compiled for exactly those shapes, as lowmem's is; the compile mode
@@ -322,7 +322,7 @@ def compile_like_training(model: torch.nn.Module, config: TrainConfig, speed: Sp
 
 
 def plain_loop_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    micro_batches: list[dict[str, torch.Tensor]], config: TrainConfig,
+                    micro_batches: list[dict[str, torch.Tensor]], config: OptimConfig,
                     device: torch.device) -> torch.Tensor:
     """One optimizer step as a plain PyTorch loop writes it: forward under training's autocast, the mean loss
     over the step's counted tokens, backward, clip, AdamW step. No accelerate, no segment ids: plain causal

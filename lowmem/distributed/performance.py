@@ -146,7 +146,7 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
                          why_not_compiled="" if compiled else problem)
 
 
-def check_cuda_graphs(config: TrainConfig, speed: SpeedSettings) -> None:
+def check_cuda_graphs(config: OptimConfig, speed: SpeedSettings) -> None:
     """Refuse CUDA graphs (`--compile_mode=reduce-overhead`) with more than one micro-batch per step: a graph
     replays into the memory of its last run, which would overwrite the gradient the earlier micro-batches
     accumulated (torch refuses it). Called with the config the run trains with (the plan may have changed its

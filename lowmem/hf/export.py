@@ -20,7 +20,7 @@ from typing import Any
 
 from lowmem.atomic_files import folder_built_aside
 from lowmem.checkpoint.export import find_model_folder, tokenizer_folder
-from lowmem.config import TrainConfig
+from lowmem.config import EvalConfig, TrainConfig
 from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, Tokenizer
 from lowmem.errors import ConfigError
 from lowmem.hf.tokenizer_files import check_tokenizer, save_tokenizer
@@ -89,7 +89,7 @@ def _import_transformers() -> ModuleType:
     return transformers
 
 
-def generation_defaults(config: TrainConfig) -> dict[str, Any]:
+def generation_defaults(config: EvalConfig) -> dict[str, Any]:
     """generation_config.json: the special ids, and the decoding our `generate` and `evaluate` use by default.
 
     do_sample=False is greedy, as `generate` (temperature 0) and evaluate's BLEU answers; max_new_tokens is

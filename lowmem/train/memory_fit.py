@@ -21,7 +21,7 @@ from typing import Any, Callable, Collection
 import psutil
 import torch
 
-from lowmem.config import TrainConfig
+from lowmem.config import TokenizerConfig, TrainConfig
 from lowmem.config.columns import data_columns
 from lowmem.config.train_sources import training_paths
 from lowmem.data.collate import FixedShapes
@@ -70,7 +70,7 @@ def measure_base_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def existing_tokenizer(config: TrainConfig) -> Tokenizer | None:
+def existing_tokenizer(config: TokenizerConfig) -> Tokenizer | None:
     """The tokenizer in `tokenizer_dir`, or None when none has been trained there yet."""
     if not (Path(config.tokenizer_dir) / TOKENIZER_FILE).is_file():
         return None

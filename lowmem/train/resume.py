@@ -28,7 +28,7 @@ from accelerate import Accelerator
 
 from lowmem.checkpoint.contents import TRAINER_STATE_FILE, rank_part_file, read_part_file
 from lowmem.checkpoint.folders import CheckpointManager, read_marker
-from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, TrainConfig
+from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, OptimConfig, TrainConfig
 from lowmem.data.elastic import merge_rank_states
 from lowmem.data.tokenizer_identity import check_same_tokenizer
 from lowmem.distributed.collectives import broadcast_from_main, run_on_main
@@ -62,18 +62,18 @@ class ResumeDecision:
 
 
 def choose_checkpoint(checkpoints: CheckpointManager, accelerator: Accelerator, allow_config_change: bool,
-                      start_from: str | Path | None) -> Path | None:
-    """The checkpoint every rank resumes from, chosen by the main process: `start_from` (the newer ones set aside),
+                      resume_from: str | Path | None) -> Path | None:
+    """The checkpoint every rank resumes from, chosen by the main process: `resume_from` (the newer ones set aside),
     else the newest intact one, else None. Checkpoints that exist but are all damaged stop the resume: a run is
     never started fresh over them. Every file a rank will unpickle is checked to hold data only, once, before
     any rank loads anything."""
     is_main = accelerator.is_main_process
-    if start_from is not None:
+    if resume_from is not None:
         if not allow_config_change:  # refused before newer checkpoints are set aside
-            check_weights_only(Path(start_from), allow_config_change, is_main)
-        if Path(start_from).is_dir():  # a checkpoint that is not data is refused before anything is set aside too
-            _check_files_are_data(accelerator, Path(start_from))
-        return Path(broadcast_from_main(accelerator, lambda: str(checkpoints.start_from(start_from))))
+            check_weights_only(Path(resume_from), allow_config_change, is_main)
+        if Path(resume_from).is_dir():  # a checkpoint that is not data is refused before anything is set aside too
+            _check_files_are_data(accelerator, Path(resume_from))
+        return Path(broadcast_from_main(accelerator, lambda: str(checkpoints.start_from(resume_from))))
 
     def newest_intact() -> tuple[Path | None, str | None]:
         found = checkpoints.latest_complete()
@@ -124,7 +124,7 @@ def epoch_may_restart(error: DataError, decision: ResumeDecision) -> bool:
     return not isinstance(error, DataContentChanged) and (bool(decision.changes) or decision.rescaled)
 
 
-def steps_after_rescale(config: TrainConfig, step: int, epoch: int, micro_batches_left: int,
+def steps_after_rescale(config: OptimConfig, step: int, epoch: int, micro_batches_left: int,
                         steps_per_epoch: int) -> int:
     """The run's total steps after a resume on another number of processes: this epoch's rest (its
     `micro_batches_left` at the new rate) and the later epochs, from `step`, within --max_steps."""
@@ -159,7 +159,7 @@ def check_weights_only(folder: Path, allow_config_change: bool, is_main: bool = 
     return False
 
 
-def _run_length_is_harmless(saved: dict[str, Any], config: TrainConfig, steps_per_epoch: int) -> bool:
+def _run_length_is_harmless(saved: dict[str, Any], config: OptimConfig, steps_per_epoch: int) -> bool:
     """True when the steps already taken had the same learning rates under the saved and the new run length."""
     saved_config = saved["config"]
     old_total = total_steps(steps_per_epoch, saved_config["epochs"], saved_config["max_steps"])
@@ -238,7 +238,7 @@ def accumulation_to_keep(old_rows: int, new_processes: int, batch_size: int) -> 
     return old_rows // per_micro_step if old_rows % per_micro_step == 0 else None
 
 
-def rescale_line(saved: dict[str, Any], config: TrainConfig, run_facts: dict[str, Any], rows_per_process: int,
+def rescale_line(saved: dict[str, Any], config: OptimConfig, run_facts: dict[str, Any], rows_per_process: int,
                  steps_left: int) -> str:
     """One log line: processes and workers before and after, the global batch, and how to keep it."""
     saved_config = saved["config"]

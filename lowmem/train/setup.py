@@ -9,7 +9,7 @@ from typing import Any, Collection
 import torch
 from accelerate import Accelerator
 
-from lowmem.config import TrainConfig
+from lowmem.config import ModelConfig, OptimConfig, TrainConfig
 from lowmem.config.columns import data_columns
 from lowmem.config.train_sources import Source, training_paths
 from lowmem.data import ParquetStream, StreamLoader
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 NEW_RUN_ARCHITECTURE = "llama"
 
 
-def model_config_for(config: TrainConfig, vocab_size: int) -> GPTConfig:
+def model_config_for(config: ModelConfig, vocab_size: int) -> GPTConfig:
     """The GPT sizes a training config asks for (its architecture settled, see `settle_architecture`)."""
     return GPTConfig(vocab_size=vocab_size, max_seq_len=config.max_seq_len, n_layer=config.n_layer,
                      n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
@@ -188,7 +188,7 @@ def decide_fixed_shapes(config: TrainConfig, tokenizer: Tokenizer) -> FixedShape
     return shapes
 
 
-def steps_per_epoch(loader: StreamLoader, config: TrainConfig) -> int:
+def steps_per_epoch(loader: StreamLoader, config: OptimConfig) -> int:
     """Optimizer steps in one epoch of `loader`; an error that says what to change when there is not one."""
     steps = len(loader) // config.gradient_accumulation_steps
     if steps == 0:

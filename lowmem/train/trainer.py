@@ -209,7 +209,7 @@ class Trainer:
                                 flops_per_token=unwrap_gpt(self.model).estimate_flops_per_token(),
                                 peak_tflops=config.peak_tflops)
         self.stopper = GracefulStop()
-        self.checkpoint = TrainingCheckpoint(
+        self.checkpoint_parts = TrainingCheckpoint(
             self.model, self.optimizer, self.accelerator,
             shared={"train": self.state, "schedule": self.schedule, "checkpoints": self.checkpoints},
             per_rank={"rng": self.rng, "data": self.data, "memory": self.memory}, config=config,
@@ -405,7 +405,7 @@ class Trainer:
         self.count_skipped_steps()  # the checkpoint's count is exact
 
         def write(folder: Path) -> None:
-            self.checkpoint.write(folder)
+            self.checkpoint_parts.write(folder)
             for callback in self.callbacks:
                 callback.on_checkpoint_write(self, folder)
 
@@ -414,8 +414,8 @@ class Trainer:
         self.saved_step = self.state.step
         return folder
 
-    def resume(self, allow_config_change: bool = False, start_from: str | Path | None = None) -> Path | None:
-        """Continue from the latest complete checkpoint in the run folder (or from `start_from`, one of its
+    def resume(self, allow_config_change: bool = False, resume_from: str | Path | None = None) -> Path | None:
+        """Continue from the latest complete checkpoint in the run folder (or from `resume_from`, one of its
         checkpoints, the newer ones set aside), if there is one; returns it. Every rank calls it.
 
         Settings that decide the data order, batches or schedule must match the checkpoint's unless
@@ -424,16 +424,16 @@ class Trainer:
         state) resumes with a fresh optimizer. Checkpoints that exist but are all damaged stop the resume. What
         may continue is decided by `lowmem.train.resume`; each part loads its own state (`TrainingCheckpoint`).
         """
-        folder = choose_checkpoint(self.checkpoints, self.accelerator, allow_config_change, start_from)
+        folder = choose_checkpoint(self.checkpoints, self.accelerator, allow_config_change, resume_from)
         if folder is None:
             logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
             return None
-        run_facts = self.checkpoint.run_facts
+        run_facts = self.checkpoint_parts.run_facts
         decision = decide_resume(folder, self.saved_run.state_of(folder), self.config, self.tokenizer_identity,
                                  run_facts, self.steps_per_epoch, allow_config_change, self.is_main,
                                  self.checkpoints.damage)
         planned_total = self.total_steps  # this run's length, before the checkpoint's schedule replaces it
-        self.checkpoint.load(folder, decision.saved, skip=("data",), with_optimizer=decision.with_optimizer)
+        self.checkpoint_parts.load(folder, decision.saved, skip=("data",), with_optimizer=decision.with_optimizer)
         self._resume_data_position(decision, allow_config_change)
         if decision.rescaled:
             total = steps_after_rescale(self.config, self.state.step, self.state.epoch, len(self.data.loader),
@@ -457,11 +457,11 @@ class Trainer:
         `allow_config_change`; a position that no longer fits changed settings restarts the epoch."""
         self.data.allow_changed_content(allow_config_change)
         try:
-            merged = data_position_to_load(decision, self.config, self.checkpoint.run_facts)
+            merged = data_position_to_load(decision, self.config, self.checkpoint_parts.run_facts)
             if merged is not None:
                 self.data.load_state_dict(merged)
             else:
-                self.checkpoint.load_part(decision.folder, "data")
+                self.checkpoint_parts.load_part(decision.folder, "data")
         except DataError as error:
             if not epoch_may_restart(error, decision):
                 raise
@@ -622,7 +622,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         attach_run_log(run_training_log(config.output_dir))  # the folder is this run's now
         trainer = Trainer(config, accelerator, callbacks, memory=memory, given=given, saved_run=saved_run)
         if is_keep_training:
-            trainer.resume(allow_config_change, start_from=resume_from)
+            trainer.resume(allow_config_change, resume_from=resume_from)
         summary = trainer.fit()
         # This run made the process group: it ends it while every rank is still there (fit's last step is a
         # barrier), rather than leaving gloo's connections to the exit of processes that end one after another.

@@ -66,7 +66,7 @@ def test_a_planted_pickle_is_refused_and_runs_nothing(stopped_run, tmp_path, par
     assert part.split("/")[-1] in str(refused.value) and "--resume_from_checkpoint" in str(refused.value)
     assert trainer.state.step == 0  # nothing of the checkpoint was loaded
     with pytest.raises(UnsafeCheckpointError):  # named explicitly, the same
-        Trainer(config).resume(start_from=checkpoint)
+        Trainer(config).resume(resume_from=checkpoint)
     assert not ran.exists()
 
 
@@ -181,7 +181,7 @@ def test_a_refused_checkpoint_named_to_resume_from_sets_nothing_aside(in_tmp, ch
     assert {"checkpoint-4", "checkpoint-8"} <= set(before)
     rewrite_as_saved(run / "checkpoint-4" / "rank0" / "rng.pt", {"torch": Planted(tmp_path / "ran")})
     with pytest.raises(UnsafeCheckpointError):
-        Trainer(config).resume(start_from=run / "checkpoint-4")
+        Trainer(config).resume(resume_from=run / "checkpoint-4")
     assert sorted(path.name for path in run.iterdir()) == before  # checkpoint-8 was not moved aside
     assert not (tmp_path / "ran").exists()
 
