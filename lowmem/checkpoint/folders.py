@@ -154,7 +154,7 @@ class CheckpointManager:
             return None
         return damage.no_usable_checkpoint(self.run_dir, self.damage)
 
-    def start_from(self, checkpoint: str | Path) -> Path:
+    def resume_from(self, checkpoint: str | Path) -> Path:
         """Resume from this checkpoint instead of the newest (main process): it must be one of this run folder's
         intact checkpoints. Newer checkpoints are moved into `superseded-<time>/` beside them, never deleted: a
         later resume would otherwise take the newest, from the line of training this one replaces."""

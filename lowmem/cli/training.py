@@ -39,7 +39,7 @@ def train(use_large_config: bool = False, is_keep_training: bool = False, allow_
 def resume_target(config: TrainConfig, given: Collection[str], checkpoint: str) -> TrainConfig:
     """`config` with the run folder of `checkpoint` (its parent), after a quick check that it is a complete
     checkpoint (every rank makes it before anything is launched; the main process hashes its files when it
-    resumes, `CheckpointManager.start_from`) and that a given --output_dir agrees."""
+    resumes, `CheckpointManager.resume_from`) and that a given --output_dir agrees."""
     from lowmem.checkpoint.folders import verify_checkpoint
 
     folder = Path(str(checkpoint))

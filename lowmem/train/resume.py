@@ -73,7 +73,7 @@ def choose_checkpoint(checkpoints: CheckpointManager, accelerator: Accelerator, 
             check_weights_only(Path(resume_from), allow_config_change, is_main)
         if Path(resume_from).is_dir():  # a checkpoint that is not data is refused before anything is set aside too
             _check_files_are_data(accelerator, Path(resume_from))
-        return Path(broadcast_from_main(accelerator, lambda: str(checkpoints.start_from(resume_from))))
+        return Path(broadcast_from_main(accelerator, lambda: str(checkpoints.resume_from(resume_from))))
 
     def newest_intact() -> tuple[Path | None, str | None]:
         found = checkpoints.latest_complete()
