@@ -80,8 +80,9 @@ class CheckpointManager:
         self._steps = SaveSteps(self._folders, is_main, barrier, all_ok)
         if is_main and self.run_dir.is_dir():
             self.cleanup_incomplete()
-            self._retention.scores = read_scores(self.run_dir, metric, mode, self._folders.complete())
-            refresh_manifest(self.run_dir, self._build_manifest())
+            complete = self._folders.complete()
+            self._retention.scores = read_scores(self.run_dir, metric, mode, complete)
+            refresh_manifest(self.run_dir, self._build_manifest(complete))
 
     # ----- the settings, as given (the retention owns them) -----------------------------------------------
     @property
@@ -180,10 +181,10 @@ class CheckpointManager:
         return damage.cleanup_incomplete(self.run_dir)
 
     # ----- scores and manifest --------------------------------------------------------------------------
-    def _build_manifest(self, plan: dict[int, list[str]] | None = None) -> dict[str, Any]:
-        """The manifest of the checkpoints on disk now, with the reasons of `plan` (else of the current plan)."""
-        complete = self._folders.complete()
-        return build_manifest(self._retention, complete, self._retention.plan(complete, None) if plan is None else plan)
+    def _build_manifest(self, complete: list[Found] | None = None) -> dict[str, Any]:
+        """The manifest of the `complete` checkpoints (else of those on disk now), with the current plan's reasons."""
+        complete = self._folders.complete() if complete is None else complete
+        return build_manifest(self._retention, complete, self._retention.plan(complete, None))
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -217,13 +218,16 @@ class CheckpointManager:
     # ----- retention and damage -------------------------------------------------------------------------
     def _retain(self, just_saved: int | None) -> None:
         """Delete the checkpoints the plan does not keep (damaged ones included), then write the manifest."""
-        plan = self._retention.plan(self._folders.complete(), just_saved)
-        damaged = self._retention.remove_unkept(self._folders.scan(), plan, self._folders.damaged)
+        found_all = self._folders.scan()  # one look at the folder: what follows changes only what it decides
+        complete = self._folders.complete(found_all)
+        plan = self._retention.plan(complete, just_saved)
+        damaged = self._retention.remove_unkept(found_all, plan, self._folders.damaged)
         # What frees space first; setting aside (a rename, but a folder may have to be made) last.
-        self._retention.strip_older(plan, self._folders.complete())
+        self._retention.strip_older(plan, complete)
         for found in damaged:
             self._set_aside(found)
-        write_manifest(self.run_dir, self._build_manifest(plan))
+        kept = [found for found in complete if found.step in plan]  # the others were just removed
+        write_manifest(self.run_dir, build_manifest(self._retention, kept, plan))
 
     def _set_aside(self, found: Found) -> None:
         """Move a damaged checkpoint into `damaged/` and forget it; if it cannot be moved, it stays damaged."""

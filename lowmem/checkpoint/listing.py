@@ -49,9 +49,11 @@ class CheckpointFolders:
                 found.append(Found(step_of(path), path, read_marker(path), (path / MARKER_NAME).exists()))
         return sorted(found, key=lambda f: f.step)
 
-    def complete(self) -> list[Found]:
-        """The folders with a readable marker that were not found damaged, oldest first."""
-        return [f for f in self.scan() if f.marker is not None and f.step not in self.damaged]
+    def complete(self, found: list[Found] | None = None) -> list[Found]:
+        """The folders with a readable marker that were not found damaged, oldest first: of `found` (a scan
+        already made), else of a new scan."""
+        return [f for f in (self.scan() if found is None else found)
+                if f.marker is not None and f.step not in self.damaged]
 
     def latest_complete(self, verify_hashes: bool = True) -> Path | None:
         """The newest checkpoint that is complete and intact, or None; newer damaged ones are logged and remembered.

@@ -84,6 +84,14 @@ def build_manifest(retention: Retention, complete: list[Found], plan: dict[int, 
     }
 
 
+def _parsed(path: Path) -> Any:
+    """The manifest file's JSON, or None when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest atomically."""
     write_json_atomic(run_dir / MANIFEST_NAME, manifest)
@@ -93,23 +101,17 @@ def refresh_manifest(run_dir: Path, wanted: dict[str, Any]) -> None:
     """At start: rewrite the manifest if it no longer matches `wanted` (a crash between rename and manifest, a
     checkpoint deleted by hand). A read-only run folder only gets a warning."""
     path = run_dir / MANIFEST_NAME
-    try:
-        current = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        current = None
+    current = _parsed(path)
     if current is None and not wanted["checkpoints"]:
         return
     if isinstance(current, dict) and {**current, "updated": None} == {**wanted, "updated": None}:
         return
     try:
-        write_json_atomic(path, wanted)
+        write_manifest(run_dir, wanted)
     except OSError as exc:
         logger.warning("Could not update %s: %s", path, exc)
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:
     """The manifest as written on disk; empty if it is missing or unreadable."""
-    try:
-        return json.loads((run_dir / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
+    return _parsed(run_dir / MANIFEST_NAME) or {}

@@ -132,7 +132,7 @@ def _describe(error: Exception, step: int, written: int, folders: CheckpointFold
             f"one: it continues from {previous[-1].path.name})" if previous else "then start again")
     kept = "The partial folder was removed; earlier checkpoints are untouched."
     free = free_bytes(run_dir)
-    needed = max(written, _newest_size(folders.complete()))
+    needed = max(written, _newest_size(previous))
     if free is not None and free < needed and write_errno(error) is None:
         # A library that reports a failed write without its errno (DeepSpeed's torch.save(obj, path): "unexpected
         # pos"): with less free than a checkpoint needs, a full disk is the likely cause.

@@ -28,9 +28,9 @@ def _same_file(saved: Any, train_file: str) -> bool:
 def _earlier_run_on(run_dir: str, train_file: str) -> bool:
     """Whether the preset's run folder holds checkpoints of a run on `train_file` (made before data of one's own
     got a folder of its own): that run goes on there."""
-    from lowmem.checkpoint.contents import newest_saved_config  # loads torch: only for the commands that read data
+    from lowmem.train.startup import read_saved_run  # loads torch: only for the commands that read data
 
-    saved = newest_saved_config(run_dir) if Path(run_dir).is_dir() else None
+    saved = read_saved_run(run_dir).config if Path(run_dir).is_dir() else None
     return saved is not None and _same_file(saved.get("train_file"), train_file)
 
 

@@ -124,11 +124,6 @@ class PeerWatch:
         return (text + " The checkpoints already saved are kept: resume with "
                 f"`{command_line('train ... --is_keep_training=True')}` (your flags, and that one).")
 
-    def reporter(self, lost: list[Peer]) -> bool:
-        """True on the lowest surviving rank of this machine: the one that says it."""
-        reporter = self._reporter_peer(lost)
-        return reporter is not None and self.rank == reporter.rank
-
     def check(self, error: BaseException) -> None:
         """After `error` broke training: when a rank of this machine is gone, log the line (on the lowest
         surviving rank) and raise a quiet ProcessLostError; else return (the error is this process's own, and
@@ -142,12 +137,11 @@ class PeerWatch:
         lost = self.lost_here()
         if not lost:
             return
-        if self.reporter(lost):
+        reporter = self._reporter_peer(lost)  # the lowest surviving rank of this machine says it
+        if reporter is not None and reporter.rank == self.rank:
             logger.error(self.explain(lost), extra={"all_ranks": True})
-        else:
-            reporter = self._reporter_peer(lost)
-            if reporter is not None:
-                wait_while_alive(reporter, SURVIVOR_WAIT_SECONDS)
+        elif reporter is not None:
+            wait_while_alive(reporter, SURVIVOR_WAIT_SECONDS)
         raise ProcessLostError("") from None
 
     def _reporter_peer(self, lost: list[Peer]) -> Peer | None:

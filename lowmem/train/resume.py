@@ -104,8 +104,8 @@ def decide_resume(folder: Path, saved: dict[str, Any], config: TrainConfig, toke
     with_optimizer = check_weights_only(folder, allow_config_change, is_main, damaged)
     if not with_optimizer:
         changes.append("optimizer state started afresh")
-    # Saved before the schedule was a part of its own: its state is in `train`.
-    saved.setdefault("schedule", schedule_state_of_train_state(saved.get("train", {})))
+    if "schedule" not in saved:  # saved before the schedule was a part of its own: its state is in `train`
+        saved = {**saved, "schedule": schedule_state_of_train_state(saved.get("train", {}))}
     return ResumeDecision(folder, saved, changes, with_optimizer, processes_changed(saved, run_facts))
 
 

@@ -15,7 +15,6 @@ its resume takes the trainer state read here (`SavedRun.state_of`) when it conti
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -61,12 +60,12 @@ class SavedRun:
         return None if self.state is None or allow_config_change else self.state.get(SAVED_KEY)
 
     def state_of(self, folder: Path) -> dict[str, Any]:
-        """The trainer state of the checkpoint `folder` a resume loads: a copy of the one read at start-up when it
-        is that checkpoint (the usual case), else read now (the newest was found damaged, and an older one is
-        resumed from)."""
+        """The trainer state of the checkpoint `folder` a resume loads: the one read at start-up when it is that
+        checkpoint (the usual case), else read now (the newest was found damaged, and an older one is resumed
+        from)."""
         if self.state is not None and self.checkpoint is not None and \
                 Path(self.checkpoint).resolve() == Path(folder).resolve():
-            return copy.deepcopy(self.state)
+            return self.state
         return read_trainer_state(Path(folder))
 
 
@@ -108,23 +107,24 @@ def settled_config(config: TrainConfig, saved: SavedRun, given: Collection[str] 
 
 def settle_architecture(config: TrainConfig, saved_config: dict[str, Any] | None) -> TrainConfig:
     """`config` with its architecture decided: as given; else that of the checkpoint a resume continues from
-    (`saved_config`; gpt2 for those saved before the option existed); else NEW_RUN_ARCHITECTURE. A resumed run
-    thus keeps its model whatever the default, and an explicit other value is refused by the resume check."""
+    (`saved_config`, as `SavedRun.config` gives it: gpt2 for those saved before the option existed); else
+    NEW_RUN_ARCHITECTURE. A resumed run thus keeps its model whatever the default, and an explicit other value is
+    refused by the resume check."""
     if config.architecture is not None:
         return config
     if saved_config is None:
         return dataclasses.replace(config, architecture=NEW_RUN_ARCHITECTURE)
-    return dataclasses.replace(config, architecture=in_effect(saved_config)["architecture"])
+    return dataclasses.replace(config, architecture=saved_config["architecture"])
 
 
 def settle_loss_targets(config: TrainConfig, saved_config: dict[str, Any] | None) -> TrainConfig:
     """`config` with --loss_on_response_only decided: as given; else, when resuming a run of the same columns,
-    that of the checkpoint it continues from (`saved_config`; runs saved when every token was the default keep
-    it); else from the data (`lowmem.config.columns.response_only`). Checkpoints thus always record a concrete
-    value."""
+    that of the checkpoint it continues from (`saved_config`, as `SavedRun.config` gives it; runs saved when every
+    token was the default keep it); else from the data (`lowmem.config.columns.response_only`). Checkpoints thus
+    always record a concrete value."""
     if config.loss_on_response_only is not None:
         return config
-    saved = in_effect(saved_config) if saved_config is not None else {}
+    saved = saved_config or {}
     kept = saved.get("loss_on_response_only")
     if kept is None or saved.get("text_column") != config.text_column:  # other columns: the resume check says so
         return dataclasses.replace(config, loss_on_response_only=response_only(config))

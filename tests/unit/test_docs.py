@@ -243,9 +243,9 @@ def section_of(text: str, heading: str) -> str:
 
 def test_no_page_installs_lowmem_from_a_registry_by_name():
     """The project installs from its folder (`pip install ".[hf]"`); no `lowmem[...]` spec a registry would serve."""
-    offenders = [page.relative_to(ROOT).as_posix() for page in PAGES
-                 if re.search(r"pip install\s+[\"']?lowmem\b", page.read_text(encoding="utf-8"))
-                 or "lowmem[" in page.read_text(encoding="utf-8")]
+    texts = {page.relative_to(ROOT).as_posix(): page.read_text(encoding="utf-8") for page in PAGES}
+    offenders = [name for name, text in texts.items()
+                 if re.search(r"pip install\s+[\"']?lowmem\b", text) or "lowmem[" in text]
     assert not offenders, offenders
     # Nor do the install hints of lowmem's own messages and help.
     hints = [path.relative_to(ROOT).as_posix() for path in sorted((ROOT / "lowmem").rglob("*.py"))

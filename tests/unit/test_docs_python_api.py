@@ -4,6 +4,7 @@ length is shrunk, by wrapping `apply_overrides`, so that the test takes seconds.
 
 from __future__ import annotations
 
+import pkgutil
 import re
 
 from training_helpers import ROOT
@@ -57,30 +58,13 @@ def test_the_script_trains_from_an_empty_folder_on_the_demo_data(tmp_path, monke
     assert (tmp_path / "model_save" / "tokenizer" / "tokenizer.model").is_file()
 
 
-def resolve(dotted: str) -> object:
-    """The object a dotted name such as `lowmem.config.with_demo_data` names: the longest importable module, then
-    attributes."""
-    import importlib
-
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            found: object = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attribute in parts[cut:]:
-            found = getattr(found, attribute)
-        return found
-    raise ImportError(dotted)
-
-
 def test_every_dotted_lowmem_name_of_the_page_exists():
     names = set(re.findall(r"`(lowmem(?:\.\w+)+)(?:\([^`]*\))?`", PAGE.read_text(encoding="utf-8")))
     assert "lowmem.config.with_demo_data" in names and "lowmem.config.DEMO_DATA_DIR" in names
     missing = []
     for name in sorted(names):
         try:
-            resolve(name)
+            pkgutil.resolve_name(name)  # the longest importable module, then attributes
         except (ImportError, AttributeError):
             missing.append(name)
     assert not missing, f"{PAGE.name} names what lowmem does not have: {missing}"
