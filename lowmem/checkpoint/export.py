@@ -16,7 +16,7 @@ from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
 from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights, save_model_config,
                                   save_weights, unwrap_gpt)
-from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer, tokenizer_files
 from lowmem.program import command_line
 
 TRAIN_CONFIG_FILE = "train_config.json"  # the training settings the exported model was trained with
@@ -29,7 +29,8 @@ def _write_model_folder(out_dir: Path, model_config: GPTConfig, config: TrainCon
         write_weights(folder / WEIGHTS_FILE)
         save_model_config(model_config, folder)
         (folder / TRAIN_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
-        shutil.copy(Path(tokenizer_dir) / TOKENIZER_FILE, folder / TOKENIZER_FILE)
+        for path in tokenizer_files(tokenizer_dir, essential=True):  # the model's tokenizer beside it, whichever kind
+            shutil.copy(path, folder / path.name)
     return out_dir
 
 
@@ -63,10 +64,10 @@ def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> 
 
 def tokenizer_folder(folder: Path, tokenizer_dir: str | Path) -> Path:
     """Where a model folder's tokenizer is: the one exported with the model when it has one, else `tokenizer_dir`."""
-    return folder if (folder / TOKENIZER_FILE).is_file() else Path(tokenizer_dir)
+    return folder if has_tokenizer(folder) else Path(tokenizer_dir)
 
 
-def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.device) -> tuple[GPT, Tokenizer]:
+def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.device) -> tuple[GPT, TextTokenizer]:
     """The model of an exported folder or a checkpoint, in eval mode, and its tokenizer.
 
     The tokenizer exported with the model is used when the folder has one, else the one in `tokenizer_dir`.
@@ -74,5 +75,5 @@ def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.dev
     model = GPT(load_model_config(folder))
     load_weights(model, folder / WEIGHTS_FILE)
     model.to(device).eval()
-    tokenizer = Tokenizer.load(tokenizer_folder(folder, tokenizer_dir))
+    tokenizer = load_tokenizer(tokenizer_folder(folder, tokenizer_dir))
     return model, tokenizer

@@ -101,8 +101,14 @@ class TokenizerConfig:
 
 @dataclass
 class ModelConfig:
-    """The shape of the GPT."""
+    """The shape of the GPT, or the trained model a run starts from."""
 
+    # Exact on resume: a resume continues from its checkpoint's weights; naming another source then is a mistake.
+    init_from: str = option("", "start a new run from a trained model: a lowmem run folder (its best/, else final/, "
+                            "else its newest checkpoint), a checkpoint-<step>, best/ or final/ folder, or a "
+                            "transformers folder of a Llama, Qwen2 or Mistral model; the model takes the source's "
+                            "shape and tokenizer, with a new optimizer, learning-rate schedule and data position, in "
+                            "a run folder of its own", resume=EXACT, hint="empty starts from random weights")
     architecture: Optional[str] = option(None, "llama (rotary positions, RMSNorm, SwiGLU) or gpt2 (learned "
                                          "positions, LayerNorm, GELU); unset: llama for a new run, the checkpoint's "
                                          "when resuming", choices=("gpt2", "llama"), resume=MODEL_SHAPE,

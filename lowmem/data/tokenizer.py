@@ -452,6 +452,15 @@ class Tokenizer:
         """Prompt/response separator id (4)."""
         return SEP_ID
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end an answer: eos."""
+        return (EOS_ID,)
+
+    def describe(self) -> str:
+        """One line for the log: the kind, the size and the layout."""
+        return f"SentencePiece, {self.vocab_size:,} pieces, the layout [bos] prompt <sep> response [eos]"
+
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``, without special tokens."""
         if not isinstance(text, str):

@@ -65,12 +65,24 @@ def describe_files(files: Sequence[str], count: int | None = None) -> str:
     return ", ".join(str(file) for file in files[:2]) + (f" and {more} more file(s)" if more > 0 else "")
 
 
+# The files that decide a transformers tokenizer's ids and layout (tokenizer.json's pieces, the special tokens and
+# the chat template), hashed in this order when the folder has no SentencePiece model.
+HF_IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
 def tokenizer_identity(tokenizer_dir: str | Path, model_file: str = "tokenizer.model") -> dict[str, Any]:
-    """The tokenizer in `tokenizer_dir`: its folder, the sha256 of its model file, and the data it was trained on
-    (None for a tokenizer trained before that was recorded)."""
+    """The tokenizer in `tokenizer_dir`: its folder, the sha256 of its model file (of a transformers tokenizer's
+    files, `HF_IDENTITY_FILES`, when it has no SentencePiece model), and the data it was trained on (None for a
+    tokenizer trained before that was recorded, or one that came with a model)."""
     folder = Path(tokenizer_dir)
-    digest = hashlib.sha256((folder / model_file).read_bytes()).hexdigest()
-    return {"tokenizer_dir": str(folder), "sha256": digest, "trained_on": read_training_record(folder)}
+    digest = hashlib.sha256()
+    if (folder / model_file).is_file():
+        digest.update((folder / model_file).read_bytes())
+    else:
+        for name in HF_IDENTITY_FILES:
+            if (folder / name).is_file():
+                digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    return {"tokenizer_dir": str(folder), "sha256": digest.hexdigest(), "trained_on": read_training_record(folder)}
 
 
 def describe_identity(identity: dict[str, Any]) -> str:

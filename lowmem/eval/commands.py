@@ -21,7 +21,7 @@ from lowmem.checkpoint.run_lock import lock_run_folder
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.data.path_checks import check_data_files
-from lowmem.data.tokenizer import Tokenizer
+from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.performance import enable_tf32, inference_autocast
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def _bleu_figures(result: EvalResult) -> dict[str, Any]:
             "baseline_other_reference_precisions": other_reference.precisions}
 
 
-def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0,
+def answer(model: GPT, tokenizer: TextTokenizer, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None, bf16: bool = False,
            bf16_on_cpu: bool = False, continue_text: bool = False) -> str:
     """The model's answer to one prompt: greedy with temperature 0, sampled otherwise.
@@ -138,7 +138,7 @@ def answer(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     with inference_autocast(device, bf16, bf16_on_cpu):
         out = model.generate(idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             eos_id=tokenizer.eos_id, greedy=temperature == 0, generator=generator)
+                             eos_id=tokenizer.stop_ids, greedy=temperature == 0, generator=generator)
     return tokenizer.decode(out[0, idx.size(1):].tolist())
 
 

@@ -16,7 +16,7 @@ from lowmem.data.collate import TokenizingCollate
 from lowmem.data.sources import DEFAULT_COLUMNS
 from lowmem.distributed.collectives import all_reduce_sum
 from lowmem.model import GPT, IGNORE_INDEX
-from lowmem.data.tokenizer import Tokenizer
+from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.performance import inference_autocast
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
@@ -126,7 +126,7 @@ def evaluate_loss(model: GPT, loader: StreamLoader, accelerator: Accelerator,
 
 
 @torch.no_grad()
-def generate_answers(model: GPT, tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int,
+def generate_answers(model: GPT, tokenizer: TextTokenizer, prompts: Sequence[str], max_new_tokens: int,
                      device: torch.device, batch_size: int = 16, no_repeat_ngram_size: int = 0) -> list[str]:
     """Greedy answers to `prompts`, generated in batches of left-padded prompts with the key/value cache."""
     answers: list[str] = []
@@ -138,13 +138,13 @@ def generate_answers(model: GPT, tokenizer: Tokenizer, prompts: Sequence[str], m
         for row, ids in enumerate(encoded):
             idx[row, width - len(ids):] = torch.tensor(ids)
         lengths = torch.tensor([len(ids) for ids in encoded], device=device)  # (B,) real tokens per row
-        out = model.generate(idx.to(device), max_new_tokens=max_new_tokens, greedy=True, eos_id=tokenizer.eos_id,
+        out = model.generate(idx.to(device), max_new_tokens=max_new_tokens, greedy=True, eos_id=tokenizer.stop_ids,
                              prompt_lengths=lengths, no_repeat_ngram_size=no_repeat_ngram_size)
         answers.extend(tokenizer.decode(row[width:].tolist()) for row in out)
     return answers
 
 
-def evaluate(model: GPT, tokenizer: Tokenizer, files: str, accelerator: Accelerator, *, batch_size: int,
+def evaluate(model: GPT, tokenizer: TextTokenizer, files: str, accelerator: Accelerator, *, batch_size: int,
              max_seq_len: int, columns: Sequence[str] = DEFAULT_COLUMNS, bleu_samples: int = 0,
              max_new_tokens: int = 128, max_batches: int = 0, response_only: bool = False,
              no_repeat_ngram_size: int = 0, bf16: bool = False, bf16_on_cpu: bool = False,

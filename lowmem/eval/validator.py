@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns, response_only
 from lowmem.config.train_sources import validation_sources
-from lowmem.data.tokenizer import Tokenizer
+from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.validation import EvalResult, evaluate
 from lowmem.memory.cleanup import release_cuda_cache
@@ -22,7 +22,7 @@ class Validator:
     """Validates the training model every `eval_steps` steps (0: only when the trainer asks, at epoch ends and
     checkpoints) and remembers the last result. Every rank calls `run` together."""
 
-    def __init__(self, config: TrainConfig, tokenizer: Tokenizer, accelerator: Accelerator) -> None:
+    def __init__(self, config: TrainConfig, tokenizer: TextTokenizer, accelerator: Accelerator) -> None:
         self.config, self.tokenizer, self.accelerator = config, tokenizer, accelerator
         self.last: EvalResult | None = None
 

@@ -28,9 +28,9 @@ from typing import Iterable
 from lowmem.units import MB, gib_text
 
 FLOAT32 = 4
-# Phases: a part is held all along, or only while its phase lasts.
-RESIDENT, STEP, VALIDATION, SAVE = "resident", "step", "validation", "save"
-PHASES = (STEP, VALIDATION, SAVE)
+# Phases: a part is held all along, or only while its phase lasts (loading a source model's weights comes first).
+RESIDENT, LOAD, STEP, VALIDATION, SAVE = "resident", "load", "step", "validation", "save"
+PHASES = (LOAD, STEP, VALIDATION, SAVE)
 SINGLE, DDP, FSDP, DEEPSPEED = "single", "ddp", "fsdp", "deepspeed"
 STRATEGIES = (SINGLE, DDP, FSDP, DEEPSPEED)
 
@@ -125,6 +125,7 @@ class PlanInputs:
     compiled: bool = False  # torch.compile of the training model
     compile_workers: int = 0  # processes of inductor's compile pool per process (0: it compiles in the process)
     generation_prompts: int = 0  # a process's share of the prompts BLEU-4 answers (generation batches hold fewer)
+    load_chunk_bytes: int = 0  # a run started from a model: the most bytes of its files read and cast at once
 
     @property
     def on_gpu(self) -> bool:
@@ -355,8 +356,19 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
     else:
         host += _states(inputs, "host") + _step(inputs, 1.0)
         host += _heap(host, inputs) + _validation(inputs, "host")
-    host += _save_copy(inputs)
+    host += _save_copy(inputs) + _load(inputs)
     return MemoryPlan(inputs, tuple(host), tuple(device), tuple(machine))
+
+
+def _load(inputs: PlanInputs) -> list[PlanPart]:
+    """What loading a source model's weights adds to the weights themselves (counted above, a shard each under FSDP):
+    a slice of the file's pages and its cast, never the whole model (`lowmem.source.load`)."""
+    if not inputs.load_chunk_bytes:
+        return []
+    share = f"its shards' rows only (1/{inputs.shards})" if inputs.shards > 1 else "every row"
+    return [PlanPart("loading the source's weights", 2 * inputs.load_chunk_bytes,
+                     f"{_mb(inputs.load_chunk_bytes)} of the files at a time, cast to float32, {share}; the file's "
+                     "pages handed back after each slice", LOAD)]
 
 
 def with_inputs(plan_inputs: PlanInputs, **changes: object) -> PlanInputs:

@@ -5,6 +5,13 @@
     architecture  positions                   norm       MLP
     gpt2          learned table, added        LayerNorm  GELU, 4 x n_embd wide
     llama         rotary, on queries and keys RMSNorm    SwiGLU, about 8/3 x n_embd wide (about as many weights)
+
+A model started from a transformers checkpoint of the Llama family (Llama, Qwen2, Mistral) is a llama whose sizes
+come from the source's config.json (`lowmem.source.hf_config`): fewer key/value heads than query heads
+(grouped-query attention), biases on the query/key/value projection only (Qwen2), an output layer of its own
+(untied), the source's MLP width, head size, rotary base and scaling, and a vocabulary kept at the source's rows.
+Every one of these fields defaults to what a model lowmem trains from scratch has, so model_config.json files
+written before they existed read back as they were.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from lowmem.errors import ConfigError
 
@@ -24,6 +31,8 @@ ARCHITECTURES: tuple[str, ...] = ("gpt2", "llama")
 VOCAB_PAD_MULTIPLE = 64
 # The SwiGLU hidden width is rounded up to this, for the same reason.
 MLP_WIDTH_MULTIPLE = 64
+# The rotary scalings a model may carry (`GPTConfig.rope_scaling["rope_type"]`, see `lowmem.model.rotary`).
+ROPE_SCALINGS = ("linear", "llama3")
 
 # The model presets, usable with `GPTConfig.from_preset` (configs and the command line): each name maps to the
 # GPTConfig fields it sets besides `vocab_size`. `GPTConfig.demo` and `GPTConfig.gpt2_small` build them by name.
@@ -51,6 +60,20 @@ class GPTConfig:
             existed hold a "gpt2" model, hence that default here; new training runs choose theirs in the config.
         rope_theta: base of the rotary frequencies (llama only).
         norm_eps: the epsilon of LayerNorm / RMSNorm.
+        n_kv_head: key/value heads (llama only); 0 means one per query head. Fewer is grouped-query attention:
+            each key/value head serves n_head // n_kv_head consecutive query heads.
+        head_size: channels per attention head; 0 means n_embd // n_head.
+        mlp_width: the MLP's hidden width; 0 means the architecture's rule (`mlp_hidden`).
+        qkv_bias: biases on the query/key/value projection even without `bias` (Qwen2's layout).
+        tie_embeddings: the output layer shares its weight with the token embedding; False gives it its own.
+        vocab_multiple: the embedding's rows are `vocab_size` rounded up to a multiple of this (64 for models
+            trained here; 1 keeps a transformers model's rows as they are).
+        rope_scaling: None, or the rotary scaling of the source model (llama only): {"rope_type": "linear",
+            "factor": f} or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings"} (see `lowmem.model.rotary.inverse_frequencies`).
+        transformers_config: the config.json of the transformers model this one was started from (None for a
+            model lowmem trained from scratch), kept as data so that `lowmem export` writes the same model class
+            with every key of the source (`lowmem.hf.weights.hf_config`).
     """
 
     vocab_size: int
@@ -63,6 +86,14 @@ class GPTConfig:
     architecture: str = "gpt2"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    n_kv_head: int = 0
+    head_size: int = 0
+    mlp_width: int = 0
+    qkv_bias: bool = False
+    tie_embeddings: bool = True
+    vocab_multiple: int = VOCAB_PAD_MULTIPLE
+    rope_scaling: Optional[dict[str, Any]] = None
+    transformers_config: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_embd"):
@@ -72,7 +103,8 @@ class GPTConfig:
                 raise ConfigError(f"GPTConfig.{name} must be an integer, got {value!r}; pass a whole number.")
             if value < 1:
                 raise ConfigError(f"GPTConfig.{name} must be at least 1, got {value}; set a positive {name}.")
-        if self.n_embd % self.n_head != 0:
+        self._check_grouped_sizes()
+        if not self.head_size and self.n_embd % self.n_head != 0:
             lower = (self.n_embd // self.n_head) * self.n_head
             upper = lower + self.n_head
             hint = f"n_embd={upper}" if lower == 0 else f"n_embd={lower} or n_embd={upper}"
@@ -86,8 +118,9 @@ class GPTConfig:
             raise ConfigError(
                 f"GPTConfig.dropout must be in [0, 1), got {self.dropout}; use 0.0 to disable dropout."
             )
-        if not isinstance(self.bias, bool):
-            raise ConfigError(f"GPTConfig.bias must be True or False, got {self.bias!r}.")
+        for name in ("bias", "qkv_bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"GPTConfig.architecture must be one of {', '.join(ARCHITECTURES)}, "
                               f"got {self.architecture!r}.")
@@ -98,25 +131,57 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
                 raise ConfigError(f"GPTConfig.{name} must be a number above 0, got {value!r}.")
+        self._check_rope_scaling()
+
+    def _check_grouped_sizes(self) -> None:
+        """n_kv_head, head_size, mlp_width and vocab_multiple: whole numbers (0 = the rule), and n_kv_head dividing
+        n_head."""
+        for name in ("n_kv_head", "head_size", "mlp_width", "vocab_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ConfigError(f"GPTConfig.{name} must be a whole number >= 0, got {value!r}.")
+        if self.vocab_multiple < 1:
+            raise ConfigError(f"GPTConfig.vocab_multiple must be at least 1, got {self.vocab_multiple}.")
+        if self.n_kv_head and (self.n_kv_head > self.n_head or self.n_head % self.n_kv_head):
+            raise ConfigError(f"GPTConfig.n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}): each "
+                              "key/value head serves the same number of query heads.")
+        if self.architecture == "gpt2" and (self.kv_heads != self.n_head or self.rope_scaling):
+            raise ConfigError("Grouped-query attention and rotary scaling are for the llama architecture only.")
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling is None:
+            return
+        kind = self.rope_scaling.get("rope_type") if isinstance(self.rope_scaling, dict) else None
+        if kind not in ROPE_SCALINGS:
+            raise ConfigError(f"GPTConfig.rope_scaling must be None or have a rope_type among "
+                              f"{', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}.")
 
     @property
     def padded_vocab_size(self) -> int:
-        """`vocab_size` rounded up to a multiple of 64: the number of rows in the embedding and logits."""
-        return math.ceil(self.vocab_size / VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+        """`vocab_size` rounded up to a multiple of `vocab_multiple` (64): the number of rows in the embedding and
+        logits."""
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
 
     @property
     def mlp_hidden(self) -> int:
-        """Width of the MLP's hidden layer: 4 x n_embd for GELU; for SwiGLU, whose three matrices would
-        otherwise hold 1.5 times the parameters, 8/3 x n_embd rounded up to a multiple of 64 (as many
-        parameters at widths of 256 and more; at 128, 12% more)."""
+        """Width of the MLP's hidden layer: `mlp_width` when set; else 4 x n_embd for GELU, and for SwiGLU, whose
+        three matrices would otherwise hold 1.5 times the parameters, 8/3 x n_embd rounded up to a multiple of 64
+        (as many parameters at widths of 256 and more; at 128, 12% more)."""
+        if self.mlp_width:
+            return self.mlp_width
         if self.architecture == "gpt2":
             return 4 * self.n_embd
         return math.ceil(8 * self.n_embd / 3 / MLP_WIDTH_MULTIPLE) * MLP_WIDTH_MULTIPLE
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head (`n_embd // n_head`)."""
-        return self.n_embd // self.n_head
+        """Channels per attention head (`head_size`, else `n_embd // n_head`)."""
+        return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `n_kv_head`, else one per query head."""
+        return self.n_kv_head or self.n_head
 
     @classmethod
     def demo(cls, vocab_size: int, **overrides: Any) -> GPTConfig:

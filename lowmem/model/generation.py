@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +105,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     greedy: bool = False,
     generator: torch.Generator | None = None,
     pad_id: int | None = None,
@@ -135,10 +135,11 @@ def generate(
         top_k: sample only among the k most likely tokens.
         top_p: sample only among the most likely tokens whose probabilities sum to at least top_p
             (nucleus sampling), in (0, 1].
-        eos_id: stop a sequence once it produces this id; generation ends early when all have.
+        eos_id: stop a sequence once it produces this id (or one of these ids: a chat model's end of turn and its
+            end of text); generation ends early when all have.
         greedy: take the most likely token instead of sampling (ignores temperature, top_k, top_p).
         generator: random generator for reproducible sampling; must be on the model's device.
-        pad_id: what finished sequences emit while others continue; defaults to `eos_id`.
+        pad_id: what finished sequences emit while others continue; defaults to `eos_id` (the first).
         use_cache: keep a key/value cache (much faster for long generations); False recomputes the
             whole context at every step.
         no_repeat_ngram_size: with n > 0, never produce a token that would repeat an n-gram already in
@@ -207,18 +208,20 @@ def _decoding(model: GPT, state: DecodingState) -> Iterator[None]:
         model.train(was_training)
 
 
-def _decode(model: GPT, idx: torch.Tensor, max_new_tokens: int, sampling: _Sampling, eos_id: int | None,
-            pad_id: int | None) -> torch.Tensor:
+def _decode(model: GPT, idx: torch.Tensor, max_new_tokens: int, sampling: _Sampling,
+            eos_id: int | Sequence[int] | None, pad_id: int | None) -> torch.Tensor:
     """The decoding loop: `idx` (B, T) followed by up to `max_new_tokens` tokens, one per step (see `generate`)."""
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
     answer_start = idx.size(1)
+    stop = None if eos_id is None else torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id),
+                                                    dtype=torch.long, device=idx.device)  # (S,)
     for _ in range(max_new_tokens):
         # The whole context: `next_token_logits` crops it, or runs only what the cache lacks.
         next_id = sampling.choose(model.next_token_logits(idx), idx[:, answer_start:])  # (B, 1)
-        if eos_id is not None:
-            next_id, finished = _pad_finished_rows(next_id, finished, eos_id, pad_id)
+        if stop is not None:
+            next_id, finished = _pad_finished_rows(next_id, finished, stop, pad_id)
         idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
-        if eos_id is not None and bool(finished.all()):
+        if stop is not None and bool(finished.all()):
             break
     return idx
 
@@ -252,14 +255,14 @@ class _Sampling:
         return torch.multinomial(probs, num_samples=1, generator=self.generator)  # (B, 1)
 
 
-def _pad_finished_rows(next_id: torch.Tensor, finished: torch.Tensor, eos_id: int,
+def _pad_finished_rows(next_id: torch.Tensor, finished: torch.Tensor, stop: torch.Tensor,
                        pad_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chosen tokens (B, 1) with padding (`pad_id`, else `eos_id`) in rows that have finished, and the rows
-    finished (B,) once these tokens are added."""
-    fill_id = eos_id if pad_id is None else pad_id
+    """The chosen tokens (B, 1) with padding (`pad_id`, else the first stop id) in rows that have finished, and the
+    rows finished (B,) once these tokens are added (a row finishes on any of the `stop` ids (S,))."""
+    fill = stop[:1] if pad_id is None else torch.full_like(stop[:1], pad_id)  # (1,)
     # Finished rows keep emitting padding so the batch stays rectangular.
-    next_id = torch.where(finished.unsqueeze(1), torch.full_like(next_id, fill_id), next_id)  # (B, 1)
-    return next_id, finished | (next_id.squeeze(1) == eos_id)  # (B, 1), (B,)
+    next_id = torch.where(finished.unsqueeze(1), fill.expand_as(next_id), next_id)  # (B, 1)
+    return next_id, finished | torch.isin(next_id.squeeze(1), stop)  # (B, 1), (B,)
 
 
 def _left_padding(prompt_lengths: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:

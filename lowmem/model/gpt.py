@@ -73,27 +73,40 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.n_kv_head = config.kv_heads  # fewer than n_head: grouped-query attention
         self.head_dim = config.head_dim
         self.dropout = config.dropout
-        # One matmul produces queries, keys and values for all heads at once.
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # One matmul produces queries, keys and values for all heads at once: rows [q; k; v], the queries
+        # n_head x hs wide, keys and values n_kv_head x hs each.
+        self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim,
+                             bias=config.bias or config.qkv_bias)
         # Projects the concatenated heads back into the residual stream (scaled at init, see GPT._init_weights).
-        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.out_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) -> (B, nh, T, hs): heads become a batch dimension for the attention kernel."""
+    def _split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """(B, T, heads x hs) -> (B, heads, T, hs): heads become a batch dimension for the attention kernel."""
         B, T, _ = x.shape
-        return x.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        return x.view(B, T, heads, self.head_dim).transpose(1, 2)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values for `x` (B, T, C), each (B, nh, T, hs).
+        """Queries (B, nh, T, hs), keys and values (B, n_kv_head, T, hs) for `x` (B, T, C).
 
         Kept separate from the attention itself so that a key/value cache can store the k, v of earlier
-        positions and append only the new ones during generation.
+        positions and append only the new ones during generation (under grouped-query attention the cache
+        holds the n_kv_head heads only).
         """
-        q, k, v = self.qkv(x).split(self.n_head * self.head_dim, dim=2)  # 3 x (B, T, C)
-        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+        kv_width = self.n_kv_head * self.head_dim
+        q, k, v = self.qkv(x).split([self.n_head * self.head_dim, kv_width, kv_width], dim=2)
+        return (self._split_heads(q, self.n_head), self._split_heads(k, self.n_kv_head),
+                self._split_heads(v, self.n_kv_head))
+
+    def _shared_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """Keys or values (B, n_kv_head, Tk, hs) -> (B, nh, Tk, hs): key/value head j serves the n_head // n_kv_head
+        consecutive query heads from j x (n_head // n_kv_head) on (transformers' layout)."""
+        if self.n_kv_head == self.n_head:
+            return kv
+        return kv.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
 
     def attend(
         self,
@@ -139,11 +152,12 @@ class CausalSelfAttention(nn.Module):
             rotary: cosines and sines of x's positions (llama): queries and keys are rotated by them. The
                 cache stores rotated keys, so a cached key keeps the angle of its own position.
         """
-        q, k, v = self.project_qkv(x)  # each (B, nh, T, hs)
+        q, k, v = self.project_qkv(x)  # (B, nh, T, hs); k, v (B, n_kv_head, T, hs)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
-            k, v = cache.append(k, v)  # each (B, nh, Tk, hs): the earlier positions, then x's
+            k, v = cache.append(k, v)  # each (B, n_kv_head, Tk, hs): the earlier positions, then x's
+        k, v = self._shared_kv(k), self._shared_kv(v)  # each (B, nh, Tk, hs)
         if is_block_mask(attn_mask):  # packed rows on FlexAttention (no cache, no dropout there)
             B, _, T, _ = q.shape
             y = flex_attend(q, k, v, attn_mask).transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
@@ -160,10 +174,10 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
         self.act = nn.GELU()
         # Writes into the residual stream (scaled at init, see GPT._init_weights).
-        self.out_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.out_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,10 +274,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = _norm(config)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
-        # Weight tying: reading a token and predicting it use the same vectors. It saves V * C parameters
-        # (a large share of a small model) and tends to help. Both names refer to one Parameter, so
-        # `parameters()`, `.to()` and the optimizer see it once.
-        self.lm_head.weight = self.tok_emb.weight
+        self.tie_weights()
 
         self.apply(self._init_weights)
         # Each block adds two branches to the residual stream; shrinking their output projections keeps
@@ -279,6 +290,17 @@ class GPT(nn.Module):
         self.loss_chunk_tokens = 0
         # The kernel for attention within packed rows (see `use_attention`).
         self.packed_attention = "sdpa"
+
+    def tie_weights(self) -> None:
+        """Make the output layer's weight the token embedding's (unless `config.tie_embeddings` is False).
+
+        Weight tying: reading a token and predicting it use the same vectors. It saves V * C parameters (a large
+        share of a small model) and tends to help. Both names refer to one Parameter, so `parameters()`, `.to()`
+        and the optimizer see it once. A model started from an untied source keeps its own output layer. Called
+        again after anything that replaces the Parameters (`to_empty` gives each name a new one).
+        """
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
 
     def use_attention(self, kind: str) -> GPT:
         """Choose the kernel for attention within packed rows (`segment_ids`); what it computes does not change.
@@ -364,9 +386,10 @@ class GPT(nn.Module):
           embedding (a lookup, no arithmetic; the llama architecture has none). The token embedding counts
           because, tied to `lm_head`, it is the weight of the logits matmul. Each such weight costs 2 FLOPs
           per token forward and 4 backward.
-        - 12 * n_layer * n_embd * T is attention itself: q @ k^T and att @ v are 2 * T * n_embd FLOPs each
-          per token and layer forward, times 3 for forward + backward. The causal mask is ignored, as in
-          the usual convention (kernels that skip the masked half do less work).
+        - 12 * n_layer * (n_head x head size) * T is attention itself: q @ k^T and att @ v are 2 * T * n_embd
+          FLOPs each per token and layer forward (n_head x head size is n_embd unless a source model says
+          otherwise), times 3 for forward + backward. The causal mask is ignored, as in the usual convention
+          (kernels that skip the masked half do less work).
 
         Args:
             seq_len: sequence length T; defaults to `config.max_seq_len`.
@@ -374,7 +397,7 @@ class GPT(nn.Module):
         cfg = self.config
         T = cfg.max_seq_len if seq_len is None else seq_len
         n_matmul = self.num_params() - self._position_table_size()
-        return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_embd * T
+        return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
     # ----------------------------------------------------------------------------------------------------
     # Forward and loss
@@ -427,7 +450,8 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)  # (B, T, C)
         rotary = None
         if self.pos_emb is None:
-            rotary = rotary_angles(pos, self.config.head_dim, self.config.rope_theta)  # each (B or 1, 1, T, hs)
+            # each (B or 1, 1, T, hs)
+            rotary = rotary_angles(pos, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         else:
             x = x + self.pos_emb(pos)  # (B, T, C) + (T, C) or (B, T, C)
         x = self.drop(x)

@@ -27,7 +27,7 @@ from lowmem.config.train_sources import training_paths
 from lowmem.data.collate import FixedShapes
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
 from lowmem.data.sources import build_row_group_index
-from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer
 from lowmem.errors import ConfigError, LowmemError
 from lowmem.memory.budget import budget_source
 from lowmem.memory.data_settings import decide_memory_settings
@@ -35,6 +35,8 @@ from lowmem.memory.levers import LEVER_FIELDS, SaverChoice, choose_savers, no_fi
 from lowmem.memory.plan import (CUDA_CONTEXT_DEVICE_BYTES, DDP, DEEPSPEED, FSDP, SINGLE, MemoryPlan, ModelShape,
                                 PlanInputs, format_plan, plan_memory)
 from lowmem.program import command_line, launch_line
+from lowmem.source.load import LOAD_CHUNK_BYTES
+from lowmem.source.settle import StartingPoint
 from lowmem.units import GIB, gib_text
 
 logger = logging.getLogger(__name__)
@@ -52,13 +54,14 @@ def explicit_fields(config: TrainConfig, given: Collection[str] | None = None) -
     return frozenset(differing | set(given or ()))
 
 
-def model_shape(config: TrainConfig, vocab_size: int) -> ModelShape:
-    """The GPT's sizes and parameter counts, from a model built on the meta device (no memory, no time)."""
+def model_shape(config: TrainConfig, vocab_size: int, start: StartingPoint | None = None) -> ModelShape:
+    """The GPT's sizes and parameter counts, from a model built on the meta device (no memory, no time): the one
+    `config` asks for, or the model a run starts from (`start`)."""
     from lowmem.model import GPT
     from lowmem.train.setup import model_config_for
 
     with torch.device("meta"):
-        model = GPT(model_config_for(config, vocab_size))
+        model = GPT(model_config_for(config, vocab_size, start))
     gpt = model.config
     return ModelShape(n_layer=gpt.n_layer, n_embd=gpt.n_embd, n_head=gpt.n_head, mlp_hidden=gpt.mlp_hidden,
                       padded_vocab=gpt.padded_vocab_size, max_seq_len=gpt.max_seq_len, architecture=gpt.architecture,
@@ -70,12 +73,15 @@ def measure_base_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def existing_tokenizer(config: TokenizerConfig) -> Tokenizer | None:
-    """The tokenizer in `tokenizer_dir`, or None when none has been trained there yet."""
-    if not (Path(config.tokenizer_dir) / TOKENIZER_FILE).is_file():
+def existing_tokenizer(config: TokenizerConfig, start: StartingPoint | None = None) -> TextTokenizer | None:
+    """The tokenizer the run will use: that of the model it starts from (`start`), else the one in `tokenizer_dir`;
+    None when none has been trained there yet."""
+    folder = start.tokenizer_folder if start is not None and start.tokenizer_folder is not None else \
+        Path(config.tokenizer_dir)
+    if not has_tokenizer(folder):
         return None
     try:
-        return Tokenizer.load(config.tokenizer_dir)
+        return load_tokenizer(folder)
     except LowmemError:
         return None
 
@@ -118,9 +124,10 @@ def layout_of(accelerator: Any) -> RunLayout:
 
 
 def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None = None,
-                tokenizer: Tokenizer | None = None) -> tuple[PlanInputs, Callable[[int], int]]:
-    """The plan's inputs for `config` run as `layout`, and the largest micro-batch's positions for any number
-    of rows (the levers need it for smaller micro-batches)."""
+                tokenizer: TextTokenizer | None = None,
+                start: StartingPoint | None = None) -> tuple[PlanInputs, Callable[[int], int]]:
+    """The plan's inputs for `config` run as `layout` (starting from `start`'s model when given), and the largest
+    micro-batch's positions for any number of rows (the levers need it for smaller micro-batches)."""
     from lowmem.distributed.performance import compile_worker_processes, speed_settings
 
     speed = speed_settings(config, layout.device, sharded=layout.strategy in (FSDP, DEEPSPEED))
@@ -142,7 +149,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
                                       on_gpu=layout.device == "cuda", budget_gb=config.memory_budget_gb)
     prompts = _generation_prompts(config, layout.world_size)
     inputs = PlanInputs(
-        model=model_shape(config, vocab),
+        model=model_shape(config, vocab, start),
         micro_batch_positions=positions_for_rows(config.batch_size_per_gpu),
         # FlexAttention's block mask is a few kB: only SDPA's boolean mask grows with the positions.
         sequence_width=config.max_seq_len, masked_attention=config.pack_rows and speed.attention == "sdpa",
@@ -158,6 +165,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         generation_positions=config.max_seq_len,
         launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,
         compiled=speed.compile, compile_workers=compile_worker_processes(settings.low_budget) if speed.compile else 0,
+        load_chunk_bytes=LOAD_CHUNK_BYTES if start is not None and start.source is not None else 0,
     )
     return inputs, positions_for_rows
 
@@ -204,18 +212,19 @@ class MemoryDecision:
 
 
 def decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str],
-           saved_choice: dict[str, Any] | None = None, base_bytes: int | None = None) -> MemoryDecision:
+           saved_choice: dict[str, Any] | None = None, base_bytes: int | None = None,
+           start: StartingPoint | None = None) -> MemoryDecision:
     """Plan the run and choose its memory savers (rank 0's work in `settle_memory`); errors come back as data.
     A resume keeps `saved_choice`, the choice saved with the checkpoint it continues from
-    (`lowmem.train.startup.SavedRun.memory_choice`)."""
+    (`lowmem.train.startup.SavedRun.memory_choice`); a run started from a model plans that model (`start`)."""
     try:
-        return _decide(config, layout, explicit, saved_choice, base_bytes)
+        return _decide(config, layout, explicit, saved_choice, base_bytes, start)
     except LowmemError as error:
         return MemoryDecision(error=str(error))
 
 
 def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], saved: dict[str, Any] | None,
-            base_bytes: int | None) -> MemoryDecision:
+            base_bytes: int | None, start: StartingPoint | None = None) -> MemoryDecision:
     budget = int(config.memory_budget_gb * GIB) if config.memory_budget_gb > 0 else None
     if budget is None:
         from lowmem.memory.budget import memory_budget_bytes
@@ -228,7 +237,7 @@ def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], s
         decision.changes = {name: value for name, value in saved.get("changes", {}).items()
                             if name in LEVER_FIELDS and name not in explicit}
         config = dataclasses.replace(config, **decision.changes)
-    inputs, positions_for_rows = plan_inputs(config, layout, base_bytes, existing_tokenizer(config))
+    inputs, positions_for_rows = plan_inputs(config, layout, base_bytes, existing_tokenizer(config, start), start)
     if config.memory_savers == "off" or saved is not None:
         decision.plan = plan_memory(inputs)
         if saved is not None:
@@ -264,16 +273,17 @@ def _resume_line(saved: dict[str, Any], decision: MemoryDecision, budget: int) -
 
 
 def settle_memory(config: TrainConfig, accelerator: Any, explicit: Collection[str],
-                  saved_choice: dict[str, Any] | None = None) -> tuple[TrainConfig, MemoryDecision]:
+                  saved_choice: dict[str, Any] | None = None,
+                  start: StartingPoint | None = None) -> tuple[TrainConfig, MemoryDecision]:
     """Rank 0 plans and chooses the memory savers; every rank gets the same decision and config (a resume:
-    `saved_choice`, the choice saved with the checkpoint it continues from).
+    `saved_choice`, the choice saved with the checkpoint it continues from; a run started from a model: `start`).
 
     Raises ConfigError (on every rank; only the main process's says why) when nothing fits.
     """
     from lowmem.distributed.collectives import broadcast_from_main
 
     layout = layout_of(accelerator)
-    decision = broadcast_from_main(accelerator, lambda: decide(config, layout, explicit, saved_choice))
+    decision = broadcast_from_main(accelerator, lambda: decide(config, layout, explicit, saved_choice, start=start))
     if decision.error is not None:
         raise ConfigError(decision.error if accelerator.is_main_process else "")
     if decision.changes:

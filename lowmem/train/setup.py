@@ -18,11 +18,12 @@ from lowmem.data.collate import FixedShapes, TokenizingCollate
 from lowmem.data.sizing import sample_batch_sizes
 from lowmem.data.sources import build_row_group_index, resolve_data_files
 from lowmem.data.stream_type import RowStream
+from lowmem.data.text_tokenizer import TextTokenizer, copy_tokenizer, has_tokenizer, load_tokenizer
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 from lowmem.data.tokenizer_identity import (describe_files, describe_identity, read_training_record,
                                             tokenizer_identity, trained_on_same_files)
 from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main
-from lowmem.distributed.strategy import describe, prepare_model_and_optimizer
+from lowmem.distributed.strategy import FSDP, describe, prepare_model_and_optimizer, strategy
 from lowmem.errors import ConfigError
 from lowmem.memory.cleanup import set_malloc_mmap_threshold
 from lowmem.memory.data_settings import MemorySettings, decide_memory_settings
@@ -33,6 +34,8 @@ from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
 from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
+from lowmem.source.load import LoadedWeights, empty_model, fill_model
+from lowmem.source.settle import StartingPoint
 from lowmem.distributed.performance import SpeedSettings, enable_tf32, maybe_compile, run_speed_settings
 
 logger = logging.getLogger(__name__)
@@ -42,8 +45,11 @@ logger = logging.getLogger(__name__)
 NEW_RUN_ARCHITECTURE = "llama"
 
 
-def model_config_for(config: ModelConfig, vocab_size: int) -> GPTConfig:
-    """The GPT sizes a training config asks for (its architecture settled, see `settle_architecture`)."""
+def model_config_for(config: ModelConfig, vocab_size: int, start: StartingPoint | None = None) -> GPTConfig:
+    """The GPT sizes a training config asks for (its architecture settled, see `settle_architecture`), or those of
+    the model the run starts from (`start`)."""
+    if start is not None:
+        return start.model_config
     return GPTConfig(vocab_size=vocab_size, max_seq_len=config.max_seq_len, n_layer=config.n_layer,
                      n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
                      architecture=config.architecture or NEW_RUN_ARCHITECTURE)
@@ -84,13 +90,20 @@ def check_tokenizer_data(config: TrainConfig, explicit: Collection[str]) -> None
         f"--tokenizer_dir={folder}. Nothing was written.")
 
 
-def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> tuple[Tokenizer, dict[str, Any]]:
-    """Load the tokenizer, training it first (on the main process, while the others wait) if it is missing;
-    returns it with its identity (`tokenizer_identity`), logged in one line."""
+def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator,
+                     start: StartingPoint | None = None) -> tuple[TextTokenizer, dict[str, Any]]:
+    """Load the tokenizer, made first on the main process (while the others wait): a new run started from a model
+    copies the model's into its run folder; any other run trains one if it is missing. Returns it with its identity
+    (`tokenizer_identity`), logged in one line."""
     model_path = Path(config.tokenizer_dir) / TOKENIZER_FILE
+    copy_from = start.tokenizer_folder if start is not None and start.source is not None else None
 
-    def train_if_missing() -> None:
-        if model_path.is_file():
+    def make_if_missing() -> None:
+        if copy_from is not None:  # the source's, copied afresh: the run needs no file of the source to resume
+            with writing("the model's tokenizer", config.tokenizer_dir, option="--tokenizer_dir"):
+                copy_tokenizer(copy_from, config.tokenizer_dir)
+            return
+        if has_tokenizer(config.tokenizer_dir):
             return
         logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path,
                     config.train_sources or config.train_file,
@@ -98,10 +111,12 @@ def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator) -> tuple[Tok
         with writing("the tokenizer", config.tokenizer_dir, option="--tokenizer_dir"):
             train_tokenizer_for(config)
 
-    run_on_main(accelerator, train_if_missing)  # a failure there (bad data, a full disk) stops every rank
-    tokenizer = Tokenizer.load(config.tokenizer_dir)
+    run_on_main(accelerator, make_if_missing)  # a failure there (bad data, a full disk) stops every rank
+    tokenizer = load_tokenizer(config.tokenizer_dir)
     identity = {**tokenizer_identity(config.tokenizer_dir), "pieces": tokenizer.vocab_size}
     logger.info("Tokenizer: %d pieces, %s.", tokenizer.vocab_size, describe_identity(identity))
+    if start is not None:  # the model's own: its size is the model's, not --vocab_size
+        return tokenizer, identity
     if tokenizer.vocab_size != config.vocab_size:
         logger.info("The tokenizer at %s has %d pieces (vocab_size is %d); retrain it with `%s` to change that.",
                     model_path, tokenizer.vocab_size, config.vocab_size,
@@ -121,13 +136,18 @@ def shared_memory_settings(config: TrainConfig, accelerator: Accelerator) -> Mem
     return settings
 
 
-def build_model(config: TrainConfig, vocab_size: int) -> GPT:
-    """The plain GPT a config asks for, with its memory savers (and the C allocator's threshold) set."""
+def build_model(config: TrainConfig, vocab_size: int, start: StartingPoint | None = None,
+                device: torch.device | None = None) -> GPT:
+    """The plain GPT a config asks for, with its memory savers (and the C allocator's threshold) set. A new run
+    started from a model gets it unwritten, on `device` (the CPU by default), for its source to fill
+    (`lowmem.source.load.empty_model`)."""
     if set_malloc_mmap_threshold(config.malloc_mmap_threshold_mb):
         logger.info("C allocations of %g MB or more are mapped apart and returned when freed "
                     "(--malloc_mmap_threshold_mb).", config.malloc_mmap_threshold_mb)
-    model = GPT(model_config_for(config, vocab_size)).use_memory_savers(config.loss_chunk_tokens,
-                                                                        config.activation_checkpointing)
+    model_config = model_config_for(config, vocab_size, start)
+    empty = start is not None and start.source is not None
+    model = (empty_model(model_config, device) if empty else GPT(model_config)).use_memory_savers(
+        config.loss_chunk_tokens, config.activation_checkpointing)
     logger.info("Model: %s architecture, %.2f M parameters (%.2f M without embeddings); loss: %s; "
                 "activation checkpointing: %s.", model.config.architecture, model.num_params() / 1e6,
                 model.num_params(exclude_embeddings=True) / 1e6,
@@ -151,10 +171,24 @@ def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerat
 
 
 def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, vocab_size: int,
-                              settings: MemorySettings, speed: SpeedSettings | None = None
-                              ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """`build_model`, then `prepare_for_training`."""
-    return prepare_for_training(build_model(config, vocab_size), config, accelerator, settings, speed)
+                              settings: MemorySettings, speed: SpeedSettings | None = None,
+                              start: StartingPoint | None = None
+                              ) -> tuple[torch.nn.Module, torch.optim.Optimizer, LoadedWeights | None]:
+    """`build_model`, then `prepare_for_training`; a new run started from a model fills it with the model's
+    weights (`lowmem.source.load.fill_model`): before the strategy wraps it, or under FSDP after, each rank its own
+    shards. Returns what this process loaded, if anything."""
+    source = start.source if start is not None else None
+    sharded = strategy(accelerator) == FSDP
+    # Unsharded, the model is built where it trains, so that the host never holds a copy a GPU will hold; FSDP
+    # shards it from the CPU, where the unwritten storage takes no memory.
+    model = build_model(config, vocab_size, start, torch.device("cpu") if sharded else accelerator.device)
+    loaded = None
+    if start is not None and source is not None and not sharded:
+        loaded = fill_model(model, source, start.weights)
+    prepared, optimizer = prepare_for_training(model, config, accelerator, settings, speed)
+    if start is not None and source is not None and sharded:
+        loaded = fill_model(prepared, source, start.weights)
+    return prepared, optimizer, loaded
 
 
 def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: Accelerator,
@@ -176,7 +210,7 @@ def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: A
                         num_workers=settings.num_workers, pin_memory=settings.pin_memory)
 
 
-def decide_fixed_shapes(config: TrainConfig, tokenizer: Tokenizer) -> FixedShapes:
+def decide_fixed_shapes(config: TrainConfig, tokenizer: TextTokenizer) -> FixedShapes:
     """The two shapes of the run's micro-batches (`FixedShapes`), from a sample of the training rows tokenized as
     training will; said in one line."""
     index = build_row_group_index(training_paths(config), data_columns(config))

@@ -2,7 +2,8 @@
 depends on it is settled from it before anything is built or written.
 
     start_up            the given values checked (config, data files, run folder, a new run's tokenizer), the saved
-                        run read, and the config the run uses settled from it
+                        run read, the model a run starts from found and checked (`lowmem.source.settle`), and the
+                        config the run uses settled from them
     read_saved_run      what a resume continues from, read once: the checkpoint named by --resume_from_checkpoint,
                         else the run's newest with a readable trainer state, and that trainer state (`SavedRun`)
     settled_config      the fields left to decide, decided: the architecture, the loss targets and the tokenizer
@@ -26,6 +27,7 @@ from lowmem.checkpoint.run_lock import check_output_dir
 from lowmem.config import TrainConfig, validate_config
 from lowmem.config.columns import response_only
 from lowmem.data.path_checks import check_data_files
+from lowmem.source.settle import StartingPoint, refuse_keep_training_without_run, settle_source
 from lowmem.train.memory_fit import SAVED_KEY, explicit_fields
 from lowmem.train.setup import NEW_RUN_ARCHITECTURE, check_tokenizer_data
 
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # Fields added after checkpoints were written without them: the value those runs had in effect.
 VALUES_BEFORE_THE_FIELD = {"dataloader_mix_row_groups": 1, "architecture": "gpt2", "text_column": "",
-                           "train_sources": ""}
+                           "train_sources": "", "init_from": ""}
 
 
 def in_effect(saved_config: dict[str, Any]) -> dict[str, Any]:
@@ -79,20 +81,27 @@ def read_saved_run(output_dir: str | Path, named: str | Path | None = None) -> S
 
 
 def start_up(config: TrainConfig, given: Collection[str] | None, is_keep_training: bool,
-             resume_from: str | Path | None = None) -> tuple[TrainConfig, SavedRun]:
-    """The config a run uses and the saved run it continues from, before anything is built or written.
+             resume_from: str | Path | None = None) -> tuple[TrainConfig, SavedRun, StartingPoint | None]:
+    """The config a run uses, the saved run it continues from and the model it starts from (None: random weights),
+    before anything is built or written.
 
     The values as given are checked first (a mistake is named before anything is read), then the data files and
-    the run folder; a new run's tokenizer must have been trained on its data (`check_tokenizer_data`). A resume
-    (`is_keep_training`) reads the saved run once (`read_saved_run`) and settles from it (`settled_config`).
+    the run folder. A resume (`is_keep_training`) reads the saved run once (`read_saved_run`) and settles from it
+    (`settled_config`). A new run started from a model (--init_from) takes the model's shape and tokenizer, every
+    tensor checked (`lowmem.source.settle`); any other new run's tokenizer must have been trained on its data
+    (`check_tokenizer_data`).
     """
     validate_config(config)
     check_data_files(config)
     check_output_dir(config.output_dir)
-    if not is_keep_training:  # a resume checks the tokenizer against its checkpoint's instead
-        check_tokenizer_data(config, given if given is not None else explicit_fields(config))
+    explicit = given if given is not None else explicit_fields(config)
     saved = read_saved_run(config.output_dir, resume_from) if is_keep_training else SavedRun()
-    return settled_config(config, saved, given), saved
+    if is_keep_training and config.init_from and saved.state is None:
+        refuse_keep_training_without_run(config)
+    config, start = settle_source(config, explicit, saved.config, saved.checkpoint)
+    if not is_keep_training and start is None:  # a resume checks the tokenizer against its checkpoint's instead
+        check_tokenizer_data(config, explicit)
+    return settled_config(config, saved, given), saved, start
 
 
 def settled_config(config: TrainConfig, saved: SavedRun, given: Collection[str] | None = None) -> TrainConfig:

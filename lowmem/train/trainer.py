@@ -67,6 +67,7 @@ from lowmem.train.resume import (ResumeDecision, choose_checkpoint, data_positio
 from lowmem.train.schedule import LearningRateSchedule, total_steps
 from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, make_loader,
                                 make_memory_monitor, shared_memory_settings, steps_per_epoch)
+from lowmem.source.settle import StartingPoint, describe_start, settle_source, write_source_record
 from lowmem.train.startup import SavedRun, settled_config, start_up
 from lowmem.train.state import RngState, TrainState
 from lowmem.train.step import Batch, StepResult, compile_each_shape, count_rows, count_tokens, take, train_step
@@ -150,13 +151,18 @@ class Trainer:
             --max_steps that cuts the run short was given: `warmup_kept_by`).
         saved_run: what the start-up read of the run folder (`lowmem.train.startup.start_up`), with `config`
             settled from it; `resume` takes the trainer state read there.
+        start: the model the run starts from, as the start-up settled it (`lowmem.source.settle`): a new run fills
+            its model with the source's weights and copies its tokenizer; None trains from random weights.
     """
 
     def __init__(self, config: TrainConfig, accelerator: Accelerator | None = None,
                  callbacks: Sequence[Callback] = (), memory: MemoryDecision | None = None,
-                 given: Collection[str] | None = None, saved_run: SavedRun | None = None) -> None:
+                 given: Collection[str] | None = None, saved_run: SavedRun | None = None,
+                 start: StartingPoint | None = None) -> None:
         if saved_run is None:  # not through run_training: a new run's values (checkpoints record concrete ones)
             validate_config(config)
+            if config.init_from and start is None:  # never random weights where a model was named
+                config, start = settle_source(config, explicit_fields(config, given), None, None)
             config = settled_config(config, SavedRun())
         self.saved_run = saved_run or SavedRun()
         self.config, self.callbacks = config, list(callbacks)
@@ -177,13 +183,16 @@ class Trainer:
         self.speed = run_speed_settings(config, self.accelerator)
         check_cuda_graphs(config, self.speed)
         logger.info("Speed settings: %s.", self.speed.describe())
-        self.tokenizer, self.tokenizer_identity = ensure_tokenizer(config, self.accelerator)
+        self.tokenizer, self.tokenizer_identity = ensure_tokenizer(config, self.accelerator, start)
         settings = shared_memory_settings(config, self.accelerator)
         logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
                     self.accelerator.device, self.accelerator.mixed_precision)
         log_launcher_precision_note(self.accelerator, config.bf16, config.bf16_on_cpu)  # the launcher's "'no'" note
-        self.model, self.optimizer = build_model_and_optimizer(config, self.accelerator, self.tokenizer.vocab_size,
-                                                               settings, self.speed)
+        self.model, self.optimizer, loaded = build_model_and_optimizer(config, self.accelerator,
+                                                                       self.tokenizer.vocab_size, settings, self.speed,
+                                                                       start)
+        if loaded is not None and start is not None:
+            logger.info(describe_start(start, loaded, unwrap_gpt(self.model).num_params(), self.tokenizer.describe()))
         # The main process samples the rows (the same choice everywhere, and one reading of the sample).
         self.fixed_shapes = (broadcast_from_main(self.accelerator, lambda: decide_fixed_shapes(config, self.tokenizer))
                              if self.speed.static_shapes else None)
@@ -470,8 +479,8 @@ class Trainer:
 
     # ----- start and end ----------------------------------------------------------------------------------
     def begin(self) -> None:
-        """Before the first step: the record of the tokenizer, the validation loss at the start (not after a
-        resume), the first memory record, the signal handlers and the progress bar."""
+        """Before the first step: the record of the tokenizer, the first memory record, the validation loss at the
+        start (not after a resume), the signal handlers and the progress bar."""
         def write_record() -> None:  # after a resume's checks: a refused resume leaves the record as it was
             with writing("the run's tokenizer record", self.config.output_dir):
                 write_json_atomic(tokenizer_record_file(self.config.output_dir), self.tokenizer_identity)
@@ -480,12 +489,14 @@ class Trainer:
         warmup = self.schedule.warmup_line()  # after a resume: the warmup the run started with
         if warmup:
             logger.warning(warmup)
+        # The set-up's memory, before the first validation and step (and, under FSDP, the whole replica a
+        # validation gathers): what a run started from a model holds once it is loaded.
+        self.memory.start(self.state.epoch, self.state.step)
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
         if self.speed.compile and self.fixed_shapes is not None:
             compile_each_shape(self.model, self.optimizer, self.accelerator, self.fixed_shapes,
                                self.tokenizer.pad_id, self.config.pack_rows)
-        self.memory.start(self.state.epoch, self.state.step)
         self.stopper.install()
         self.progress = progress_bar(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
                                      enabled=self.is_main and self.config.progress, dynamic_ncols=True)
@@ -605,13 +616,13 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         resume_from: with `is_keep_training`, the checkpoint folder of `config.output_dir` to continue from
             instead of the newest (the newer ones are moved aside, not deleted).
     """
-    config, saved_run = start_up(config, given, is_keep_training, resume_from)  # the saved run, read once
+    config, saved_run, start = start_up(config, given, is_keep_training, resume_from)  # the saved run, read once
     stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                      config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
                                      **tracker_arguments(config.report_to))
     config, memory = settle_memory(config, accelerator, explicit_fields(config, given),
-                                   saved_run.memory_choice(allow_config_change))
+                                   saved_run.memory_choice(allow_config_change), start)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LAUNCH_LOG_DIR)
     log_decision(memory)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
@@ -620,7 +631,10 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         if not is_keep_training:
             start_fresh_run(accelerator, config.output_dir, overwrite)
         attach_run_log(run_training_log(config.output_dir))  # the folder is this run's now
-        trainer = Trainer(config, accelerator, callbacks, memory=memory, given=given, saved_run=saved_run)
+        if start is not None and start.source is not None:
+            run_on_main(accelerator, lambda: write_source_record(start, config))
+        trainer = Trainer(config, accelerator, callbacks, memory=memory, given=given, saved_run=saved_run,
+                          start=start)
         if is_keep_training:
             trainer.resume(allow_config_change, resume_from=resume_from)
         summary = trainer.fit()

@@ -100,6 +100,7 @@ LAYERS = (
     ("checkpoint",),
     ("eval",),
     ("hf",),
+    ("source",),
     ("train",),
     ("gpucheck",),
     ("bench",),

@@ -1,0 +1,169 @@
+"""Filling a model with a source's weights, in low memory: strict, one slice of rows at a time, shards only.
+
+The model is built on the meta device (no memory, no initialisation) and given uninitialised storage
+(`empty_model`), which takes no RSS until written. `fill_model` then writes each parameter from the source's
+safetensors files (`lowmem.model.safetensors_files`): at most `LOAD_CHUNK_BYTES` of the file at a time, cast to the
+parameter's dtype on the way, the file's pages handed back after each slice. Under FSDP2 the model is sharded before
+it is filled and each rank writes only the rows of its own shards: no rank ever holds the whole model, and the file
+is read once by the page cache for every rank.
+
+Nothing is loaded before everything is checked (`weight_plan`, from the files' headers alone): every parameter has
+its tensors, of the right shape, and every tensor of the files is used. A mismatch is one message naming the tensor;
+a partial load (`strict=False`) never happens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from lowmem.errors import ConfigError
+from lowmem.hf.weight_map import NOT_WEIGHTS, WeightSource, transformers_weight_map
+from lowmem.model import GPT, GPTConfig
+from lowmem.model.safetensors_files import SafetensorsFiles, row_chunks
+from lowmem.model.weights import tied_names, uncompiled, unwrap
+from lowmem.source.locate import LOWMEM, ModelSource
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+_DTensor: type[DTensor] | None
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch build without distributed support has no DTensor either
+    _DTensor = None
+
+# The most bytes of a file read and cast at once: what loading adds to a process beyond the model itself.
+LOAD_CHUNK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    """What `fill_model` did: the parameters and bytes this process wrote, and how long it took."""
+
+    parameters: int
+    bytes_written: int
+    seconds: float
+
+
+def empty_model(config: GPTConfig, device: torch.device | None = None) -> GPT:
+    """A GPT of `config` with uninitialised weights on `device` (the CPU by default): built on the meta device, then
+    given storage that nothing has written yet (on the CPU it takes no RSS until the source's weights are written
+    into it)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device or torch.device("cpu"))
+    model.tie_weights()  # to_empty gave the embedding and the head a Parameter each
+    return model
+
+
+def _our_parameters(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter names (one per tied group) and shapes, from a model built on the meta device."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+
+
+def weight_plan(source: ModelSource, config: GPTConfig) -> dict[str, WeightSource]:
+    """Where each of our parameters comes from in `source`, checked against the files' headers: every parameter
+    found, of its shape, and every tensor of the files used. ConfigError naming the first tensor that is not."""
+    ours = _our_parameters(config)
+    may_skip: tuple[str, ...]
+    if source.kind == LOWMEM:
+        plan, may_skip = _lowmem_map(config, ours, source), ()
+    else:
+        plan, may_skip = transformers_weight_map(config)
+    where = f"'{source.folder}'"
+    for name, shape in ours.items():
+        if name not in plan:
+            raise ConfigError(f"The model in {where} has no tensor for {name}: lowmem cannot start from it.")
+        _check_parts(name, shape, plan[name], source, where)
+    used = {part for weight in plan.values() for part in weight.names}
+    extra = sorted(name for name in source.tensors
+                   if name not in used and name not in may_skip and not name.endswith(NOT_WEIGHTS))
+    if extra:
+        raise ConfigError(f"The model in {where} holds tensors its config does not describe: {', '.join(extra[:5])}"
+                          f"{' and more' if len(extra) > 5 else ''}. Its config.json and weights do not belong "
+                          "together, or it is not a model of the class it names; nothing was loaded.")
+    return {name: plan[name] for name in ours}
+
+
+def _lowmem_map(config: GPTConfig, ours: dict[str, tuple[int, ...]], source: ModelSource) -> dict[str, WeightSource]:
+    """Our names in a lowmem weights file, which stores one name of the tied embedding and head."""
+    with torch.device("meta"):
+        groups = tied_names(GPT(config))
+    plan = {}
+    for name in ours:
+        candidates = next((group for group in groups if name in group), [name])
+        present = next((candidate for candidate in sorted(candidates) if candidate in source.tensors), None)
+        if present is not None:
+            plan[name] = WeightSource((present,))
+    return plan
+
+
+def _check_parts(name: str, shape: tuple[int, ...], weight: WeightSource, source: ModelSource, where: str) -> None:
+    missing = [part for part in weight.names if part not in source.tensors]
+    if missing:
+        raise ConfigError(f"The model in {where} has no tensor {missing[0]} (for {name}): its weights are incomplete "
+                          "or do not match its config.json; nothing was loaded.")
+    shapes = [source.tensors[part].shape for part in weight.names]
+    if weight.transpose:
+        shapes = [tuple(reversed(found)) for found in shapes]
+    rows = sum(found[0] for found in shapes) if all(shapes) else 0
+    stacked = (rows, *shapes[0][1:]) if shapes[0] else ()
+    if stacked != shape or any(found[1:] != shapes[0][1:] for found in shapes):
+        found_text = " + ".join(str(list(found)) for found in shapes)
+        raise ConfigError(f"The model in {where} has {' + '.join(weight.names)} of shape {found_text}, where {name} "
+                          f"needs {list(shape)}: its weights do not match its config.json; nothing was loaded.")
+
+
+def fill_model(model: torch.nn.Module, source: ModelSource, plan: dict[str, WeightSource]) -> LoadedWeights:
+    """Write `source`'s weights into `model` (plain, compiled, DDP-wrapped or sharded by FSDP2): each rank the rows of
+    its own shards, `LOAD_CHUNK_BYTES` of the files at a time."""
+    started = time.perf_counter()
+    parameters, written = 0, 0
+    with SafetensorsFiles(source.tensors) as files, torch.no_grad():
+        for name, parameter in uncompiled(unwrap(model)).named_parameters():
+            local, first_row = _local_part(parameter)
+            for start, stop, part in _local_slices(files, plan[name], first_row, local.shape[0]):
+                local[start:stop].copy_(part)  # cast to the parameter's dtype on the way
+                written += part.numel() * local.element_size()
+                del part  # a view of the file's pages: the next slice's release hands them back
+            parameters += local.numel()
+    return LoadedWeights(parameters, written, time.perf_counter() - started)
+
+
+def _local_part(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This process's part of a parameter and the global index of its first row: the whole parameter (row 0), or
+    under FSDP2 the local shard of dim 0 (rank r holds rows r x ceil(n / world) onward, as torch.chunk splits)."""
+    if _DTensor is None or not isinstance(parameter, _DTensor):
+        return parameter.data, 0
+    local = parameter.to_local()
+    if not parameter.placements[0].is_shard(0):
+        return local, 0
+    chunk = -(-parameter.shape[0] // parameter.device_mesh.size())
+    return local, parameter.device_mesh.get_local_rank() * chunk
+
+
+def _local_slices(files: SafetensorsFiles, weight: WeightSource, first_row: int,
+                  rows: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, stop, values) covering our rows [first_row, first_row + rows) of one parameter, in local row numbers,
+    the values read from the file tensors that hold them, at most LOAD_CHUNK_BYTES at a time."""
+    if weight.transpose:  # GPT-2's Conv1D, (in, out) on file: small models only, read whole and transposed
+        (name,) = weight.names
+        whole_rows = files.entries[name].shape[0]
+        yield 0, rows, files.read_rows(name, 0, whole_rows).t()[first_row:first_row + rows]
+        files.release(name, 0, whole_rows)
+        return
+    offset = 0  # the first row of the current file tensor, in our rows
+    for name in weight.names:
+        entry = files.entries[name]
+        low, high = max(first_row, offset), min(first_row + rows, offset + entry.shape[0])
+        for start, stop in row_chunks(max(0, high - low), entry.row_bytes, LOAD_CHUNK_BYTES):
+            begin = low - offset + start
+            yield low - first_row + start, low - first_row + stop, files.read_rows(name, begin, begin + stop - start)
+            files.release(name, begin, begin + stop - start)
+        offset += entry.shape[0]

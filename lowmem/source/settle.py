@@ -1,0 +1,188 @@
+"""What a run started from a trained model uses: the source's shape and tokenizer, settled into the run's config.
+
+    field                          a new run with --init_from              its resume
+    architecture, n_layer,         the source's; a flag that disagrees     the checkpoint's (as every resume)
+      n_head, n_embd, vocab_size     is refused
+    max_seq_len                    transformers: as given (192 by          the checkpoint's
+                                   default), within the source's context
+                                   and sliding window; lowmem: the
+                                   source's unless given (gpt2: always)
+    tokenizer_dir                  <output_dir>/tokenizer, where the       the checkpoint's
+                                   source's tokenizer is copied (or as
+                                   given: an existing tokenizer)
+    the model's every size         the source's (`StartingPoint`)          the checkpoint's model_config.json
+
+The run's optimizer, learning-rate schedule (its warmup from step 0) and data position are new. The source is
+read again by nothing after the start: a resume needs only the run folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Collection
+
+from lowmem.atomic_files import write_json_atomic
+from lowmem.config import TrainConfig
+from lowmem.data.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
+from lowmem.errors import ConfigError
+from lowmem.hf.architectures import sliding_window
+from lowmem.hf.weight_map import WeightSource
+from lowmem.model import GPTConfig
+from lowmem.model.weights import load_model_config
+from lowmem.source.load import LoadedWeights, weight_plan
+from lowmem.source.locate import LOWMEM, RUN_TOKENIZER_DIR, ModelSource, find_source
+
+# The run folder's record of where its weights came from (written once, when the run starts).
+SOURCE_RECORD_NAME = "started_from.json"
+# The fields a source decides, each with the GPTConfig attribute it comes from.
+SHAPE_FROM_SOURCE = {"architecture": "architecture", "n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd",
+                     "vocab_size": "vocab_size"}
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """The model a run starts from, as its start-up settled it.
+
+    Attributes:
+        model_config: the run's model: the source's sizes with the run's sequence length and dropout.
+        source: the weights to load (a new run); None for a resume, which loads its checkpoint's.
+        tokenizer_folder: where the tokenizer is read before the run folder holds its copy (None: the run's own).
+    """
+
+    model_config: GPTConfig
+    source: ModelSource | None = None
+    tokenizer_folder: Path | None = None
+    weights: dict[str, WeightSource] = field(default_factory=dict, repr=False)  # `weight_plan`, for a new run
+
+
+def settle_source(config: TrainConfig, given: Collection[str], saved_config: dict[str, Any] | None,
+                  checkpoint: Path | None) -> tuple[TrainConfig, StartingPoint | None]:
+    """`config` with what its source decides, and the starting point; (config, None) for a run from random weights.
+
+    A resume (`saved_config`, the config of `checkpoint`) keeps the source and sizes it was saved with: the source's
+    folder is not read again. `--init_from` with `--is_keep_training` and no checkpoint is refused: the two ask
+    for different things.
+    """
+    saved_source = (saved_config or {}).get("init_from") or ""
+    if saved_config is not None:
+        if not saved_source:
+            return config, None
+        return _resumed(config, given, saved_config, checkpoint)
+    if not config.init_from:
+        return config, None
+    source = find_source(config.init_from)
+    config = _with_source_shape(config, source, given)
+    model_config = dataclasses.replace(source.model_config, max_seq_len=config.max_seq_len, dropout=config.dropout)
+    weights = weight_plan(source, model_config)  # every tensor checked before anything is built or written
+    tokenizer_folder = None if "tokenizer_dir" in given else source.tokenizer_folder
+    _check_tokenizer(config, source, tokenizer_folder, model_config)
+    return config, StartingPoint(model_config, source, tokenizer_folder, weights)
+
+
+def _check_tokenizer(config: TrainConfig, source: ModelSource, folder: Path | None, model: GPTConfig) -> None:
+    """The tokenizer the run will use exists (none is trained for a model that has one) and its ids fit the
+    model's embedding."""
+    folder = folder or Path(config.tokenizer_dir)
+    if not has_tokenizer(folder):
+        where = f"'{folder}'" if folder != Path(config.tokenizer_dir) or source.tokenizer_folder is None else ""
+        raise ConfigError(f"The model of --init_from={config.init_from} comes without a tokenizer {where}(no "
+                          "tokenizer.json or tokenizer.model beside it or in its run): pass --tokenizer_dir=FOLDER "
+                          "with the tokenizer it was trained with.")
+    check_fits_model(load_tokenizer(folder, num_threads=1), folder, model.padded_vocab_size,
+                     f"the model of --init_from={config.init_from}")
+
+
+def refuse_keep_training_without_run(config: TrainConfig) -> None:
+    """`--init_from` with `--is_keep_training=True` where the run folder holds no checkpoint: say which to use."""
+    raise ConfigError(
+        f"--init_from={config.init_from} starts a new run from that model, and --is_keep_training=True continues the "
+        f"run in {config.output_dir}, which holds no checkpoint. To start, leave --is_keep_training out; to continue "
+        "a run started from a model, pass the --output_dir it trained in (its checkpoints record the source).")
+
+
+def _resumed(config: TrainConfig, given: Collection[str], saved: dict[str, Any],
+             checkpoint: Path | None) -> tuple[TrainConfig, StartingPoint]:
+    """A resume of a run started from a model: its source and sizes as saved (a different --init_from is refused
+    by the resume's check, as any changed setting)."""
+    changes = {name: saved[name] for name in (*SHAPE_FROM_SOURCE, "max_seq_len") if name not in given
+               and name in saved}
+    if "init_from" not in given:
+        changes["init_from"] = saved["init_from"]
+    config = dataclasses.replace(config, **changes)
+    assert checkpoint is not None  # a saved config comes from a checkpoint
+    model_config = dataclasses.replace(load_model_config(checkpoint), max_seq_len=config.max_seq_len,
+                                       dropout=config.dropout)
+    return config, StartingPoint(model_config)
+
+
+def _with_source_shape(config: TrainConfig, source: ModelSource, given: Collection[str]) -> TrainConfig:
+    """`config` with the source's sizes and sequence length; shape flags that disagree refused in one message."""
+    model = source.model_config
+    values: dict[str, Any] = {field: getattr(model, attribute) for field, attribute in SHAPE_FROM_SOURCE.items()}
+    values["max_seq_len"] = _sequence_length(config, source, given)
+    disagree = [f"--{name}={getattr(config, name)} (the model has {value})" for name, value in values.items()
+                if name in given and getattr(config, name) != value]
+    if disagree:
+        raise ConfigError(f"--init_from={config.init_from} gives the model its shape, and {', '.join(disagree)} "
+                          "disagree: leave these flags out (the run takes the model's), or train a model of your own "
+                          "shape without --init_from.")
+    if "tokenizer_dir" not in given:
+        values["tokenizer_dir"] = str(Path(config.output_dir) / RUN_TOKENIZER_DIR)
+    return dataclasses.replace(config, **values)
+
+
+def _sequence_length(config: TrainConfig, source: ModelSource, given: Collection[str]) -> int:
+    """The run's --max_seq_len: a learned position table's (gpt2) always; a lowmem llama's unless given; for a
+    transformers model, as given (or the default), within its context and sliding window."""
+    model = source.model_config
+    if model.architecture == "gpt2":
+        return model.max_seq_len  # its position table has that many rows: a flag that differs is refused
+    if source.kind == LOWMEM:
+        return config.max_seq_len if "max_seq_len" in given else model.max_seq_len
+    limit, why = model.max_seq_len, "its context (max_position_embeddings)"
+    window = sliding_window(model)
+    if window is not None and window < limit:
+        limit, why = window, "its sliding attention window"
+    if config.max_seq_len > limit:
+        raise ConfigError(f"--max_seq_len={config.max_seq_len} is longer than {why}, {limit:,} tokens, in the model "
+                          f"of --init_from={config.init_from}: pass --max_seq_len={limit} or less.")
+    return config.max_seq_len
+
+
+def describe_start(start: StartingPoint, loaded: LoadedWeights, parameters: int, tokenizer: str) -> str:
+    """The one line that says what a new run loaded: the source and the folder chosen, the model, its parameters
+    and dtypes, the time, and the tokenizer."""
+    source, model = start.source, start.model_config
+    assert source is not None  # said when a new run starts from a source
+    heads = f"{model.n_head} heads" + (f" ({model.kv_heads} key/value)" if model.kv_heads != model.n_head else "")
+    return (f"Started from {source.description}: {model.architecture}, {model.n_layer} layers x {model.n_embd} wide, "
+            f"{heads}, {parameters / 1e6:,.1f} M parameters{'' if model.tie_embeddings else ' (untied head)'}, "
+            f"stored as {', '.join(source.stored_dtypes)}, loaded as float32 in {loaded.seconds:.1f} s "
+            f"({loaded.bytes_written / 2**20:,.0f} MB written by this process); tokenizer: {tokenizer}. The optimizer, "
+            "the learning-rate schedule (its warmup from step 0) and the data position are new.")
+
+
+def write_source_record(start: StartingPoint, config: TrainConfig) -> None:
+    """Write the run folder's record of its source (`source_record`), once, when a new run starts from one."""
+    write_json_atomic(Path(config.output_dir) / SOURCE_RECORD_NAME, source_record(start, config))
+
+
+def source_record(start: StartingPoint, config: TrainConfig) -> dict[str, Any]:
+    """What the run folder records of its source (`SOURCE_RECORD_NAME`): the path given, the folder read and why,
+    its kind and shape, the dtypes and a fingerprint of its tensors (names, dtypes, shapes and sizes from the
+    headers: another model, or the same one re-saved with other tensors, has another)."""
+    source = start.source
+    assert source is not None  # recorded when a new run starts from a source
+    listing = sorted((name, str(entry.dtype), entry.shape, entry.end - entry.start)
+                     for name, entry in source.tensors.items())
+    fingerprint = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    return {"init_from": config.init_from, "folder": str(source.folder.resolve()), "chosen": source.chosen,
+            "kind": source.kind, "description": source.description, "stored_dtypes": source.stored_dtypes,
+            "tensors_sha256": fingerprint, "model_config": dataclasses.asdict(start.model_config),
+            "tokenizer_from": None if source.tokenizer_folder is None else str(source.tokenizer_folder.resolve()),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
