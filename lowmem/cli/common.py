@@ -24,10 +24,11 @@ def resolve_config(use_large_config: bool, overrides: dict[str, Any],
     """The config a command runs with, and the fields the user set (in a file or as flags).
 
     From lowest to highest: the preset (`--preset`, or `--use_large_config=True`), the `--config` file, the
-    flags. With `demo_data`, data paths left at their defaults point at the packaged demo data set when none of
-    them exists (commands that read no data pass False); data of the user's own with the default run folder gets
-    a run folder and tokenizer of its own (`with_run_folders`). `--print_config` prints the result as JSON and
-    raises ConfigPrinted.
+    flags. Data paths left at their defaults point at the packaged demo data set when none of them exists (said in
+    one line with `demo_data`; commands that read no data pass False); data of the user's own, or a model to start
+    from, with the default run folder gets a run folder and tokenizer of its own (`with_run_folders`), for every
+    command alike: `generate`, `evaluate`, `export` and `memlog` find the run `train` wrote with the same flags.
+    `--print_config` prints the result as JSON and raises ConfigPrinted.
     """
     flags = dict(overrides)
     preset = flags.pop("preset", None)
@@ -38,8 +39,7 @@ def resolve_config(use_large_config: bool, overrides: dict[str, Any],
     config = apply_overrides(choose_preset(use_large_config, preset)(), file_values)
     config = apply_overrides(config, flags)
     given = given_fields(config, file_values) | given_fields(config, flags)
-    if demo_data:
-        config = with_run_folders(with_demo_data(config), given)
+    config = with_run_folders(with_demo_data(config, announce=demo_data), given)
     if print_config:
         print(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
         raise ConfigPrinted()

@@ -22,7 +22,7 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
             (configs/accelerate/deepspeed_zero2_offload.yaml); single for one process.
         device: cpu or cuda (default: cuda when a GPU is visible).
         gpu_memory_gb: one GPU's memory (default: read from the GPU when there is one).
-        is_keep_training: plan the resume of the run in output_dir (its memory savers are kept).
+        is_keep_training: plan the resume of the run in output_dir (its model and memory savers are kept).
         overrides: any config field, as for `train`.
     """
     import accelerate  # noqa: F401 - measured with the interpreter, as a training process has it
@@ -31,8 +31,9 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     from lowmem.config import validate_config
     from lowmem.errors import ConfigError
     from lowmem.memory.plan import DDP, DEEPSPEED, FSDP, SINGLE, STRATEGIES
+    from lowmem.source.settle import settle_source
     from lowmem.train.memory_fit import RunLayout, decide, explicit_fields
-    from lowmem.train.startup import read_saved_run
+    from lowmem.train.startup import SavedRun, read_saved_run, settled_config
 
     config, given = resolve_config(use_large_config, overrides)
     validate_config(config)
@@ -52,9 +53,12 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     layout = RunLayout(strategy=strategy, processes=num_processes, world_size=num_processes,
                        device="cuda" if on_gpu else "cpu", bf16=config.bf16 and (on_gpu or config.bf16_on_cpu),
                        deepspeed_offload=strategy == DEEPSPEED, launcher=num_processes > 1, gpu_bytes=gpu_bytes)
-    saved_choice = read_saved_run(config.output_dir).memory_choice(allow_config_change=False) \
-        if is_keep_training else None
-    decision = decide(config, layout, explicit_fields(config, given), saved_choice)
+    # The run as `train` would settle it: a resume's architecture and savers, a source model's shape and load.
+    saved = read_saved_run(config.output_dir) if is_keep_training else SavedRun()
+    explicit = explicit_fields(config, given)
+    config, start = settle_source(config, explicit, saved.config, saved.checkpoint)
+    config = settled_config(config, saved, given)
+    decision = decide(config, layout, explicit, saved.memory_choice(allow_config_change=False), start=start)
     for line in decision.lines + decision.warnings:
         print(line)
     if decision.error is not None:

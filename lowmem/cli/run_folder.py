@@ -1,6 +1,8 @@
 """The run folder of data that is not the demo's: `model_save/<data name>` instead of the preset's own folder
 (the demo's run, or the large preset's `model_save/pretrain_large`), unless that folder already holds a run on the
-same data."""
+same data; and of a run started from a model: `model_save/<data name>_from_<model name>`. Every command applies the
+rule (`lowmem.cli.common.resolve_config`), so `generate`, `evaluate`, `export` and `memlog` given `train`'s flags find
+the run it wrote."""
 
 from __future__ import annotations
 
@@ -36,8 +38,14 @@ def _earlier_run_on(run_dir: str, train_file: str) -> bool:
 
 def own_run_folder(config: TrainConfig, preset_output_dir: str) -> str:
     """The run folder of data of one's own: `model_save/<data name>` with TrainConfig, and the preset's folder name
-    after it with another preset (`model_save/<data name>_pretrain_large`), so that the two never share one."""
-    name = data_name(training_paths(config)[0])
+    after it with another preset (`model_save/<data name>_pretrain_large`), so that the two never share one. A run
+    started from a model adds where it came from: `model_save/<data name>_from_<model name>` (the demo's data
+    named "demo")."""
+    name = "demo" if uses_demo_data(config) else data_name(training_paths(config)[0])
+    if config.init_from:
+        from lowmem.source.locate import source_name  # loads torch: only for a run started from a model
+
+        name = f"{name}_from_{source_name(config.init_from)}"
     return f"model_save/{name}" if preset_output_dir == DEMO_OUTPUT_DIR else \
         f"model_save/{name}_{Path(preset_output_dir).name}"
 
@@ -50,15 +58,17 @@ def with_run_folders(config: ConfigT, given: Collection[str]) -> ConfigT:
     preset's folder already holds a run on the same file."""
     defaults = class_defaults(config)
     preset_output_dir = defaults["output_dir"]
-    if uses_demo_data(config) or "output_dir" in given or config.output_dir != preset_output_dir:
+    if "output_dir" in given or config.output_dir != preset_output_dir or \
+            (uses_demo_data(config) and not config.init_from):
         return config
-    if not config.train_sources and _earlier_run_on(preset_output_dir, config.train_file):
+    if not config.train_sources and not config.init_from and _earlier_run_on(preset_output_dir, config.train_file):
         logger.info("%s holds an earlier run on %s: it goes on there.", preset_output_dir, config.train_file)
         return config
     train_data = config.train_sources or config.train_file
     changes: dict[str, Any] = {"output_dir": own_run_folder(config, preset_output_dir)}
     if "tokenizer_dir" not in given and config.tokenizer_dir == defaults["tokenizer_dir"]:
         changes["tokenizer_dir"] = f"{changes['output_dir']}/tokenizer"
-    logger.info("Run folder for %s: %s (--output_dir=PATH chooses another).", train_data,
+    origin = f" started from {config.init_from}" if config.init_from else ""
+    logger.info("Run folder for %s%s: %s (--output_dir=PATH chooses another).", train_data, origin,
                 ", ".join(f"{name} {value}" for name, value in changes.items()))
     return dataclasses.replace(config, **changes)

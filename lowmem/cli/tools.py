@@ -8,7 +8,8 @@ from typing import Any
 from lowmem.cli.common import build_config
 
 
-def memlog(path: str | None = None, plot: str | None = None, json: bool = False, log_dir: str = "logs") -> None:
+def memlog(path: str | None = None, plot: str | None = None, json: bool = False, log_dir: str = "logs",
+           use_large_config: bool = False, **overrides: Any) -> None:
     """Summarise a run's memory logs: per rank start/peak/end RSS, growth per 1,000 steps, and a leak verdict.
 
     For each rank: start, peak and end RSS, the growth in MB per 1,000 steps after warm-up (a least-squares
@@ -17,14 +18,25 @@ def memlog(path: str | None = None, plot: str | None = None, json: bool = False,
 
     Args:
         path: a run folder (an output_dir: its logs, the segments of a resumed run joined), a run id, a memory
-            log file, or a folder of logs; by default the newest run in log_dir.
+            log file, or a folder of logs; with train's flags (below), the run `train` writes with them (its
+            <output_dir>/logs); with neither, the newest run in log_dir.
         plot: also draw RSS (and GPU memory) per rank against the step, with the budget line, into this PNG
             (needs matplotlib: pip install "matplotlib>=3.6").
         json: print the same data as JSON instead of a table.
-        log_dir: where the memory logs are.
+        log_dir: where the memory logs are when no run folder holds them (the launch folder's logs/).
+        use_large_config: the run of `train --use_large_config=True` (with the same flags).
+        overrides: train's flags that choose its run folder (--output_dir, --train_file, --init_from, ...).
     """
-    from lowmem.memory.report import memlog_command
+    from lowmem.memory.report import memlog_command, run_folder_log_dir
 
+    if path is None and (use_large_config or overrides):  # train's flags name its run: that one, or say so
+        path = build_config(use_large_config, overrides, demo_data=False).output_dir
+        if run_folder_log_dir(path) is None:
+            from lowmem.errors import DataError
+
+            raise DataError(f"No memory logs in {path}/logs: the run `train` writes with these flags has not logged "
+                            "yet (it writes a record at the start and every --memory_log_steps steps). Pass the run "
+                            "folder, a run id or a log file instead.")
     print(memlog_command(path, plot=plot, json_output=json, log_dir=log_dir))
 
 

@@ -27,9 +27,11 @@ DEMO_FILES = {"train_file": "train.parquet", "validation_file": "valid.parquet",
 DataConfigT = TypeVar("DataConfigT", bound=DataConfig)
 
 
-def with_demo_data(config: DataConfigT) -> DataConfigT:
-    """`config` with its data paths pointed at the packaged demo files (and one INFO line saying so) when no
-    data was given: every data path at its default and absent from the current folder. Otherwise unchanged."""
+def with_demo_data(config: DataConfigT, announce: bool = True) -> DataConfigT:
+    """`config` with its data paths pointed at the packaged demo files (and, with `announce`, one INFO line saying
+    so) when no data was given: every data path at its default and absent from the current folder. Otherwise
+    unchanged. Commands that read no data (generate, export) resolve the paths too, silently: the run folder
+    depends on them."""
     defaults = class_defaults(config)
     no_data_given = all(getattr(config, name) == defaults[name] and not os.path.exists(getattr(config, name))
                         for name in DEMO_FILES)
@@ -39,8 +41,9 @@ def with_demo_data(config: DataConfigT) -> DataConfigT:
                                if (DEMO_DATA_DIR / file_name).is_file()}
     if not changes:
         return config
-    logger.info("%s not found in %s: using the demo data set that ships with lowmem, in %s.",
-                ", ".join(getattr(config, name) for name in changes), os.getcwd(), DEMO_DATA_DIR)
+    if announce:
+        logger.info("%s not found in %s: using the demo data set that ships with lowmem, in %s.",
+                    ", ".join(getattr(config, name) for name in changes), os.getcwd(), DEMO_DATA_DIR)
     return dataclasses.replace(config, **changes)
 
 
@@ -49,9 +52,14 @@ DEMO_OUTPUT_DIR = "model_save/demo"
 DEMO_TOKENIZER_DIR = "model_save/tokenizer"
 
 
+def is_demo_file(path: str) -> bool:
+    """Whether `path` is one of the packaged demo data set's files."""
+    return Path(path).resolve().parent == DEMO_DATA_DIR
+
+
 def uses_demo_data(config: DataConfig) -> bool:
     """Whether `config` trains on the packaged demo data set."""
-    return Path(config.train_file).resolve().parent == DEMO_DATA_DIR
+    return is_demo_file(config.train_file)
 
 
 def data_name(train_file: str) -> str:

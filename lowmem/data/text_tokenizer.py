@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Protocol
 
 from lowmem.atomic_files import folder_built_aside
+from lowmem.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
 from lowmem.data.tokenizer import TOKENIZER_FILE, VOCAB_FILE, Tokenizer
-from lowmem.data.tokenizer_identity import TRAINING_RECORD_FILE
+from lowmem.data.tokenizer_identity import TRAINING_RECORD_FILE, write_origin_record
 from lowmem.errors import ConfigError
 from lowmem.program import command_line
 
 HF_TOKENIZER_JSON = "tokenizer.json"
-# The files that make each kind of tokenizer, as `copy_tokenizer` copies them (those present).
+# The files that make lowmem's tokenizer, as `copy_tokenizer` copies them (those present; a transformers model's:
+# `HF_TOKENIZER_FILES`).
 SENTENCEPIECE_FILES = (TOKENIZER_FILE, VOCAB_FILE, TRAINING_RECORD_FILE)
-HF_TOKENIZER_FILES = (HF_TOKENIZER_JSON, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                      "generation_config.json")
 
 
 class TextTokenizer(Protocol):
@@ -86,8 +86,6 @@ def load_tokenizer(folder: str | Path, num_threads: int | None = None) -> TextTo
     if is_lowmem_tokenizer(folder) or not (folder / HF_TOKENIZER_JSON).is_file():
         # Tokenizer.load says what is missing (and how to train one) when there is nothing at all.
         return Tokenizer.load(folder, num_threads=num_threads)
-    from lowmem.data.hf_tokenizer import HFTokenizer
-
     return HFTokenizer.load(folder, num_threads=num_threads)
 
 
@@ -112,9 +110,12 @@ def tokenizer_files(folder: str | Path, essential: bool = False) -> list[Path]:
     return [folder / name for name in names if (folder / name).is_file()]
 
 
-def copy_tokenizer(source: str | Path, target: str | Path) -> None:
-    """Copy the tokenizer in `source` into the folder `target` (replaced whole: built aside, then renamed)."""
+def copy_tokenizer(source: str | Path, target: str | Path, came_with: str | None = None) -> None:
+    """Copy the tokenizer in `source` into the folder `target` (replaced whole: built aside, then renamed), with a
+    record of the model it `came_with` when given."""
     files = tokenizer_files(source)
     with folder_built_aside(target) as staged:
         for path in files:
             shutil.copyfile(path, staged / path.name)
+        if came_with:
+            write_origin_record(staged, came_with)

@@ -18,6 +18,7 @@ from lowmem.data.storage import is_uri
 from lowmem.errors import ConfigError
 
 TRAINING_RECORD_FILE = "tokenizer_training.json"  # beside tokenizer.model: what it was trained on
+ORIGIN_RECORD_FILE = "tokenizer_origin.json"  # beside a tokenizer copied from a model a run starts from: which one
 MAX_FILES_LISTED = 20  # a data set of thousands of files is recorded by its first files and its count
 
 
@@ -82,12 +83,32 @@ def tokenizer_identity(tokenizer_dir: str | Path, model_file: str = "tokenizer.m
         for name in HF_IDENTITY_FILES:
             if (folder / name).is_file():
                 digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
-    return {"tokenizer_dir": str(folder), "sha256": digest.hexdigest(), "trained_on": read_training_record(folder)}
+    identity = {"tokenizer_dir": str(folder), "sha256": digest.hexdigest(), "trained_on": read_training_record(folder)}
+    origin = _read_json(folder / ORIGIN_RECORD_FILE)
+    if origin and origin.get("came_with"):
+        identity["came_with"] = str(origin["came_with"])
+    return identity
+
+
+def write_origin_record(tokenizer_dir: str | Path, model: str) -> None:
+    """Record, beside a tokenizer copied from a model (`--init_from`), which model it came with."""
+    (Path(tokenizer_dir) / ORIGIN_RECORD_FILE).write_text(json.dumps({"came_with": model}, ensure_ascii=False),
+                                                          encoding="utf-8")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def describe_identity(identity: dict[str, Any]) -> str:
     """One line: folder, short hash and training data of a tokenizer."""
     trained_on = identity.get("trained_on")
+    if identity.get("came_with"):
+        return f"{identity['tokenizer_dir']} (sha256 {identity['sha256'][:12]}, came with {identity['came_with']})"
     if trained_on:
         files = trained_on.get("files") or []
         data = describe_files(files, trained_on.get("file_count", len(files)))

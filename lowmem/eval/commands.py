@@ -19,6 +19,7 @@ from lowmem.checkpoint.contents import TRAINER_STATE_FILE
 from lowmem.checkpoint.export import TRAIN_CONFIG_FILE, find_model_folder, load_model_folder
 from lowmem.checkpoint.run_lock import lock_run_folder
 from lowmem.config import TrainConfig
+from lowmem.config.demo import is_demo_file
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.data.path_checks import check_data_files
 from lowmem.data.text_tokenizer import TextTokenizer
@@ -46,11 +47,9 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
             lock.release()
 
 
-def trained_like(config: TrainConfig, folder: Path) -> TrainConfig:
-    """`config` with the columns and the loss targets the model in `folder` was trained with, where the command
-    did not give them: a model pretrained on one text column is scored and prompted as such, and the loss counts
-    the tokens its training counted."""
-    saved: dict[str, Any] = {}
+def saved_training_config(folder: Path) -> dict[str, Any]:
+    """The settings the model in `folder` was trained with: its train_config.json (best/, final/) or its
+    checkpoint's trainer state; empty when neither can be read."""
     for path in (folder / TRAIN_CONFIG_FILE, folder / TRAINER_STATE_FILE):
         if path.is_file():
             try:
@@ -58,7 +57,15 @@ def trained_like(config: TrainConfig, folder: Path) -> TrainConfig:
             except (OSError, ValueError):
                 continue
             saved = data.get("config", data) if path.name == TRAINER_STATE_FILE else data
-            break
+            return saved if isinstance(saved, dict) else {}
+    return {}
+
+
+def trained_like(config: TrainConfig, folder: Path, saved: dict[str, Any] | None = None) -> TrainConfig:
+    """`config` with the columns and the loss targets the model in `folder` was trained with (`saved`, read from
+    the folder when not given), where the command did not give them: a model pretrained on one text column is scored
+    and prompted as such, and the loss counts the tokens its training counted."""
+    saved = saved_training_config(folder) if saved is None else saved
     changes: dict[str, Any] = {}
     if not config.text_column and saved.get("text_column"):
         changes["text_column"] = saved["text_column"]
@@ -72,8 +79,9 @@ def trained_like(config: TrainConfig, folder: Path) -> TrainConfig:
 def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | None, test_file: str | None,
                      bleu_samples: int) -> dict[str, Any]:
     folder = find_model_folder(config.output_dir, checkpoint)
-    config = trained_like(config, folder)
-    config.test_file = test_file or config.test_file
+    saved = saved_training_config(folder)
+    config = trained_like(config, folder, saved)
+    config.test_file = test_file or test_file_for(config, folder, saved)
     check_data_files(config, ("test_file",))
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, accelerator.device)
     model.use_memory_savers(loss_chunk_tokens=config.loss_chunk_tokens)  # the test loss without whole logits
@@ -102,6 +110,24 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
             for triple in result.triples:
                 out.write(json.dumps(triple, ensure_ascii=False) + "\n")
     return summary
+
+
+def test_file_for(config: TrainConfig, folder: Path, saved: dict[str, Any]) -> str:
+    """The test file to score the model in `folder` on when none was given: the command's (data/test.parquet, else
+    the demo's), except that a model trained on data of one's own is scored on its run's test file when that is
+    found from here, and never on the demo's test set without a warning naming --test_file."""
+    trained_on = saved.get("train_file")
+    if not is_demo_file(config.test_file) or not trained_on or is_demo_file(str(trained_on)):
+        return config.test_file  # the user's own test file; a model of the demo data, or of unknown data
+    own = saved.get("test_file")
+    if own and Path(str(own)).is_file() and not is_demo_file(str(own)):
+        logger.info("Scoring on %s, the test file of the run that trained %s (--test_file=PATH chooses another).",
+                    own, folder)
+        return str(own)
+    logger.warning("%s was trained on %s, but no test file of that data is found from here (%s): it is scored on "
+                   "lowmem's demo test set (Song ci and Yuan qu), which says little about that data. Pass "
+                   "--test_file=YOUR_TEST.parquet.", folder, trained_on, own or "none recorded")
+    return config.test_file
 
 
 def _bleu_figures(result: EvalResult) -> dict[str, Any]:

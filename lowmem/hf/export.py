@@ -1,9 +1,11 @@
 """`export`: a trained model folder rewritten as a folder that transformers loads offline.
 
-    OUT/config.json             GPT2LMHeadModel or LlamaForCausalLM (see `lowmem.hf.weights`)
+    OUT/config.json             GPT2LMHeadModel or LlamaForCausalLM; for a model started from a transformers
+                                model, that model's class and config (see `lowmem.hf.weights`)
     OUT/model.safetensors       the weights under transformers' names, float32
     OUT/generation_config.json  bos/eos/pad ids and our decoding defaults (`generation_defaults`)
-    OUT/tokenizer.json, OUT/tokenizer_config.json, OUT/tokenizer.model   (see `lowmem.hf.tokenizer_files`)
+    OUT/tokenizer.json, OUT/tokenizer_config.json, OUT/tokenizer.model   lowmem's tokenizer restated, or the
+                                model's own tokenizer files with its chat template (see `lowmem.hf.tokenizer_files`)
 
 The folder is built as `<OUT>.partial` and renamed into place, so OUT is absent or whole. The run folder is only
 read (no lock): export works while a training runs, on the best/ or final/ it finds then.
@@ -21,9 +23,11 @@ from typing import Any
 from lowmem.atomic_files import folder_built_aside
 from lowmem.checkpoint.export import find_model_folder, tokenizer_folder
 from lowmem.config import EvalConfig, TrainConfig
+from lowmem.data.text_tokenizer import TextTokenizer, load_tokenizer
 from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, Tokenizer
 from lowmem.errors import ConfigError
-from lowmem.hf.tokenizer_files import check_tokenizer, save_tokenizer
+from lowmem.hf.architectures import transformers_class
+from lowmem.hf.tokenizer_files import check_tokenizer, copy_model_tokenizer, save_tokenizer
 from lowmem.hf.weights import TRANSFORMERS_CLASSES, hf_config, hf_state_dict
 from lowmem.model import GPTConfig
 from lowmem.model.weights import WEIGHTS_FILE, load_model_config
@@ -52,18 +56,35 @@ def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = Non
     transformers = _import_transformers()
     model_config = load_model_config(folder)
     tokenizer_dir = tokenizer_folder(folder, config.tokenizer_dir)
-    tokenizer = Tokenizer.load(tokenizer_dir)
-    if tokenizer.vocab_size != model_config.vocab_size:
+    tokenizer = load_tokenizer(tokenizer_dir)
+    lowmem_tokenizer = isinstance(tokenizer, Tokenizer)
+    if tokenizer.vocab_size > model_config.vocab_size or \
+            (lowmem_tokenizer and tokenizer.vocab_size != model_config.vocab_size):
         raise ConfigError(f"The tokenizer in '{tokenizer_dir}' has {tokenizer.vocab_size} pieces but the model in "
                           f"'{folder}' was trained with {model_config.vocab_size}: pass --tokenizer_dir=FOLDER with "
                           "the tokenizer the model was trained with.")
+    ids = special_ids(tokenizer)
     with folder_built_aside(out) as staged:
-        _save_model(transformers, staged, folder, model_config, generation_defaults(config))
-        save_tokenizer(staged, tokenizer_dir / TOKENIZER_FILE, model_config.max_seq_len)
-        check_tokenizer(staged, tokenizer, tokenizer_dir / TOKENIZER_FILE)
-    logger.info("Exported %s (%s) to %s as %s.", folder, model_config.architecture, out,
-                TRANSFORMERS_CLASSES[model_config.architecture])
+        _save_model(transformers, staged, folder, model_config, generation_defaults(config, ids), ids)
+        if lowmem_tokenizer:
+            save_tokenizer(staged, tokenizer_dir / TOKENIZER_FILE, model_config.max_seq_len)
+        else:
+            copy_model_tokenizer(staged, tokenizer_dir, tokenizer)
+        check_tokenizer(staged, tokenizer, tokenizer_dir / TOKENIZER_FILE if lowmem_tokenizer else None)
+    written = transformers_class(model_config.transformers_config) if model_config.transformers_config else \
+        TRANSFORMERS_CLASSES[model_config.architecture]
+    logger.info("Exported %s (%s) to %s as %s.", folder, model_config.architecture, out, written)
     return out
+
+
+def special_ids(tokenizer: TextTokenizer) -> dict[str, Any]:
+    """The bos, eos and pad ids transformers' config and generation_config carry: lowmem's fixed ones, or a model's
+    own tokenizer's (its eos a list when several ids end an answer: a chat model's end of turn and end of text)."""
+    if isinstance(tokenizer, Tokenizer):
+        return {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    stops = list(tokenizer.stop_ids)
+    return {"bos_token_id": getattr(tokenizer, "bos_id", None),
+            "eos_token_id": stops[0] if len(stops) == 1 else stops, "pad_token_id": tokenizer.pad_id}
 
 
 def _check_out(out: Path) -> None:
@@ -89,24 +110,26 @@ def _import_transformers() -> ModuleType:
     return transformers
 
 
-def generation_defaults(config: EvalConfig) -> dict[str, Any]:
-    """generation_config.json: the special ids, and the decoding our `generate` and `evaluate` use by default.
+def generation_defaults(config: EvalConfig, ids: dict[str, Any] | None = None) -> dict[str, Any]:
+    """generation_config.json: the special ids (`ids`, lowmem's own by default), and the decoding our `generate` and
+    `evaluate` use by default.
 
     do_sample=False is greedy, as `generate` (temperature 0) and evaluate's BLEU answers; max_new_tokens is
     `eval_max_new_tokens` (128 by default, also `generate`'s default). Not written: no_repeat_ngram_size
     (transformers' also bans the prompt's n-grams, ours only the answer's) and the sampling settings of the
     sample printed after training (temperature 0.8, top_k 40: pass them with do_sample=True).
     """
-    return {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": False,
+    ids = ids or {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    return {**{key: value for key, value in ids.items() if value is not None}, "do_sample": False,
             "max_new_tokens": config.eval_max_new_tokens}
 
 
 def _save_model(transformers: ModuleType, staged: Path, folder: Path, model_config: GPTConfig,
-                generation: dict[str, Any]) -> None:
+                generation: dict[str, Any], ids: dict[str, Any]) -> None:
     """config.json, model.safetensors and generation_config.json, written by the transformers model itself."""
     from safetensors.torch import load_file
 
-    keys = hf_config(model_config)
+    keys = hf_config(model_config, ids)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**keys)).float()
     # strict: every parameter of the transformers model is set, and nothing of ours is left over.
     model.load_state_dict(hf_state_dict(load_file(str(folder / WEIGHTS_FILE)), model_config), strict=True)

@@ -18,12 +18,15 @@ chat template, as `Tokenizer.encode_pair` makes it.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import sentencepiece as spm
 
-from lowmem.data.tokenizer import NUM_RESERVED_PIECES, SEP_ID, SEP_PIECE, TOKENIZER_FILE, Tokenizer
+from lowmem.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
+from lowmem.data.text_tokenizer import TextTokenizer
+from lowmem.data.tokenizer import NUM_RESERVED_PIECES, SEP_ID, SEP_PIECE, TOKENIZER_FILE
 from lowmem.errors import ConfigError
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -112,21 +115,40 @@ def _readable_by_transformers_4(folder: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def check_tokenizer(folder: Path, tokenizer: Tokenizer, model_file: Path) -> None:
+def copy_model_tokenizer(folder: Path, tokenizer_dir: Path, tokenizer: TextTokenizer) -> None:
+    """Copy a transformers model's tokenizer (a run started from one trains with it) into the export `folder`: its
+    files as they came, the chat template the run used written into tokenizer_config.json when the model had none
+    (lowmem's plain layout), so that transformers lays a prompt out as training did. generation_config.json is the
+    export's own."""
+    assert isinstance(tokenizer, HFTokenizer)  # lowmem's own tokenizer is restated by save_tokenizer instead
+    for name in HF_TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file() and name != "generation_config.json":
+            shutil.copyfile(tokenizer_dir / name, folder / name)
+    if not tokenizer.template_from_source:
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        config["chat_template"] = tokenizer.chat_template
+        config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# Texts a copied transformers tokenizer must encode alike in lowmem and in transformers (beside a prompt).
+CHECK_TEXTS = ("春风明月江南归去", "Write a poem of the moon.", "mixed 中文 and English 123", "  two  spaces  ",
+               "tabs\tand\nnew lines", "emoji 😀 and rare 龘 characters", "full-width ，。！？")
+
+
+def check_tokenizer(folder: Path, tokenizer: TextTokenizer, model_file: Path | None) -> None:
     """Load the tokenizer written in `folder` with transformers and check that it gives our ids.
 
-    Checked: every piece of the vocabulary as a text of its own (special ones left out: see the README for how
-    the two differ on those), a sentence, and that sentence through the chat template. A difference means that
-    the installed transformers reads the files otherwise than the version the export was tested with (5.23).
+    Checked: for lowmem's tokenizer (`model_file`, its SentencePiece model) every piece of the vocabulary as a text
+    of its own (special ones left out: see the README for how the two differ on those), else a few texts of every
+    kind; a sentence, and that sentence through the chat template. A difference means that the installed
+    transformers reads the files otherwise than the version the export was tested with (5.23).
     """
     import transformers
 
     hf = transformers.AutoTokenizer.from_pretrained(folder)
-    sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    specials = [sp.id_to_piece(i) for i in SPECIAL_IDS]
-    pieces = [sp.id_to_piece(i) for i in range(NUM_RESERVED_PIECES, sp.get_piece_size())]
     prompt = "请写一首词，两行。Write 2 lines:\tplease!"
-    texts = [piece for piece in pieces if not any(special in piece for special in specials)] + [prompt]
+    texts = [*_vocabulary_pieces(model_file), prompt] if model_file is not None else [*CHECK_TEXTS, prompt]
     templated = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                        return_dict=False)  # the ids as a list (5.x returns a dict by default)
     same_texts = hf(texts, add_special_tokens=False)["input_ids"] == tokenizer.encode_batch(texts)
@@ -136,3 +158,11 @@ def check_tokenizer(folder: Path, tokenizer: Tokenizer, model_file: Path) -> Non
             f"The exported tokenizer, loaded by transformers {transformers.__version__}, encodes differently from "
             f"lowmem's {where}: the export is not written. The export was tested with transformers 5.23; install "
             "that version (pip install \"transformers==5.23.0\") and run the export again.")
+
+
+def _vocabulary_pieces(model_file: Path) -> list[str]:
+    """Every piece of a lowmem SentencePiece model that holds no special piece, as a text of its own."""
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    specials = [sp.id_to_piece(i) for i in SPECIAL_IDS]
+    pieces = [sp.id_to_piece(i) for i in range(NUM_RESERVED_PIECES, sp.get_piece_size())]
+    return [piece for piece in pieces if not any(special in piece for special in specials)]

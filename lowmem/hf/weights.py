@@ -6,8 +6,13 @@
     llama         LlamaForCausalLM    the fused qkv rows split into q_proj, k_proj, v_proj; nothing
                                       transposed; rotary needs no permutation (ours is HF's "rotate half")
 
-Both tie the output layer to the token embedding, and both crop it to the tokenizer's `vocab_size` rows:
-the rows that pad it to a multiple of 64 are never produced by our `generate` and mean nothing.
+A model started from a transformers model (`GPTConfig.transformers_config`) goes back to its own class with every
+key of the source's config.json (a Qwen2 stays a Qwen2, with its biases; its key/value heads, untied head, rotary
+scaling and context are kept); `lowmem.hf.weight_map` is the way in.
+
+The output layer is tied to the token embedding unless the model has its own, and both are cropped to the
+`vocab_size` rows: the rows that pad a model trained here to a multiple of 64 are never produced by our `generate`
+and mean nothing.
 
 Nothing here imports transformers: these are plain dicts and tensors.
 """
@@ -24,8 +29,12 @@ from lowmem.model import GPTConfig
 TRANSFORMERS_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 
 
-def hf_config(config: GPTConfig) -> dict[str, Any]:
-    """The transformers config (the keys of its config.json) of the model `config` describes."""
+def hf_config(config: GPTConfig, special_ids: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The transformers config (the keys of its config.json) of the model `config` describes; `special_ids` are the
+    tokenizer's bos/eos/pad ids (lowmem's own when not given)."""
+    ids = special_ids or {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    if config.transformers_config:
+        return _source_config(config, ids)
     shared = {"architectures": [TRANSFORMERS_CLASSES[config.architecture]], "vocab_size": config.vocab_size,
               "tie_word_embeddings": True, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
               "use_cache": True}
@@ -48,6 +57,19 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
             "attention_bias": config.bias, "mlp_bias": config.bias, "attention_dropout": config.dropout}
 
 
+# Keys of a source's config.json that describe the saved file rather than the model: transformers writes its own.
+_FILE_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype")
+
+
+def _source_config(config: GPTConfig, ids: dict[str, Any]) -> dict[str, Any]:
+    """The source's config.json as it was, with what a lowmem run may change: the weights are float32, and the
+    special ids are the tokenizer's."""
+    source = {key: value for key, value in (config.transformers_config or {}).items() if key not in _FILE_KEYS}
+    given_ids = {key: value for key, value in ids.items() if value is not None}
+    return {**source, **given_ids, "vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_embeddings,
+            "torch_dtype": "float32"}
+
+
 def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our weights (the names of `model.safetensors`, tied ones stored once) under transformers' names, float32.
 
@@ -58,9 +80,11 @@ def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str
     # The tied embedding is stored under one of its two names (the alphabetically first: lm_head).
     embedding = ours["tok_emb.weight"] if "tok_emb.weight" in ours else ours["lm_head.weight"]
     embedding = embedding[: config.vocab_size].contiguous()  # (V, C): the padding rows dropped
-    if config.architecture == "gpt2":
-        return _gpt2_state_dict(ours, embedding, config)
-    return _llama_state_dict(ours, embedding, config)
+    head = embedding if config.tie_embeddings else ours["lm_head.weight"][: config.vocab_size].contiguous()
+    hf = _gpt2_state_dict(ours, embedding, config) if config.architecture == "gpt2" else \
+        _llama_state_dict(ours, embedding, config)
+    hf["lm_head.weight"] = head
+    return hf
 
 
 def _gpt2_state_dict(ours: dict[str, torch.Tensor], embedding: torch.Tensor,
@@ -100,13 +124,14 @@ def _llama_state_dict(ours: dict[str, torch.Tensor], embedding: torch.Tensor,
             if f"{ours_name}.{kind}" in ours:
                 hf[f"{hf_name}.{kind}"] = ours[f"{ours_name}.{kind}"]
 
+    q_rows, kv_rows = config.n_head * config.head_dim, config.kv_heads * config.head_dim
     for i in range(config.n_layer):
         h, b = f"model.layers.{i}", f"blocks.{i}"
         copy(f"{h}.input_layernorm", f"{b}.ln_1")
         for kind in ("weight", "bias"):
             if f"{b}.attn.qkv.{kind}" in ours:
-                # Rows [q; k; v], n_embd each (as many key/value heads as query heads).
-                q, k, v = ours[f"{b}.attn.qkv.{kind}"].split(config.n_embd, dim=0)
+                # Rows [q; k; v]: n_head x head size, then n_kv_head x head size twice.
+                q, k, v = ours[f"{b}.attn.qkv.{kind}"].split([q_rows, kv_rows, kv_rows], dim=0)
                 for name, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                     hf[f"{h}.self_attn.{name}.{kind}"] = part.contiguous()
         copy(f"{h}.self_attn.o_proj", f"{b}.attn.out_proj")

@@ -125,7 +125,7 @@ class PlanInputs:
     compiled: bool = False  # torch.compile of the training model
     compile_workers: int = 0  # processes of inductor's compile pool per process (0: it compiles in the process)
     generation_prompts: int = 0  # a process's share of the prompts BLEU-4 answers (generation batches hold fewer)
-    load_chunk_bytes: int = 0  # a run started from a model: the most bytes of its files read and cast at once
+    load_chunk_bytes: int = 0  # a run started from a model: the most bytes of its files mapped at once
 
     @property
     def on_gpu(self) -> bool:
@@ -366,9 +366,9 @@ def _load(inputs: PlanInputs) -> list[PlanPart]:
     if not inputs.load_chunk_bytes:
         return []
     share = f"its shards' rows only (1/{inputs.shards})" if inputs.shards > 1 else "every row"
-    return [PlanPart("loading the source's weights", 2 * inputs.load_chunk_bytes,
-                     f"{_mb(inputs.load_chunk_bytes)} of the files at a time, cast to float32, {share}; the file's "
-                     "pages handed back after each slice", LOAD)]
+    return [PlanPart("loading the source's weights", inputs.load_chunk_bytes,
+                     f"{_mb(inputs.load_chunk_bytes)} of the files mapped at a time and cast into the weights, "
+                     f"{share}; the pages handed back after each slice", LOAD)]
 
 
 def with_inputs(plan_inputs: PlanInputs, **changes: object) -> PlanInputs:

@@ -49,6 +49,13 @@ class LoadedWeights:
     seconds: float
 
 
+def load_slice_bytes(source: ModelSource) -> int:
+    """The most bytes of the source's files a process maps at once while loading: a slice of LOAD_CHUNK_BYTES, or the
+    largest tensor when all are smaller (each slice is cast straight into the weights, without a copy of its own)."""
+    largest = max((entry.end - entry.start for entry in source.tensors.values()), default=0)
+    return min(LOAD_CHUNK_BYTES, largest)
+
+
 def empty_model(config: GPTConfig, device: torch.device | None = None) -> GPT:
     """A GPT of `config` with uninitialised weights on `device` (the CPU by default): built on the meta device, then
     given storage that nothing has written yet (on the CPU it takes no RSS until the source's weights are written

@@ -61,15 +61,6 @@ class ModelSource:
     trained_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
-    def name(self) -> str:
-        """A short name for folder names: the run's (for its checkpoints and best/ and final/) or the folder's."""
-        folder = self.folder.resolve()
-        if self.kind == LOWMEM and (folder.name in ("best", "final") or FINAL.fullmatch(folder.name)):
-            suffix = "" if folder.name in ("best", "final") else "-" + folder.name.split("-", 1)[1]
-            return folder.parent.name + suffix
-        return folder.name
-
-    @property
     def stored_dtypes(self) -> list[str]:
         """The dtypes the weights are stored in, e.g. ["bfloat16"]."""
         return sorted({str(entry.dtype).replace("torch.", "") for entry in self.tensors.values()})
@@ -80,6 +71,18 @@ class ModelSource:
         what = transformers_class(self.model_config.transformers_config or {}) if self.kind == TRANSFORMERS \
             else f"lowmem {self.model_config.architecture} model"
         return f"{what} in {self.folder} ({self.chosen})"
+
+
+def source_name(path: str) -> str:
+    """A short name for the model `path` names, from the path alone (for the default run folder): the run's, for a
+    run or its best/ and final/; the run's and the step, for a checkpoint; else the folder's."""
+    folder = Path(str(path)).expanduser().resolve()
+    if folder.suffix == ".safetensors":
+        folder = folder.parent
+    if folder.name in ("best", "final"):
+        return folder.parent.name
+    step = FINAL.fullmatch(folder.name)
+    return f"{folder.parent.name}-{step.group(1)}" if step else folder.name
 
 
 def find_source(path: str) -> ModelSource:

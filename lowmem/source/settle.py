@@ -163,7 +163,7 @@ def describe_start(start: StartingPoint, loaded: LoadedWeights, parameters: int,
     return (f"Started from {source.description}: {model.architecture}, {model.n_layer} layers x {model.n_embd} wide, "
             f"{heads}, {parameters / 1e6:,.1f} M parameters{'' if model.tie_embeddings else ' (untied head)'}, "
             f"stored as {', '.join(source.stored_dtypes)}, loaded as float32 in {loaded.seconds:.1f} s "
-            f"({loaded.bytes_written / 2**20:,.0f} MB written by this process); tokenizer: {tokenizer}. The optimizer, "
+            f"({loaded.bytes_written / 2**20:,.1f} MB written by this process); tokenizer: {tokenizer}. The optimizer, "
             "the learning-rate schedule (its warmup from step 0) and the data position are new.")
 
 

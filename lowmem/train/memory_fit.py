@@ -35,7 +35,7 @@ from lowmem.memory.levers import LEVER_FIELDS, SaverChoice, choose_savers, no_fi
 from lowmem.memory.plan import (CUDA_CONTEXT_DEVICE_BYTES, DDP, DEEPSPEED, FSDP, SINGLE, MemoryPlan, ModelShape,
                                 PlanInputs, format_plan, plan_memory)
 from lowmem.program import command_line, launch_line
-from lowmem.source.load import LOAD_CHUNK_BYTES
+from lowmem.source.load import load_slice_bytes
 from lowmem.source.settle import StartingPoint
 from lowmem.units import GIB, gib_text
 
@@ -165,7 +165,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         generation_positions=config.max_seq_len,
         launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,
         compiled=speed.compile, compile_workers=compile_worker_processes(settings.low_budget) if speed.compile else 0,
-        load_chunk_bytes=LOAD_CHUNK_BYTES if start is not None and start.source is not None else 0,
+        load_chunk_bytes=load_slice_bytes(start.source) if start is not None and start.source is not None else 0,
     )
     return inputs, positions_for_rows
 

@@ -101,7 +101,7 @@ def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator,
     def make_if_missing() -> None:
         if copy_from is not None:  # the source's, copied afresh: the run needs no file of the source to resume
             with writing("the model's tokenizer", config.tokenizer_dir, option="--tokenizer_dir"):
-                copy_tokenizer(copy_from, config.tokenizer_dir)
+                copy_tokenizer(copy_from, config.tokenizer_dir, came_with=_source_text(start))
             return
         if has_tokenizer(config.tokenizer_dir):
             return
@@ -122,6 +122,10 @@ def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator,
                     model_path, tokenizer.vocab_size, config.vocab_size,
                     command_line(f"tokenizer --tokenizer_dir={config.tokenizer_dir} --vocab_size=..."))
     return tokenizer, identity
+
+
+def _source_text(start: StartingPoint | None) -> str | None:
+    return start.source.description if start is not None and start.source is not None else None
 
 
 def shared_memory_settings(config: TrainConfig, accelerator: Accelerator) -> MemorySettings:
