@@ -100,7 +100,7 @@ def _perturbed(model: Any, seed: int) -> Any:
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for parameter in model.parameters():
             noise = torch.randn(parameter.shape, generator=generator)
             if parameter.dim() == 1:
                 parameter.add_(0.3 * noise)
@@ -162,14 +162,14 @@ def qwen25_half_billion_folder(folder: Path, seed: int = 0) -> Path:
     shapes = {"model.embed_tokens.weight": (s["vocab_size"], hidden), "model.norm.weight": (hidden,)}
     for i in range(s["num_hidden_layers"]):
         layer = f"model.layers.{i}"
-        shapes.update({f"{layer}.input_layernorm.weight": (hidden,), f"{layer}.post_attention_layernorm.weight":
-                       (hidden,), f"{layer}.self_attn.q_proj.weight": (heads * head, hidden),
-                       f"{layer}.self_attn.q_proj.bias": (heads * head,),
-                       f"{layer}.self_attn.k_proj.weight": (kv * head, hidden), f"{layer}.self_attn.k_proj.bias":
-                       (kv * head,), f"{layer}.self_attn.v_proj.weight": (kv * head, hidden),
-                       f"{layer}.self_attn.v_proj.bias": (kv * head,), f"{layer}.self_attn.o_proj.weight":
-                       (hidden, heads * head), f"{layer}.mlp.gate_proj.weight": (inner, hidden),
-                       f"{layer}.mlp.up_proj.weight": (inner, hidden), f"{layer}.mlp.down_proj.weight": (hidden, inner)})
+        shapes.update({f"{layer}.input_layernorm.weight": (hidden,),
+                       f"{layer}.post_attention_layernorm.weight": (hidden,),
+                       f"{layer}.self_attn.o_proj.weight": (hidden, heads * head),
+                       f"{layer}.mlp.gate_proj.weight": (inner, hidden), f"{layer}.mlp.up_proj.weight": (inner, hidden),
+                       f"{layer}.mlp.down_proj.weight": (hidden, inner)})
+        for name, rows in (("q", heads * head), ("k", kv * head), ("v", kv * head)):
+            shapes.update({f"{layer}.self_attn.{name}_proj.weight": (rows, hidden),
+                           f"{layer}.self_attn.{name}_proj.bias": (rows,)})
     generator = torch.Generator().manual_seed(seed)
     tensors = {name: (torch.randn(shape, generator=generator) * (1.0 if len(shape) == 1 else 0.02)).to(torch.bfloat16)
                for name, shape in shapes.items()}

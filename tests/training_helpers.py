@@ -71,6 +71,14 @@ def three_cpu_processes(rank_logs: Path) -> list[str]:
             "--tee", "3", "--log_dir", str(rank_logs)]
 
 
+# FSDP2 over 3 processes on the CPU (gloo), as configs/accelerate/fsdp.yaml says; run with FSDP_CPU_ENV.
+FSDP_CONFIG = ROOT / "configs" / "accelerate" / "fsdp.yaml"
+FSDP_LAUNCHER = ["accelerate", "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "3",
+                 "--main_process_port", "0"]
+# No GPU even where the machine has one: this is FSDP on the CPU. One thread per process on a small machine.
+FSDP_CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
 def rank_matches(rank_logs: Path, pattern: str) -> list[str]:
     """Every match of `pattern` in each rank's own stderr file written by `three_cpu_processes`."""
     matches: list[str] = []

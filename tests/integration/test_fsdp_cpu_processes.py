@@ -22,14 +22,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from test_resume_runs import chat_data as chat_data  # the resume tests' data, made once per module
-from training_helpers import (ROOT, assert_losses_match, kill_all, resumed_from, start_run,
-                              traced_losses, traced_run, wait_for_step)
+from training_helpers import (FSDP_CONFIG, FSDP_CPU_ENV as CPU_ENV, FSDP_LAUNCHER, assert_losses_match, kill_all,
+                              resumed_from, start_run, traced_losses, traced_run, wait_for_step)
 
-FSDP_CONFIG = ROOT / "configs" / "accelerate" / "fsdp.yaml"
-FSDP_LAUNCHER = ["accelerate", "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "3",
-                 "--main_process_port", "0"]
-# No GPU even where the machine has one: this is FSDP on the CPU. One thread per process on a small machine.
-CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 EXTRA = ("--epochs=1", "--save_steps=5")  # 19 steps with 3 ranks, a save every 5
 STRATEGY_LINE = "Parallelism: FSDP2, 3 processes."
 

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from hf_models import llama_folder, mixed_lines, qwen2_folder  # noqa: E402
 
 from lowmem.checkpoint.export import export_model  # noqa: E402
+from lowmem.cli import main  # noqa: E402
 from lowmem.config import TrainConfig  # noqa: E402
 from lowmem.data.text_tokenizer import load_tokenizer  # noqa: E402
 from lowmem.errors import ConfigError  # noqa: E402
@@ -252,3 +253,66 @@ def test_generation_stops_at_any_of_several_ids():
         torch.full((idx.size(0),), next(script)), 64).float()
     out = model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5, greedy=True, eos_id=(9, 7))
     assert out[0, 1:].tolist() == [3, 7]
+
+
+# ----- bad inputs on the command line: one paragraph, exit code 2, nothing written ----------------------------------
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    """A folder with data of one's own (data/train.parquet, ...), the current folder of the command."""
+    from training_helpers import write_chat_rows
+
+    (tmp_path / "data").mkdir()
+    for name, seed in (("train", 1), ("valid", 2), ("test", 3)):
+        write_chat_rows(tmp_path / "data" / f"{name}.parquet", 40, seed=seed)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _bert_folder(folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    save_file({"bert.embeddings.word_embeddings.weight": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
+
+
+def _fewer_rows_than_ids(folder: Path) -> None:
+    """The embedding cut to 500 rows, below the tokenizer's 603 ids."""
+    _rewrite_tensors(folder, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:500]}))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
+
+
+@pytest.mark.parametrize("case", ["pickle", "bert", "missing tensor", "tokenizer too large", "no such path",
+                                  "keep training an empty folder", "shape flag"])
+def test_a_bad_init_from_is_one_message_and_writes_nothing(project, qwen_copy, capsys, case):
+    model, flags = str(qwen_copy), []
+    marker = project / "pickle-ran"
+    if case == "pickle":
+        (qwen_copy / "model.safetensors").unlink()
+        (qwen_copy / "pytorch_model.bin").write_bytes(pickle.dumps(_Planted(marker)))
+    elif case == "bert":
+        model = str(project / "bert")
+        _bert_folder(project / "bert")
+    elif case == "missing tensor":
+        _rewrite_tensors(qwen_copy, lambda t: t.pop("model.norm.weight"))
+    elif case == "tokenizer too large":
+        _fewer_rows_than_ids(qwen_copy)
+    elif case == "no such path":
+        model = str(project / "nowhere")
+    elif case == "keep training an empty folder":
+        flags = ["--is_keep_training=True"]
+    else:
+        flags = ["--n_layer=3"]
+    expected = {"pickle": "has not opened them", "bert": "is a BertForMaskedLM: lowmem starts from",
+                "missing tensor": "has no tensor model.norm.weight", "tokenizer too large": "603 ids but",
+                "no such path": "no such file or folder",
+                "keep training an empty folder": "--is_keep_training=True continues the run in",
+                "shape flag": "--n_layer=3 (the model has 2) disagree"}[case]
+    assert main(["train", f"--init_from={model}", "--max_steps=1", *flags]) == 2
+    message = capsys.readouterr().err
+    errors = [line for line in message.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], message
+    assert "Traceback" not in message and not marker.exists()
+    assert not (project / "model_save").exists() and not (project / "logs").exists()
+
