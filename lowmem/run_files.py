@@ -3,6 +3,7 @@
     logs/train.log                      the run's training log (a resumed run appends to it)
     logs/memory_<run>_rank<r>.jsonl     the memory logs, one per rank per segment (`lowmem memlog RUN_FOLDER`)
     tokenizer.json                      the record of the tokenizer the run trains with (its hash, its data)
+    started_from.json, tokenizer/       a run started from a model: its source, and the model's tokenizer copied
     tracking.json                       the run's W&B run id, which a resume continues (`--report_to=wandb`)
 
 The launch folder's logs/ keeps the day's training log and links to the memory logs, where earlier versions
