@@ -1,7 +1,8 @@
 """Small transformers model folders built in the tests, offline, from random weights: a Qwen2 (biases on q/k/v,
-tied head, grouped-query attention) with a byte-level tokenizer and a ChatML template, and a Llama (untied head,
-grouped-query attention, Llama 3's rotary scaling) with a SentencePiece-style tokenizer and no chat template; and
-a model of Qwen2.5-0.5B's shapes written straight to safetensors in bf16 (no transformers model in memory)."""
+tied head, grouped-query attention) with a byte-level tokenizer and a ChatML template, a Llama (untied head,
+grouped-query attention, Llama 3's rotary scaling) and a Mistral (a head size other than hidden / heads) with a
+SentencePiece-style tokenizer and no chat template; and a model of Qwen2.5-0.5B's shapes written straight to
+safetensors in bf16 (no transformers model in memory)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,21 @@ def qwen2_folder(folder: Path, seed: int = 0, extra_rows: int = 13, **sizes: Any
     config = transformers.Qwen2Config(vocab_size=ids + extra_rows, eos_token_id=ids - 1, pad_token_id=ids - 3,
                                       **shape)
     _perturbed(transformers.Qwen2ForCausalLM(config), seed).save_pretrained(folder)
+    return folder
+
+
+def mistral_folder(folder: Path, seed: int = 2, **sizes: Any) -> Path:
+    """A MistralForCausalLM folder (untied head, 4 query heads over 2 key/value heads, a head size of its own) with
+    the Llama-like tokenizer; `sizes` may set its sliding_window (none by default)."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = llama_tokenizer(folder)
+    shape = {**dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, max_position_embeddings=512,
+                    sliding_window=None), **sizes}
+    config = transformers.MistralConfig(vocab_size=ids, bos_token_id=1, eos_token_id=2, **shape)
+    _perturbed(transformers.MistralForCausalLM(config), seed).save_pretrained(folder)
     return folder
 
 

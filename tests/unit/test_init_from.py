@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import llama_folder, mixed_lines, qwen2_folder  # noqa: E402
+from hf_models import llama_folder, mistral_folder, mixed_lines, qwen2_folder  # noqa: E402
 
 from lowmem.checkpoint.export import export_model  # noqa: E402
 from lowmem.cli import main  # noqa: E402
@@ -37,9 +37,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "mistral"])
 def hf_folder(request, tmp_path_factory) -> Path:
-    build = qwen2_folder if request.param == "qwen2" else llama_folder
+    build = {"qwen2": qwen2_folder, "llama": llama_folder, "mistral": mistral_folder}[request.param]
     return build(tmp_path_factory.mktemp(request.param) / request.param)
 
 
@@ -62,6 +62,8 @@ def test_the_model_reads_the_sources_shape(hf_folder):
     assert config.vocab_multiple == 1 and config.padded_vocab_size == config.vocab_size  # the source's rows
     if hf_folder.name == "qwen2":
         assert config.qkv_bias and not config.bias and config.tie_embeddings and config.rope_scaling is None
+    elif hf_folder.name == "mistral":
+        assert config.head_dim == 32 and not config.qkv_bias and not config.tie_embeddings
     else:
         assert not config.qkv_bias and not config.tie_embeddings and config.rope_theta == 500000.0
         assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -78,7 +80,7 @@ def test_logits_equal_transformers(hf_folder):
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max().item() <= 1e-4
     assert expected.abs().mean().item() > 0.1  # not a comparison of near-zero numbers
-    # Positions past the rotary scaling's original context too (the llama's is 128).
+    # Positions past the rotary scaling's original context too (the llama's is 128; the mistral has no window).
     long_ids = torch.randint(0, reference.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(long_ids)[0] - reference(long_ids).logits).abs().max().item() <= 1e-4
@@ -316,3 +318,16 @@ def test_a_bad_init_from_is_one_message_and_writes_nothing(project, qwen_copy, c
     assert "Traceback" not in message and not marker.exists()
     assert not (project / "model_save").exists() and not (project / "logs").exists()
 
+
+
+def test_a_sequence_longer_than_the_sliding_window_is_refused(tmp_path, capsys, monkeypatch):
+    from training_helpers import write_chat_rows
+
+    model = mistral_folder(tmp_path / "mistral-window", sliding_window=128)
+    (tmp_path / "data").mkdir()
+    for name, seed in (("train", 1), ("valid", 2), ("test", 3)):
+        write_chat_rows(tmp_path / "data" / f"{name}.parquet", 40, seed=seed)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"--init_from={model}", "--max_seq_len=256", "--max_steps=1"]) == 2
+    assert "--max_seq_len=256 is longer than its sliding attention window, 128 tokens" in capsys.readouterr().err
+    assert not (tmp_path / "model_save").exists()
