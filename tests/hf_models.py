@@ -14,6 +14,8 @@ from typing import Any
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # before transformers is imported
 
+# ChatML written with block tags on lines of their own, as Qwen's templates are: it renders right only with
+# transformers' trim_blocks and lstrip_blocks.
 CHATML_TEMPLATE = """{% for message in messages %}
     {% if loop.first and message['role'] != 'system' %}
 <|im_start|>system

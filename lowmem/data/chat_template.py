@@ -33,18 +33,23 @@ from lowmem.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# lowmem's layout for a tokenizer without a chat template: `[bos] prompt \n` for the user's turn (the generation
-# prompt: add_generation_prompt has nothing to add), `response [eos]` for the assistant's. Like lowmem's own
-# CHAT_TEMPLATE (lowmem.hf.tokenizer_files), it refuses every other conversation rather than guess a layout the
-# model never saw.
-PLAIN_CHAT_TEMPLATE = (
+# The start of lowmem's own chat templates: one user message, optionally followed by one assistant message, and
+# anything else refused rather than laid out in a way the model never saw.
+SINGLE_EXCHANGE_ONLY = (
     "{%- if not (messages | length in [1, 2] and messages[0]['role'] == 'user' and messages[0]['content'] is string"
     " and (messages | length == 1 or (messages[1]['role'] == 'assistant' and messages[1]['content'] is string)))"
     " -%}\n"
     "{{- raise_exception('This model was trained on single exchanges: pass one user message, optionally followed"
     " by one assistant message (no system message, no further turns; the content a string).') -}}\n"
     "{%- endif -%}\n"
-    "{%- if bos_token is defined and bos_token -%}{{- bos_token -}}{%- endif -%}\n"
+)
+
+# lowmem's layout for a tokenizer without a chat template: `[bos] prompt \n` for the user's turn (the generation
+# prompt: add_generation_prompt has nothing to add), `response [eos]` for the assistant's. Like lowmem's own
+# CHAT_TEMPLATE (lowmem.hf.tokenizer_files), it takes single exchanges only.
+PLAIN_CHAT_TEMPLATE = (
+    SINGLE_EXCHANGE_ONLY
+    + "{%- if bos_token is defined and bos_token -%}{{- bos_token -}}{%- endif -%}\n"
     "{{- messages[0]['content'] + '\\n' -}}\n"
     "{%- if messages | length == 2 -%}{{- messages[1]['content'] + eos_token -}}{%- endif -%}"
 )

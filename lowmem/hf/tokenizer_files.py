@@ -24,6 +24,7 @@ from typing import Any
 
 import sentencepiece as spm
 
+from lowmem.data.chat_template import SINGLE_EXCHANGE_ONLY
 from lowmem.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.data.tokenizer import NUM_RESERVED_PIECES, SEP_ID, SEP_PIECE, TOKENIZER_FILE
@@ -35,13 +36,8 @@ SPECIAL_IDS = range(SEP_ID + 1)  # <pad> <s> </s> <unk> <sep>: ids 0..4
 # One exchange, as the model was trained: `[bos] prompt [sep]`, then `response [eos]` when the conversation
 # holds the answer. The prompt ends with <sep>, so add_generation_prompt has nothing to add.
 CHAT_TEMPLATE = (
-    "{%- if not (messages | length in [1, 2] and messages[0]['role'] == 'user' and messages[0]['content'] is string"
-    " and (messages | length == 1 or (messages[1]['role'] == 'assistant' and messages[1]['content'] is string)))"
-    " -%}\n"
-    "{{- raise_exception('This model was trained on single exchanges: pass one user message, optionally followed"
-    " by one assistant message (no system message, no further turns; the content a string).') -}}\n"
-    "{%- endif -%}\n"
-    "{{- bos_token + messages[0]['content'] + '" + SEP_PIECE + "' -}}\n"
+    SINGLE_EXCHANGE_ONLY
+    + "{{- bos_token + messages[0]['content'] + '" + SEP_PIECE + "' -}}\n"
     "{%- if messages | length == 2 -%}{{- messages[1]['content'] + eos_token -}}{%- endif -%}"
 )
 

@@ -169,6 +169,7 @@ def test_three_fsdp_processes_load_the_model_the_single_process_loads(tmp_path, 
     assert _validation_losses(output)[0] == _validation_losses(single.stderr)[0]
 
 
+@pytest.mark.slow
 def test_every_command_finds_a_run_of_ones_own_data_with_trains_flags(tmp_path):
     project = _project(tmp_path / "project")
     tiny = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=400", "--max_steps=2", "--batch_size_per_gpu=8",

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hf_models import CHATML_TEMPLATE  # ChatML as Qwen writes it: block tags on lines of their own
 
 from lowmem.data.hf_tokenizer import (
     HF_TOKENIZER_FILES,
@@ -33,21 +34,6 @@ from lowmem.errors import ConfigError
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 LLAMA_SPECIALS = ("<unk>", "<s>", "</s>")
-
-# ChatML written with block tags on lines of their own, as Qwen's templates are: it renders right only with
-# transformers' trim_blocks and lstrip_blocks.
-CHATML_TEMPLATE = """{% for message in messages %}
-    {% if loop.first and message['role'] != 'system' %}
-<|im_start|>system
-You are a helpful assistant.<|im_end|>
-    {% endif %}
-<|im_start|>{{ message['role'] }}
-{{ message['content'] }}<|im_end|>
-{% endfor %}
-{% if add_generation_prompt %}
-<|im_start|>assistant
-{% endif %}
-"""
 
 CHINESE = ["今天天气很好", "我们一起去公园散步吧", "机器学习是人工智能的一个重要分支", "请把这本书放在桌子上",
            "学习一门新的语言需要耐心", "长江是中国最长的河流", "数据越多模型越好", "你能帮我解释这段代码吗",
