@@ -149,10 +149,13 @@ def _local_part(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
     if _DTensor is None or not isinstance(parameter, _DTensor):
         return parameter.data, 0
     local = parameter.to_local()
-    if not parameter.placements[0].is_shard(0):
+    # The mesh dimension that shards rows (FSDP's one; HSDP replicates over another dimension first).
+    sharding = [dim for dim, placement in enumerate(parameter.placements) if placement.is_shard(0)]
+    if not sharding:
         return local, 0
-    chunk = -(-parameter.shape[0] // parameter.device_mesh.size())
-    return local, parameter.device_mesh.get_local_rank() * chunk
+    mesh = parameter.device_mesh
+    chunk = -(-parameter.shape[0] // mesh.size(sharding[0]))
+    return local, mesh.get_local_rank(sharding[0]) * chunk
 
 
 def _local_slices(files: SafetensorsFiles, weight: WeightSource, first_row: int,
