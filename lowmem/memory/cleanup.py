@@ -1,4 +1,5 @@
-"""Giving memory back to the OS: Arrow's allocator and pool, the C heap, the CUDA cache."""
+"""Giving memory back to the OS: Arrow's allocator and pool, the C heap, the CUDA cache, Python's cycles (when the
+collector runs a full collection: `lowmem.memory.collector`)."""
 
 from __future__ import annotations
 
@@ -94,22 +95,25 @@ def set_malloc_mmap_threshold(megabytes: float) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, int(megabytes * 1024 * 1024)))
 
 
-def cleanup_memory(on_gpu: bool, empty_cuda_cache: bool = False) -> int:
+def cleanup_memory(on_gpu: bool, empty_cuda_cache: bool = False, collect: bool | None = None) -> int:
     """Give unused memory back to the OS; return the bytes of RSS it freed (before − after, at least 0).
 
-    In order: `gc.collect()` frees reference cycles; the Arrow pool returns the blocks it keeps for reuse;
-    glibc's `malloc_trim(0)` returns free heap pages that `free()` leaves mapped (why RSS stays high after
-    many small objects are dropped); with `empty_cuda_cache` on a GPU, see `release_cuda_cache`.
+    In order: with `collect`, `gc.collect()` frees reference cycles; the Arrow pool returns the blocks it keeps
+    for reuse; glibc's `malloc_trim(0)` returns free heap pages that `free()` leaves mapped (why RSS stays high
+    after many small objects are dropped); with `empty_cuda_cache` on a GPU, see `release_cuda_cache`.
 
     Args:
         on_gpu: this process computes on a GPU.
         empty_cuda_cache: also hand the CUDA cache back to the driver. Off for the routine cleanups of
             the training loop; on in the watchdog's (`forced_cleanup`). Validation empties the cache
             alone (`release_cuda_cache`) before it starts.
+        collect: make a full garbage collection; by default on the CPU only: on a GPU the device would idle
+            through it, and the memory records collect when Python objects grow (`lowmem.memory.collector`).
     """
     process = psutil.Process()
     before = process.memory_info().rss
-    gc.collect()
+    if collect if collect is not None else not on_gpu:
+        gc.collect()
     release_arrow_memory()
     trim = _find_malloc_trim()
     if trim is not None:
@@ -120,8 +124,9 @@ def cleanup_memory(on_gpu: bool, empty_cuda_cache: bool = False) -> int:
 
 
 def forced_cleanup(on_gpu: bool) -> int:
-    """`cleanup_memory` with the CUDA cache emptied too: the watchdog's cleanup, when a rank is near its limit."""
-    return cleanup_memory(on_gpu, empty_cuda_cache=True)
+    """`cleanup_memory` with a full collection and the CUDA cache emptied too: the watchdog's cleanup, when a rank
+    is near its limit."""
+    return cleanup_memory(on_gpu, empty_cuda_cache=True, collect=True)
 
 
 def release_cuda_cache(on_gpu: bool) -> None:

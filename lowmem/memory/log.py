@@ -23,7 +23,7 @@ RECORD_FIELDS = (
     "time", "run", "continues", "rank", "world_size", "epoch", "step", "event",
     "rss", "uss", "workers", "workers_rss", "workers_uss", "sys_available", "budget",
     "cuda_allocated", "cuda_reserved", "cuda_peak", "arrow_bytes", "freed", "rss_high_water",
-    "predicted_high_water",
+    "predicted_high_water", "python_objects",
 )
 RUN_ID_FORMAT = "%Y%m%d-%H%M%S"  # local time: ids of later runs sort after earlier ones
 LOG_NAME = "memory_{run}_rank{rank}.jsonl"  # one file per rank per run

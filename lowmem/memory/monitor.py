@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any, Callable
 
 from lowmem.memory.cleanup import cleanup_memory, release_cuda_cache
+from lowmem.memory.collector import GrowthCollector
 from lowmem.memory.log import MemoryLogger, format_line
 from lowmem.memory.probe import MemorySnapshot, take_snapshot
 from lowmem.memory.watchdog import MemoryWatchdog
@@ -21,6 +23,8 @@ class MemoryMonitor:
     `memory_log_steps` steps: a cleanup, a full snapshot (USS, workers), a record in the memory log and its
     line in the training log, and a watchdog check. A step that is both does the second only. 0 turns either off.
     These cleanups leave the CUDA cache alone (see `release_cuda_cache`); the watchdog empties it when it fires.
+    On a GPU they make no full garbage collection either: a record makes one when Python objects grew since the
+    previous record (`lowmem.memory.collector`).
     """
 
     def __init__(self, memory_logger: MemoryLogger, watchdog: MemoryWatchdog | None, on_gpu: bool,
@@ -29,6 +33,7 @@ class MemoryMonitor:
         self.memory_logger, self.watchdog, self.on_gpu = memory_logger, watchdog, on_gpu
         self.cleanup_steps, self.memory_log_steps, self.cleanup = cleanup_steps, memory_log_steps, cleanup
         self.earlier_runs: list[str] = []  # ids of the runs this one resumed, oldest first
+        self.collector = GrowthCollector()
 
     def state_dict(self) -> dict[str, Any]:
         """Which memory logs hold this training's records: a resumed run writes a new log under a new id."""
@@ -64,6 +69,8 @@ class MemoryMonitor:
         snapshot = take_snapshot()
         record = self.memory_logger.log(snapshot, epoch, step, event=event, freed=freed)
         logger.info(format_line(record))
+        if self.on_gpu:  # the CPU's routine cleanups collected already
+            self.collector.observe(snapshot.python_objects)
         self._watch(snapshot, epoch, step, freed)
         return record
 
@@ -80,6 +87,9 @@ class MemoryMonitor:
 
     @staticmethod
     def _forced(on_gpu: bool, freed: int) -> int:
-        """The watchdog's cleanup right after a routine one: the CUDA cache; returns the routine cleanup's bytes."""
+        """The watchdog's cleanup right after a routine one: what that one leaves out on a GPU (a full collection,
+        the CUDA cache); returns the routine cleanup's bytes."""
+        if on_gpu:
+            gc.collect()
         release_cuda_cache(on_gpu)
         return freed

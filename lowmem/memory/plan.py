@@ -49,8 +49,8 @@ STEP_OVERHEAD = 0.05
 WORKER_BYTES = 200 * MB
 # The `accelerate launch` process itself (measured 0.26 GB beside 3 workers).
 LAUNCHER_BYTES = 260 * MB
-# Reasoned, not measured (no GPU has run this project yet): the host memory of a process that has loaded the
-# CUDA runtime, cuBLAS and cuDNN, and the device memory of its context.
+# Reasoned, not measured (one GPU has run this project, and these were not measured apart there): the host memory
+# of a process that has loaded the CUDA runtime, cuBLAS and cuDNN, and the device memory of its context.
 CUDA_HOST_BYTES = 1200 * MB
 CUDA_CONTEXT_DEVICE_BYTES = 500 * MB
 # torch.compile: what a compiled model adds to its process (the traced graphs, the generated kernels loaded),
@@ -126,6 +126,7 @@ class PlanInputs:
     compile_workers: int = 0  # processes of inductor's compile pool per process (0: it compiles in the process)
     generation_prompts: int = 0  # a process's share of the prompts BLEU-4 answers (generation batches hold fewer)
     load_chunk_bytes: int = 0  # a run started from a model: the most bytes of its files mapped at once
+    static_shapes: bool = False  # fixed batch shapes: a compiled run compiles them all before its first step
 
     @property
     def on_gpu(self) -> bool:
@@ -192,10 +193,17 @@ class MemoryPlan:
 
     @property
     def machine_total(self) -> int:
-        """This machine's predicted total: every local process at its high-water, plus launcher and workers."""
+        """This machine's predicted total: every local process at its high-water, plus the launcher and the
+        workers held all along; or, when larger, every process in a phase plus the machine's parts held only then
+        (torch.compile's worker pool, alive while the compile passes run their steps)."""
         processes = self.inputs.processes
-        return (self.high_water(main=True) + (processes - 1) * self.high_water(main=False)
-                + sum(part.bytes for part in self.machine))
+        held = sum(part.bytes for part in self.machine if part.phase == RESIDENT)
+        total = self.high_water(main=True) + (processes - 1) * self.high_water(main=False) + held
+        for phase in {part.phase for part in self.machine} - {RESIDENT}:
+            in_phase = (self.high_water(True, phases=(phase,))
+                        + (processes - 1) * self.high_water(False, phases=(phase,)))
+            total = max(total, in_phase + held + sum(part.bytes for part in self.machine if part.phase == phase))
+        return total
 
     @property
     def device_peak(self) -> int:
@@ -340,8 +348,11 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         if inputs.compile_workers:
             count = inputs.compile_workers * inputs.processes
             worker = COMPILE_WORKER_BYTES[inputs.device]
+            # With fixed shapes every shape is compiled before the first step, and the pool is shut down then.
             machine.append(PlanPart("torch.compile workers", count * worker,
-                                    f"{count} x {_mb(worker)}, while the first steps compile"))
+                                    f"{count} x {_mb(worker)}, while the compile passes run (shut down after them)"
+                                    if inputs.static_shapes else f"{count} x {_mb(worker)}, alive all along (shapes "
+                                    "compiled as they come)", STEP if inputs.static_shapes else RESIDENT))
     device: list[PlanPart] = []
     if inputs.on_gpu:
         host.append(PlanPart("CUDA runtime", CUDA_HOST_BYTES, "reasoned, not measured"))

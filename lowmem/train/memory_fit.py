@@ -166,6 +166,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,
         compiled=speed.compile, compile_workers=compile_worker_processes(settings.low_budget) if speed.compile else 0,
         load_chunk_bytes=load_slice_bytes(start.source) if start is not None and start.source is not None else 0,
+        static_shapes=speed.static_shapes,
     )
     return inputs, positions_for_rows
 

@@ -50,11 +50,12 @@ from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broa
                                            end_process_group, run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.distributed.peers import PeerWatch
-from lowmem.distributed.performance import check_cuda_graphs, run_speed_settings
+from lowmem.distributed.performance import check_cuda_graphs, release_compile_workers, run_speed_settings
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.commands import answer
 from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.eval.validator import Validator
+from lowmem.memory.collector import freeze_set_up_objects
 from lowmem.model.weights import WEIGHTS_FILE, unwrap_gpt
 from lowmem.program import command_line
 from lowmem.progress import progress_bar
@@ -497,6 +498,10 @@ class Trainer:
         if self.speed.compile and self.fixed_shapes is not None:
             compile_each_shape(self.model, self.optimizer, self.accelerator, self.fixed_shapes,
                                self.tokenizer.pad_id, self.config.pack_rows)
+            if release_compile_workers():  # every shape is compiled: the pool's processes only hold memory now
+                logger.info("torch.compile's worker processes shut down: every batch shape is compiled.")
+        # The set-up's objects (modules, compiled graphs, libraries) out of the collector's walks from here on.
+        logger.debug("%d Python objects of the set-up frozen.", freeze_set_up_objects())
         self.stopper.install()
         self.progress = progress_bar(total=self.total_steps, initial=self.state.step, desc="train", unit="step",
                                      enabled=self.is_main and self.config.progress, dynamic_ncols=True)

@@ -7,6 +7,8 @@ In-process, so that dynamo's own counters can be read. Inductor generates C++ he
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from fault_injection import TrainingTrace
@@ -32,8 +34,18 @@ class GraphCounts(Callback):
         self.breaks[trainer.state.step] = sum(counters["graph_break"].values())
 
 
+class _StandInPool:
+    """A compile-worker pool that records how many steps had run when it was shut down."""
+
+    def __init__(self, graphs: GraphCounts) -> None:
+        self.graphs, self.shut_down_after_steps = graphs, None
+
+    def shutdown(self) -> None:
+        self.shut_down_after_steps = len(self.graphs.graphs)
+
+
 @pytest.mark.slow
-def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, chat_data, tokenizer_dir):
+def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, chat_data, tokenizer_dir, caplog):
     common = dict(max_steps=STEPS, dropout=0.0, static_shapes=True, loss_chunk_tokens=48, logging_steps=4)
     eager = TrainingTrace(in_tmp / "eager")
     Trainer(tiny_config(in_tmp / "eager", chat_data, tokenizer_dir, **common), callbacks=[eager]).fit()
@@ -45,7 +57,16 @@ def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, 
                                   compile_backend="inductor", **common), callbacks=[graphs, compiled])
     assert trainer.speed.compile and trainer.fixed_shapes is not None
     shapes = {trainer.fixed_shapes.sequences, trainer.fixed_shapes.rows}
-    trainer.fit()
+    # Inductor compiles C++ in the process here; on a GPU host its Triton kernels go to a pool of worker processes.
+    # A stand-in pool shows that the pool is shut down once the shapes are compiled, before the first step.
+    from torch._inductor import async_compile
+
+    pool = _StandInPool(graphs)
+    async_compile._pool_set.add(pool)
+    with caplog.at_level(logging.INFO, logger="lowmem.train.trainer"):
+        trainer.fit()
+    assert pool.shut_down_after_steps == 0 and not async_compile._pool_set
+    assert any("worker processes shut down" in record.getMessage() for record in caplog.records)
 
     # Both shapes were compiled before the first step (a graph each, forward and backward), and nothing since.
     assert graphs.graphs[1] == len(shapes), graphs.graphs

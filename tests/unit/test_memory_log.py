@@ -112,8 +112,9 @@ def test_format_line_reads_in_mb():
 
 
 # ----- leak verdict ---------------------------------------------------------------------------------------
-def simulate_training(folder: Path, leak: bool, steps: int = 300, every: int = 10) -> Path:
-    """Allocate 1 MB per step (kept when `leak`), with a cleanup and a memory record every `every` steps."""
+def simulate_training(folder: Path, leak: bool, steps: int = 300, every: int = 10, on_gpu: bool = False) -> Path:
+    """Allocate 1 MB per step (kept when `leak`), with a cleanup and a memory record every `every` steps (the
+    cleanup of a GPU process with `on_gpu`: no full garbage collection)."""
     kept = []
     cleanup_memory(on_gpu=False)
     budget = psutil.Process().memory_info().rss + 2048 * MB
@@ -124,20 +125,21 @@ def simulate_training(folder: Path, leak: bool, steps: int = 300, every: int = 1
                 kept.append(activations)
             del activations
             if step % every == 0:
-                freed = cleanup_memory(on_gpu=False)
+                freed = cleanup_memory(on_gpu=on_gpu)
                 log.log(take_snapshot(), epoch=0, step=step, freed=freed)
     return log.path
 
 
-def simulate_in_a_fresh_process(folder: Path, leak: bool) -> Path:
+def simulate_in_a_fresh_process(folder: Path, leak: bool, on_gpu: bool = False) -> Path:
     """`simulate_training` in a new interpreter: its RSS is that loop's alone, not that of whatever the tests run
     before it in this process left behind (threads, heap fragments)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(simulate_training, (folder, leak))
+        return pool.apply(simulate_training, (folder, leak), {"on_gpu": on_gpu})
 
 
-def test_planted_leak_is_growing_at_its_true_rate(tmp_path):
-    records, notes = read_log(simulate_in_a_fresh_process(tmp_path, leak=True))
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu-cleanup", "gpu-cleanup"])
+def test_planted_leak_is_growing_at_its_true_rate(tmp_path, on_gpu):
+    records, notes = read_log(simulate_in_a_fresh_process(tmp_path, leak=True, on_gpu=on_gpu))
     assert notes == [] and len(records) == 30
     summary = summarize(records)
     assert summary.verdict == "GROWING", summary.explanation
@@ -392,6 +394,60 @@ def test_peak_includes_the_high_water_mark_between_records():
     assert summary.end_rss == 500 * mb and summary.verdict == "FLAT"
     old_logs = [{key: value for key, value in record.items() if key != "rss_high_water"} for record in records]
     assert summarize(old_logs).peak_rss == 500 * mb
+
+
+# ----- full garbage collections ------------------------------------------------------------------------------
+@pytest.fixture
+def full_collections(monkeypatch) -> list[int]:
+    """Count the full garbage collections (gc.collect() with no generation, or generation 2)."""
+    import gc
+
+    calls: list[int] = []
+    collect = gc.collect
+
+    def counting(generation: int = 2) -> int:
+        if generation == 2:
+            calls.append(1)
+        return collect(generation)
+
+    monkeypatch.setattr(gc, "collect", counting)
+    return calls
+
+
+def test_the_step_loop_makes_no_full_collection_on_a_gpu_until_python_objects_grow(tmp_path, full_collections):
+    log = MemoryLogger(tmp_path, RUN, 0, 1, budget_bytes=64 * 1024 * MB)
+    monitor = MemoryMonitor(log, MemoryWatchdog(64 * 1024 * MB), on_gpu=True, cleanup_steps=10, memory_log_steps=50)
+    monitor.start(0, 0)
+    for step in range(1, 201):  # 16 cleanups and 4 records
+        monitor.after_step(0, step)
+    assert full_collections == []
+    planted = [[n] for n in range(60_000)]  # tracked objects that pile up: the next record collects once
+    for step in range(201, 301):
+        monitor.after_step(0, step)
+    assert len(full_collections) == 1 and monitor.collector.collections == 1
+    objects = {record["step"]: record["python_objects"] for record in read_log(log.path)[0]}
+    assert objects[250] - objects[200] > 0.9 * len(planted)  # the record that collected saw the growth
+    del planted
+
+    cpu = MemoryMonitor(MemoryLogger(tmp_path, "20260101-120009", 0, 1, budget_bytes=64 * 1024 * MB),
+                        MemoryWatchdog(64 * 1024 * MB), on_gpu=False, cleanup_steps=10, memory_log_steps=50)
+    full_collections.clear()
+    for step in range(1, 101):
+        cpu.after_step(0, step)
+    assert len(full_collections) == 10  # on the CPU every routine cleanup collects, as it always did
+
+
+def test_the_set_up_is_frozen_out_of_later_collections():
+    import gc
+
+    from lowmem.memory.collector import freeze_set_up_objects, tracked_objects
+
+    before = tracked_objects()
+    try:
+        frozen = freeze_set_up_objects()
+        assert frozen >= before * 0.5 and tracked_objects() < before * 0.1
+    finally:
+        gc.unfreeze()
 
 
 # ----- the CUDA cache, the CUDA peak and torch.compile's helper processes ----------------------------------

@@ -234,6 +234,25 @@ def test_high_water_is_what_is_held_plus_the_largest_phase():
     assert part(recomputed, "freed memory the C heap keeps").bytes == part(heap, "freed memory the C heap keeps").bytes
 
 
+def test_compile_workers_count_only_while_the_compile_passes_run():
+    gpu = dict(device="cuda", bf16=True, gpu_bytes=80 * GIB, compiled=True, compile_workers=16)
+    fixed = plan_memory(large_inputs(static_shapes=True, **gpu))
+    [workers] = [item for item in fixed.machine if item.name == "torch.compile workers"]
+    assert workers.phase == STEP and workers.bytes == 3 * 16 * 500 * MB
+    # The host's largest phase is the save (the main process's copy of the weights): the pool, shut down after the
+    # compile passes (steps), is not there then; the machine's peak is the larger of the two moments.
+    assert fixed.largest_phase() == "save"
+    held = 260 * MB + sum(item.bytes for item in fixed.machine if item.name == "DataLoader workers")
+    at_save = fixed.high_water(True) + 2 * fixed.high_water(False) + held
+    while_compiling = fixed.high_water(True, phases=(STEP,)) + 2 * fixed.high_water(False, phases=(STEP,))
+    assert fixed.machine_total == max(at_save, while_compiling + held + workers.bytes)
+    assert fixed.machine_total < at_save + workers.bytes
+    # Shapes compiled as they come keep the pool all along.
+    as_they_come = plan_memory(large_inputs(static_shapes=False, **gpu))
+    assert as_they_come.machine_total == (as_they_come.high_water(True) + 2 * as_they_come.high_water(False)
+                                          + sum(item.bytes for item in as_they_come.machine))
+
+
 def test_a_gpu_plan_keeps_the_model_on_the_device():
     plan = plan_memory(large_inputs(device="cuda", bf16=True, gpu_bytes=20 * GIB))
     names = [item.name for item in plan.host]
