@@ -394,10 +394,21 @@ class GPT(nn.Module):
         Args:
             seq_len: sequence length T; defaults to `config.max_seq_len`.
         """
+        T = self.config.max_seq_len if seq_len is None else seq_len
+        return self.matmul_flops_per_token() + self.attention_flops_per_pair() * T
+
+    def matmul_flops_per_token(self) -> int:
+        """The training FLOPs per token of the matmuls with weights: 6 x the parameters that take part in one (all
+        but a learned position table; see `estimate_flops_per_token`)."""
+        return 6 * (self.num_params() - self._position_table_size())
+
+    def attention_flops_per_pair(self) -> int:
+        """The training FLOPs of attention per (query, key) pair of a sequence, all layers: q @ k^T and att @ v are
+        2 x (n_head x head size) FLOPs each per pair and layer forward, x 3 for forward + backward. A sequence of L
+        tokens has L x L pairs (the causal half counted, as in the usual convention), so rows packed side by side
+        cost the sum of their L^2, not the squared width of the sequence they share."""
         cfg = self.config
-        T = cfg.max_seq_len if seq_len is None else seq_len
-        n_matmul = self.num_params() - self._position_table_size()
-        return 6 * n_matmul + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+        return 12 * cfg.n_layer * cfg.n_head * cfg.head_dim
 
     # ----------------------------------------------------------------------------------------------------
     # Forward and loss

@@ -135,20 +135,25 @@ class StepLog:
         accelerator: the run's Accelerator.
         total_steps: the run's optimizer steps in all (the last one always gets a line).
         every: steps between lines.
-        flops_per_token: the model's training FLOPs per token (`GPT.estimate_flops_per_token`), for the MFU;
-            0 leaves the MFU out.
+        flops_per_token: the model's training FLOPs per token with attention over `max_seq_len`
+            (`GPT.estimate_flops_per_token`), for the MFU; 0 leaves the MFU out.
         peak_tflops: the device's dense bf16 peak (`--peak_tflops`); 0 looks a GPU up by its name
             (`lowmem.distributed.performance.peak_bf16_tflops`), and the CPU has none.
+        attention_flops_per_pair: attention's FLOPs per (query, key) pair (`GPT.attention_flops_per_pair`): with
+            it, the MFU counts attention over each row's real length (the steps' `attention_pairs`), and the line
+            also gives the figure over `max_seq_len` where the two differ.
+        max_seq_len: the sequence length `flops_per_token` counts attention over.
     """
 
     def __init__(self, accelerator: Accelerator, total_steps: int, every: int, flops_per_token: float = 0.0,
-                 peak_tflops: float = 0.0) -> None:
+                 peak_tflops: float = 0.0, attention_flops_per_pair: float = 0.0, max_seq_len: int = 0) -> None:
         self.accelerator, self.total_steps, self.every = accelerator, total_steps, every
         self.device = torch.device(getattr(accelerator, "device", "cpu"))
         self.on_gpu = self.device.type == "cuda"
         if not peak_tflops and self.on_gpu:
             peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(self.device))
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
+        self.attention_flops_per_pair, self.max_seq_len = attention_flops_per_pair, max_seq_len
         self.gpu_peak = 0  # bytes: the highest allocation seen in the run (at log lines and memory records)
         self.reset()
 
@@ -158,6 +163,7 @@ class StepLog:
         self.target_tokens = 0
         self.input_tokens = 0
         self.grad_norm_sum: torch.Tensor | float = 0.0  # summed on the device too
+        self.attention_pairs = 0
         self.steps = 0
         self.started = time.perf_counter()
         self.paused_seconds = 0.0
@@ -176,12 +182,26 @@ class StepLog:
         self.target_tokens += result.target_tokens
         self.input_tokens += result.input_tokens
         self.grad_norm_sum += result.grad_norm
+        self.attention_pairs += result.attention_pairs
         self.steps += 1
 
     def note_gpu_peak(self, peak_bytes: int | None) -> None:
         """A GPU peak measured elsewhere: the memory log's record, which starts a new peak after it."""
         if peak_bytes:
             self.gpu_peak = max(self.gpu_peak, int(peak_bytes))
+
+    def _utilisation(self, tokens_per_s: float, tokens: float, pairs: float) -> tuple[float | None, float | None]:
+        """(MFU with attention over max_seq_len, MFU with attention over each row's real length); the second is the
+        first where the pairs are not known. None where the peak or the FLOPs are not known."""
+        if not self.flops_per_token:
+            return None, None
+        devices = self.accelerator.num_processes
+        over_width = mfu(tokens_per_s, self.flops_per_token, self.peak_tflops, devices)
+        if not (self.attention_flops_per_pair and self.max_seq_len and tokens and pairs):
+            return over_width, over_width
+        matmul = self.flops_per_token - self.attention_flops_per_pair * self.max_seq_len
+        per_token = matmul + self.attention_flops_per_pair * pairs / tokens  # the window's real mean
+        return over_width, mfu(tokens_per_s, per_token, self.peak_tflops, devices)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total_steps
@@ -196,21 +216,22 @@ class StepLog:
         # One wait for the device: the window's loss and gradient norms, read together.
         loss_sum, grad_norm_sum = torch.stack([torch.as_tensor(value, dtype=torch.float64).to(self.device)
                                                for value in (self.loss_sum, self.grad_norm_sum)]).tolist()
-        loss_sum, target_tokens, input_tokens, rss_sum = all_reduce_sum(
-            self.accelerator, [loss_sum, self.target_tokens, self.input_tokens, rss])
+        loss_sum, target_tokens, input_tokens, rss_sum, pairs = all_reduce_sum(
+            self.accelerator, [loss_sum, self.target_tokens, self.input_tokens, rss, self.attention_pairs])
         [rss_max, gpu_peak_max] = all_reduce_max(self.accelerator, [rss, self.gpu_peak])
         elapsed = time.perf_counter() - self.started - self.paused_seconds
         tokens_per_s = float(input_tokens / max(elapsed, 1e-9))
+        over_width, over_rows = self._utilisation(tokens_per_s, input_tokens, pairs)
         figures = LineFigures(loss=float(loss_sum / max(target_tokens, 1)), learning_rate=float(lr),
                               grad_norm=float(grad_norm_sum / max(self.steps, 1)),
                               tokens_per_s=tokens_per_s, rss_mb=float(rss / MB),
                               rss_max_mb=float(rss_max / MB), rss_sum_mb=float(rss_sum / MB),
-                              mfu=mfu(tokens_per_s, self.flops_per_token, self.peak_tflops,
-                                      self.accelerator.num_processes) if self.flops_per_token else None,
-                              gpu_peak_mb=float(gpu_peak_max / MB) if self.on_gpu else None)
+                              mfu=over_rows, gpu_peak_mb=float(gpu_peak_max / MB) if self.on_gpu else None)
         device = ""
         if figures.mfu is not None:
             device += f" | mfu {figures.mfu:.1%}"
+            if over_width is not None and f"{over_width:.1%}" != f"{figures.mfu:.1%}":
+                device += f" ({over_width:.1%} with attention over max_seq_len)"
         if figures.gpu_peak_mb is not None:
             device += f" | gpu peak {figures.gpu_peak_mb:,.0f} MB"
         logger.info(

@@ -40,6 +40,7 @@ class StepResult:
     input_tokens: int  # this rank's real (non-padding) input tokens
     global_target_tokens: float  # over every rank
     global_input_tokens: float
+    attention_pairs: int = 0  # this rank's (query, key) pairs of attention over the rows' real lengths (MFU)
 
 
 def take(batches: Iterator[Batch], count: int) -> list[Batch]:
@@ -57,6 +58,23 @@ def count_tokens(micro_batches: list[Batch], pad_id: int) -> tuple[int, int]:
     targets = sum(int((batch["targets"] != IGNORE_INDEX).sum()) for batch in micro_batches)
     inputs = sum(int((batch["input_ids"] != pad_id).sum()) for batch in micro_batches)
     return targets, inputs
+
+
+def attention_pairs(micro_batches: list[Batch], pad_id: int) -> int:
+    """The (query, key) pairs of attention the model really computes for `micro_batches`: the sum over their rows
+    of L^2, each row's own length L (packed rows, by their segment ids; a padded row, by its real tokens). Counted
+    on the host, where the batches are."""
+    pairs = 0
+    for batch in micro_batches:
+        if "segment_ids" in batch:
+            segments = batch["segment_ids"]  # (B, T): 1, 2, ... per packed row, 0 for padding
+            B, width = segments.shape[0], int(segments.max()) + 1
+            offsets = torch.arange(B).unsqueeze(1) * width  # (B, 1): each sequence's own range of counts
+            lengths = torch.bincount((segments + offsets).flatten(), minlength=B * width).view(B, width)[:, 1:]
+        else:
+            lengths = (batch["input_ids"] != pad_id).sum(dim=1)  # (B,)
+        pairs += int((lengths.long() ** 2).sum())
+    return pairs
 
 
 def count_rows(micro_batches: list[Batch], pad_id: int) -> int:

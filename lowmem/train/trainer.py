@@ -71,7 +71,8 @@ from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, 
 from lowmem.source.settle import StartingPoint, describe_start, settle_source, write_source_record
 from lowmem.train.startup import SavedRun, settled_config, start_up
 from lowmem.train.state import RngState, TrainState
-from lowmem.train.step import Batch, StepResult, compile_each_shape, count_rows, count_tokens, take, train_step
+from lowmem.train.step import (Batch, StepResult, attention_pairs, compile_each_shape, count_rows, count_tokens, take,
+                               train_step)
 from lowmem.train.stop import GracefulStop
 from lowmem.train.tracking import Tracking, tracker_arguments
 
@@ -217,7 +218,9 @@ class Trainer:
         self.validator = Validator(config, self.tokenizer, self.accelerator)
         self.step_log = StepLog(self.accelerator, planned_steps, config.logging_steps,
                                 flops_per_token=unwrap_gpt(self.model).estimate_flops_per_token(),
-                                peak_tflops=config.peak_tflops)
+                                peak_tflops=config.peak_tflops,
+                                attention_flops_per_pair=unwrap_gpt(self.model).attention_flops_per_pair(),
+                                max_seq_len=unwrap_gpt(self.model).config.max_seq_len)
         self.stopper = GracefulStop()
         self.checkpoint_parts = TrainingCheckpoint(
             self.model, self.optimizer, self.accelerator,
@@ -311,7 +314,8 @@ class Trainer:
         loss_sum, grad_norm = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
                                          agreed.global_target_tokens, config.grad_clip)
         return StepResult(micro_batches, loss_sum, grad_norm, torch.isfinite(grad_norm), lr, agreed.target_tokens,
-                          agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens)
+                          agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens,
+                          attention_pairs(micro_batches, self.tokenizer.pad_id))
 
     def after_step(self, result: StepResult) -> None:
         """Count the step, run the callbacks and the memory schedule, and write the log line when due."""

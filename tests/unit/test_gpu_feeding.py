@@ -352,6 +352,36 @@ def test_the_log_line_shows_mfu_where_the_peak_is_known(caplog):
     assert no_peak.write(1, 0, 1e-3).mfu is None  # the CPU has no peak unless --peak_tflops gives one
 
 
+def test_the_mfu_counts_attention_over_each_packed_rows_own_length(caplog):
+    from lowmem.model import GPT, GPTConfig
+    from lowmem.train import log as log_module
+    from lowmem.train.callbacks import StepResult
+    from lowmem.train.step import attention_pairs
+
+    # Two sequences of 8 positions: rows of 3 and 4 tokens packed in the first, one of 6 (and padding) in the second.
+    segments = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 0, 0]])
+    packed = {"input_ids": torch.ones(2, 8, dtype=torch.long), "segment_ids": segments}
+    assert attention_pairs([packed], pad_id=0) == 3 * 3 + 4 * 4 + 6 * 6
+    unpacked = {"input_ids": torch.tensor([[5, 6, 7, 0], [5, 0, 0, 0]])}
+    assert attention_pairs([unpacked, unpacked], pad_id=0) == 2 * (3 * 3 + 1 * 1)
+
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, n_layer=2, n_head=2, n_embd=16, architecture="llama"))
+    per_pair, per_token = model.attention_flops_per_pair(), model.estimate_flops_per_token()
+    assert per_pair == 12 * 2 * 16 and per_token == model.matmul_flops_per_token() + per_pair * 8
+    accelerator = types.SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    step_log = log_module.StepLog(accelerator, total_steps=2, every=1, flops_per_token=per_token, peak_tflops=1e-6,
+                                  attention_flops_per_pair=per_pair, max_seq_len=8)
+    step_log.add(StepResult([packed], torch.tensor(20.0), 1.0, True, 1e-3, 13, 13, 13, 13,
+                            attention_pairs([packed], 0)))
+    with caplog.at_level("INFO"):
+        figures = step_log.write(1, 0, 1e-3)
+    real = model.matmul_flops_per_token() + per_pair * (9 + 16 + 36) / 13  # the rows' own pairs per token
+    assert figures.mfu == pytest.approx(figures.tokens_per_s * real / 1e6)
+    over_width = figures.tokens_per_s * per_token / 1e6  # attention as if every token saw 8 keys
+    assert figures.mfu < over_width
+    assert f"({over_width:.1%} with attention over max_seq_len)" in caplog.text
+
+
 # ----- the fewest micro-batches on a GPU ------------------------------------------------------------------------
 @pytest.mark.parametrize("gpu_gb, expected", [(20, (64, 1)), (8, (32, 2))])
 def test_the_plan_gives_a_gpu_the_fewest_micro_batches_that_fit(gpu_gb, expected, tmp_path):
