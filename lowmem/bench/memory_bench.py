@@ -89,8 +89,9 @@ def parse_predicted(output: str) -> list[float] | None:
 
 def run_case(case: MemoryCase, processes: int, bench_args: list[str], env: dict[str, str]) -> MemoryCase:
     """Run one case in fresh processes and fill in what it measured (or why it failed)."""
-    # A case measures lowmem's own memory and speed: the plain-loop reference would only take time.
-    command = [*launcher(case.strategy, processes), "-m", "lowmem", "bench_train", "--reference=False", *bench_args,
+    # A case measures lowmem's own memory and speed: the plain-loop reference and the loop would only take time.
+    command = [*launcher(case.strategy, processes), "-m", "lowmem", "bench_train", "--reference=False",
+               "--trainer=False", *bench_args,
                f"--loss_chunk_tokens={case.loss_chunk_tokens}",
                f"--activation_checkpointing={case.activation_checkpointing}"]
     done = subprocess.run(command, env=env, capture_output=True, text=True)

@@ -137,34 +137,37 @@ def bench_mixing(rows: int = 2_000_000, row_group_rows: int = 10_000, buffer_siz
                     mixes=mixes))
 
 
-def bench_train(use_large_config: bool = False, steps: int = 20, skip_steps: int = 3, data_file: str | None = None,
-                rows: int = 0, peak_tflops: float = 0.0, pipeline: bool = True, reference: bool = True,
-                **overrides: Any) -> None:
-    """Benchmark training: the same model and optimizer on in-memory batches (the ceiling) and through the pipeline,
-    and a plain PyTorch loop on the same batches for reference.
+def bench_train(use_large_config: bool = False, steps: int | None = None, skip_steps: int = 3,
+                data_file: str | None = None, rows: int = 0, peak_tflops: float = 0.0, pipeline: bool = True,
+                reference: bool = True, trainer: bool = True, **overrides: Any) -> None:
+    """Benchmark training: the same model and optimizer on in-memory batches (the ceiling), through the pipeline
+    and in the training loop itself, and a plain PyTorch loop on the same batches for reference.
 
     Prints one table: tokens/s of each, their ratio, the share of step time spent waiting for data, peak RSS
-    per process and, on a GPU, peak GPU memory and MFU; then lowmem's step as a ratio of the plain loop's,
-    (a)/(r). Run it under `accelerate launch` to measure several processes (the plain loop then runs on each
-    process on its own).
+    per process and, on a GPU, peak GPU memory and MFU; then lowmem's step and loop as ratios of the plain loop's,
+    (a)/(r) and (t)/(r). Every phase is timed from one synchronisation of the device to another, with no result
+    read back per step. Run it under `accelerate launch` to measure several processes (the plain loop then runs on
+    each process on its own).
 
     Args:
         use_large_config: benchmark TrainConfigPretrainLarge instead of TrainConfig.
-        steps: timed optimizer steps in each phase.
+        steps: timed optimizer steps in each phase (default 200 on a GPU, 20 on the CPU).
         skip_steps: untimed steps before them (warm-up; torch.compile compiles here).
         data_file: parquet rows to train on (default: the config's train_file).
         rows: generate a parquet file of this many synthetic rows instead.
         peak_tflops: the GPU's dense bf16 peak in TFLOP/s for MFU (default: from the GPU's name).
         pipeline: also time the steps through the real pipeline (False: in-memory batches only).
         reference: after lowmem's phases, free its model and train a fresh one of the same configuration in a
-            plain PyTorch loop (whole logits, no accelerate, no packing mask) on the same in-memory batches
+            plain PyTorch loop (whole logits, no accelerate, the same attention) on the same in-memory batches
             (False: skip it).
+        trainer: after (a) and (b), run the training loop (Trainer.fit, every default on, no save or validation
+            within the timed steps) on the same rows (False: skip it).
     """
     from lowmem.bench.train_bench import bench_train as run_bench
 
     table = run_bench(build_config(use_large_config, overrides), steps=steps, skip_steps=skip_steps,
                       data_file=data_file, rows=rows, peak_tflops=peak_tflops, pipeline=pipeline,
-                      reference=reference)
+                      reference=reference, trainer=trainer)
     if table:
         print(table)
 

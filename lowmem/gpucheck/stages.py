@@ -39,6 +39,7 @@ RESUME_TOLERANCE = {"cpu": 1e-6, "cuda": 2e-2}
 CEILING_ROW = "(a) batches in memory (ceiling)"
 PLAIN_LOOP_ROW = "(r) plain PyTorch loop (reference)"
 PLAIN_LOOP_RATIO = re.compile(r"\(a\)/\(r\) = (\d+(?:\.\d+)?)")
+LOOP_RATIO = re.compile(r"\(t\)/\(r\) = (\d+(?:\.\d+)?)")
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def bench(settings: CheckSettings) -> dict[str, Any]:
         base = ["bench_train", *settings.model_flags(), "--steps=3", "--skip_steps=1"]
         compiled = ["--compile=True", "--compile_backend=eager", "--static_shapes=True"]
     else:
-        base = ["bench_train", "--use_large_config=True", "--steps=20", "--skip_steps=3",
+        base = ["bench_train", "--use_large_config=True", "--steps=200", "--skip_steps=10",
                 f"--tokenizer_dir={settings.folder / 'tokenizer_large'}"]  # trained once, by the first case
         compiled = ["--compile=True"]
     figures: dict[str, Any] = {}
@@ -192,20 +193,24 @@ def bench(settings: CheckSettings) -> dict[str, Any]:
                               f"({done.tail()})")
         figures[f"{name}_ratio_to_plain_loop"] = case["ratio_to_plain_loop"]
         figures[f"{name}_mfu"] = f"(a) {case['mfu_ceiling']}, (r) {case['mfu_plain_loop']}"
+        figures[f"{name}_loop_ratio_to_plain_loop"] = case["loop_ratio_to_plain_loop"]
     return {**figures, **cases}
 
 
 def parse_bench_table(text: str) -> dict[str, Any]:
-    """The rows of `bench_train`'s table as figures, its line of high-water RSS, and lowmem's step against the
-    plain loop's: `ratio_to_plain_loop` ((a)/(r), None when the reference did not run) and the MFU of (a) and
-    (r) (`mfu_ceiling`, `mfu_plain_loop`: as printed, "-" where unknown, None for a missing row)."""
+    """The rows of `bench_train`'s table as figures, its line of high-water RSS, and lowmem's step and loop against
+    the plain loop's: `ratio_to_plain_loop` ((a)/(r), None when the reference did not run),
+    `loop_ratio_to_plain_loop` ((t)/(r), None when either did not run) and the MFU of (a) and (r) (`mfu_ceiling`,
+    `mfu_plain_loop`: as printed, "-" where unknown, None for a missing row)."""
     columns = ("tokens_per_s", "vs_ceiling", "data_wait", "peak_rss_mb", "peak_gpu_mb", "mfu")
     rows: dict[str, Any] = {}
     summary = ""
-    ratio = None
+    ratio = loop_ratio = None
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        plain_loop_ratio = PLAIN_LOOP_RATIO.search(line)
+        plain_loop_ratio, loop_line = PLAIN_LOOP_RATIO.search(line), LOOP_RATIO.search(line)
+        if loop_line:
+            loop_ratio = float(loop_line.group(1))
         if line.startswith("| ") and len(cells) == 7 and cells[0] not in ("phase",) and not cells[0].startswith("--"):
             rows[cells[0]] = dict(zip(columns, cells[1:]))
         elif "process high-water RSS" in line:
@@ -214,7 +219,7 @@ def parse_bench_table(text: str) -> dict[str, Any]:
             ratio = float(plain_loop_ratio.group(1))
     if not rows:
         raise StageFailed("bench_train printed no table")
-    return {"phases": rows, "memory": summary, "ratio_to_plain_loop": ratio,
+    return {"phases": rows, "memory": summary, "ratio_to_plain_loop": ratio, "loop_ratio_to_plain_loop": loop_ratio,
             "mfu_ceiling": rows.get(CEILING_ROW, {}).get("mfu"),
             "mfu_plain_loop": rows.get(PLAIN_LOOP_ROW, {}).get("mfu")}
 
@@ -376,7 +381,7 @@ def _fresh(folder: Path) -> Path:
     return folder
 
 
-def describe(figures: dict[str, Any], width: int = 160) -> str:
+def describe(figures: dict[str, Any], width: int = 240) -> str:
     """A stage's single-valued figures as `name=value` for its verdict line (the rest is in the results file)."""
     scalars = [f"{name}={_short(value)}" for name, value in figures.items()
                if isinstance(value, (str, int, float)) or value is None]

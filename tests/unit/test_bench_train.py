@@ -82,10 +82,10 @@ def phase(name: str, tokens: int, seconds: float = 1.0) -> PhaseResult:
     return PhaseResult(name, 3, seconds, tokens, peak_rss=800_000_000)
 
 
-def rank(reference: PhaseResult | None, reference_ran: bool = True) -> dict:
+def rank(reference: PhaseResult | None, reference_ran: bool = True, trainer: PhaseResult | None = None) -> dict:
     return {"data": phase("data", 90_000), "data_rss": 20_000_000, "ceiling": phase("ceiling", 7_500),
-            "pipeline": phase("pipeline", 7_400), "reference": reference, "reference_ran": reference_ran,
-            "high_water": 900_000_000, "predicted": 950_000_000}
+            "pipeline": phase("pipeline", 7_400), "trainer": trainer, "reference": reference,
+            "reference_ran": reference_ran, "high_water": 900_000_000, "predicted": 950_000_000}
 
 
 def test_the_table_compares_lowmem_with_the_plain_loop():
@@ -94,8 +94,21 @@ def test_the_table_compares_lowmem_with_the_plain_loop():
     assert rows == ["phase", "data pipeline alone", "(a) batches in memory (ceiling)", "(b) real pipeline",
                     "(r) plain PyTorch loop (reference)"]
     assert "| (r) plain PyTorch loop (reference) | 8,000 | 1.07 | 0.00% | 800 | - | - |" in table
-    assert "lowmem's step / plain loop: (a)/(r) = 0.94 (same batches, same model)" in table
+    assert "lowmem's step / plain loop: (a)/(r) = 0.94 (same batches, same model, same attention)" in table
     assert "(b)/(a) = 0.987; RSS the data pipeline adds per process: 20 MB" in table
+    assert "(t)/(r)" not in table  # no training-loop phase ran
+
+
+def test_the_table_gives_the_training_loop_against_the_plain_loop_and_mfu_over_real_rows():
+    loop = phase("trainer", 7_200)
+    loop.attention_pairs = 7_200 * 50  # rows of 50 tokens on average: each token sees 50 keys, not 192
+    reference = phase("reference", 8_000)
+    reference.attention_pairs = 8_000 * 50
+    table = format_table([rank(reference, trainer=loop)], flops_per_token=6_000_000 + 12_000 * 192,
+                         peak_tflops=0.1, attention_flops_per_pair=12_000, max_seq_len=192)
+    # The loop's MFU counts its rows' own attention: 7,200 x (6 M + 12,000 x 50) / 1e11 = 47.5% (59.8% over 192).
+    assert "| (t) the training loop (Trainer.fit) | 7,200 | 0.96 | - | 800 | - | 47.5% |" in table
+    assert "the training loop / plain loop: (t)/(r) = 0.90 (what the users' command pays" in table
 
 
 def test_the_table_says_where_the_plain_loop_ran_out_of_memory_and_shows_no_ratio():
