@@ -76,8 +76,9 @@ class MemoryConfig:
     # The model side of memory (see lowmem/model/loss.py and Block.forward): neither changes what is computed.
     loss_chunk_tokens: int = option(2048, "tokens per chunk of the loss: the head and cross-entropy run a chunk at a "
                                     "time, so the (batch, sequence, vocabulary) logits never exist whole "
-                                    "(0 = whole logits)", minimum=0, hint="0 turns chunking off; 1024 to 8192 suit "
-                                    "most models")
+                                    "(0 = whole logits; on a GPU where they fit, --memory_savers=auto takes whole "
+                                    "logits unless this is given)", minimum=0, hint="0 turns chunking off; 1024 to "
+                                    "8192 suit most models")
     malloc_mmap_threshold_mb: float = option(0.0, "C allocations of this many MB or more get a mapping of their "
                                              "own, returned to the system when freed: RSS follows what is in use "
                                              "instead of settling near the peak, for page faults every step "

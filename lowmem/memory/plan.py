@@ -278,7 +278,13 @@ def _step(inputs: PlanInputs, share: float) -> list[PlanPart]:
     parts = [PlanPart("activations", int(kept), basis, STEP)]
     V, C = model.padded_vocab, model.n_embd
     around = positions * (3 * C * FLOAT32 + (model.max_seq_len if inputs.masked_attention else 0))
-    if inputs.loss_chunk_tokens:
+    if inputs.loss_chunk_tokens and inputs.on_gpu and inputs.bf16:
+        # Under bf16 autocast a chunk's logits come out of the matmul in bf16 and are read again in float32 with
+        # their softmax's gradient (about 8 B a logit), and the head's weight is cast to a bf16 copy for it.
+        chunk = min(inputs.loss_chunk_tokens, positions)
+        loss = 2 * V * C * FLOAT32 + V * C * 2 + chunk * V * 8 + around
+        basis = f"chunks of {chunk:,} tokens x {V:,} x 8 B, the head's gradient and its bf16 copy"
+    elif inputs.loss_chunk_tokens:
         chunk = min(inputs.loss_chunk_tokens, positions)
         loss = 2 * V * C * FLOAT32 + chunk * V * FLOAT32 + around
         basis = f"chunks of {chunk:,} tokens x {V:,} x 4 B, and the head's gradient"

@@ -401,9 +401,15 @@ def test_the_plan_gives_a_gpu_the_fewest_micro_batches_that_fit(gpu_gb, expected
     assert decision.plan.device_peak <= gpu_gb * 2**30 * 0.9
     merged = "GPU micro-batches: one micro-batch of 64 rows per step instead of 32 x 2" in " ".join(decision.lines)
     assert merged == (expected == (64, 1))
+    # The loss over whole logits where they fit (the 20 GB GPU); in chunks where they do not (8 GB).
+    whole = decision.changes.get("loss_chunk_tokens") == 0
+    assert whole == (gpu_gb == 20) and ("Loss over whole logits on the GPU" in " ".join(decision.lines)) == whole
+    chunked = decide(config, layout, explicit=("loss_chunk_tokens",), base_bytes=400 * 2**20)
+    assert "loss_chunk_tokens" not in chunked.changes  # given, it is kept
     # Given explicitly, the split is kept; on the CPU it never changes.
     kept = decide(config, layout, explicit=("batch_size_per_gpu",), base_bytes=400 * 2**20)
     assert "batch_size_per_gpu" not in kept.changes
     on_cpu = decide(config, dataclasses.replace(layout, device="cpu", bf16=False, gpu_bytes=0), explicit=(),
                     base_bytes=400 * 2**20)
     assert on_cpu.changes.get("gradient_accumulation_steps", 2) >= 2
+    assert on_cpu.changes.get("loss_chunk_tokens") != 0  # the CPU keeps its chunks

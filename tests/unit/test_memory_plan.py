@@ -217,6 +217,11 @@ def test_logits_chunked_and_whole():
     assert part(chunked, "loss and logits").bytes == 2 * 32000 * 768 * 4 + 2048 * 32000 * 4 + around
     whole = plan_memory(large_inputs(loss_chunk_tokens=0))
     assert part(whole, "loss and logits").bytes == 3 * 2688 * 32000 * 4 + around
+    # Under bf16 on a GPU a chunk's logits take about 8 B each (bf16 out of the matmul, float32 with the softmax's
+    # gradient), and the head's weight gets a bf16 copy.
+    gpu = plan_memory(large_inputs(device="cuda", bf16=True, gpu_bytes=20 * GIB))
+    [loss] = [item for item in gpu.device if item.name == "loss and logits"]
+    assert loss.bytes == 2 * 32000 * 768 * 4 + 32000 * 768 * 2 + 2048 * 32000 * 8 + around
 
 
 def test_high_water_is_what_is_held_plus_the_largest_phase():
