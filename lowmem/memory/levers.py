@@ -96,10 +96,8 @@ def choose_savers(inputs: PlanInputs, budget_bytes: int, explicit: Collection[st
         choice.steps.append(phrase)
 
     batch_fixed = {"batch_size_per_gpu", "gradient_accumulation_steps"} & set(explicit)
-    if inputs.on_gpu and inputs.loss_chunk_tokens and "loss_chunk_tokens" not in explicit:
-        inputs = _whole_logits(choice, inputs, batch_fixed, positions_for_rows)
-    if inputs.on_gpu and not batch_fixed and inputs.gradient_accumulation_steps > 1 and not choice.merged:
-        inputs = _fewest_micro_batches(choice, inputs, positions_for_rows)
+    if inputs.on_gpu:
+        inputs = _gpu_shape(choice, inputs, bool(batch_fixed), "loss_chunk_tokens" in explicit, positions_for_rows)
     if choice.fits:
         return choice
     if not inputs.on_gpu and inputs.malloc_mmap_threshold_mb <= 0 and "malloc_mmap_threshold_mb" not in explicit:
@@ -133,19 +131,33 @@ def _micro_batch_inputs(inputs: PlanInputs, rows: int, accumulation: int,
             "generation_rows": min(rows, inputs.generation_prompts or inputs.generation_rows)}
 
 
-def _whole_logits(choice: SaverChoice, inputs: PlanInputs, batch_fixed: Collection[str],
-                  positions_for_rows: Callable[[int], int]) -> PlanInputs:
-    """On a GPU: the loss over whole logits when the plan fits with them (the step's rows in the fewest
-    micro-batches that do), recorded in `choice`; else `inputs` as they were, chunks kept."""
-    whole = with_inputs(inputs, loss_chunk_tokens=0)
-    trial = SaverChoice(before=choice.before, plan=plan_memory(whole), budget_bytes=choice.budget_bytes)
-    if not batch_fixed and whole.gradient_accumulation_steps > 1:
-        whole = _fewest_micro_batches(trial, whole, positions_for_rows)
-    if not trial.fits:
-        return inputs
-    choice.plan, choice.merged, choice.whole_logits = trial.plan, trial.merged, True
-    choice.changes.update(trial.changes, loss_chunk_tokens=0)
-    return whole
+def _gpu_shape(choice: SaverChoice, inputs: PlanInputs, batch_fixed: bool, chunks_given: bool,
+               positions_for_rows: Callable[[int], int]) -> PlanInputs:
+    """On a GPU, the first of these that fits, recorded in `choice`: fewer micro-batches with whole logits, fewer
+    with the loss in chunks, whole logits with the micro-batches as given; else `inputs` as they were. Merging
+    micro-batches gains more than whole logits do, so whole logits are given up first."""
+    whole_possible = bool(inputs.loss_chunk_tokens) and not chunks_given
+    losses = [True, False] if whole_possible else [False]
+    if not batch_fixed and inputs.gradient_accumulation_steps > 1:
+        for whole in losses:
+            trial = SaverChoice(before=choice.before, plan=choice.plan, budget_bytes=choice.budget_bytes)
+            shaped = _fewest_micro_batches(trial, with_inputs(inputs, loss_chunk_tokens=0) if whole else inputs,
+                                           positions_for_rows)
+            if trial.merged:
+                return _adopt(choice, trial, shaped, whole)
+    if whole_possible:
+        whole_inputs = with_inputs(inputs, loss_chunk_tokens=0)
+        trial = SaverChoice(before=choice.before, plan=plan_memory(whole_inputs), budget_bytes=choice.budget_bytes)
+        if trial.fits:
+            return _adopt(choice, trial, whole_inputs, True)
+    return inputs
+
+
+def _adopt(choice: SaverChoice, trial: SaverChoice, inputs: PlanInputs, whole: bool) -> PlanInputs:
+    """Take `trial`'s plan and changes into `choice` (with whole logits: --loss_chunk_tokens=0 too)."""
+    choice.plan, choice.merged, choice.whole_logits = trial.plan, trial.merged, whole
+    choice.changes.update(trial.changes, **({"loss_chunk_tokens": 0} if whole else {}))
+    return inputs
 
 
 def _fewest_micro_batches(choice: SaverChoice, inputs: PlanInputs,
