@@ -236,7 +236,7 @@ def measure_lowmem_phases(config: TrainConfig, accelerator: Any, settings: Any, 
                           pad_id: int, shapes: FixedShapes | None = None
                           ) -> tuple[PhaseResult, PhaseResult | None, tuple[int, int], int]:
     """(a) and (b): lowmem's model and optimizer, built and prepared as training does, on the batches held in
-    memory, then through `loader` (None: no (b)). With fixed `shapes` and compile, both shapes are compiled
+    memory, then through `loader` (None: no (b)). With fixed `shapes` and compile, every shape is compiled
     before the first step, as training does.
 
     Returns the two phases, the model's FLOPs per token (attention over max_seq_len) and attention's per (query,
@@ -378,7 +378,7 @@ def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int
     optimizer = model.configure_optimizer(config.weight_decay, config.learn_rate, betas, device_type=device.type)
     trained = compile_like_training(model, config, speed)
     if speed.compile and shapes is not None:
-        # As lowmem's step compiled both shapes before its first step: neither phase times a compilation.
+        # As lowmem's step compiled every shape before its first step: neither phase times a compilation.
         compile_plain_loop_shapes(trained, optimizer, config, device, shapes, pad_id)
 
     def step(batches: list[dict[str, torch.Tensor]]) -> None:

@@ -158,8 +158,9 @@ class OptimConfig:
     compile_mode: str = option("default", "torch.compile mode: default; reduce-overhead also replays each step's "
                                "kernels as CUDA graphs (fixed batch shapes, more GPU memory); max-autotune searches "
                                "faster kernels for longer", choices=("default", "reduce-overhead", "max-autotune"))
-    static_shapes: Optional[bool] = option(None, "pad every micro-batch to one of two fixed shapes (sequences x "
-                                           "max_seq_len), so compiled kernels never meet a new shape; the rows and "
+    static_shapes: Optional[bool] = option(None, "pad every micro-batch to one of two or three fixed shapes "
+                                           "(sequences x max_seq_len), so compiled kernels never meet a new shape; "
+                                           "the rows and "
                                            "the losses stay the same; None: on with CUDA, off on the CPU (where "
                                            "the padding costs more than it saves)",
                                            hint="leave it unset to fix shapes on a GPU only")

@@ -5,7 +5,7 @@ ids that keep attention and positions inside each row (`GPT.forward(segment_ids=
 computed exactly as if it were alone. On the demo data padding to the longest row wastes about half of
 every batch (rows of 48-164 tokens in a width of 192); packing fills about 90% of it.
 
-On a GPU the batches also take fixed shapes (`FixedShapes`): a compiled step meets one or two tensor shapes in
+On a GPU the batches also take fixed shapes (`FixedShapes`): a compiled step meets two or three tensor shapes in
 the whole run instead of a new one every few steps (each new shape is a recompile, or slower dynamic kernels,
 and rules out CUDA graphs). The extra sequences and positions are padding that no real position attends to and
 the loss never counts, so the rows and the losses stay what they are.
@@ -30,23 +30,32 @@ PAD_TO_MULTIPLE_OF = 32
 
 @dataclass(frozen=True)
 class FixedShapes:
-    """The two shapes every micro-batch takes: (`sequences`, `width`) for the usual micro-batch, and (`rows`,
-    `width`) for one whose rows need more sequences than that (at most one sequence per row, so it always fits).
+    """The shapes every micro-batch takes: (`sequences`, `width`) for the usual micro-batch, (`more`, `width`) for
+    one that needs a few more sequences (when the sample makes it worth a third shape), and (`rows`, `width`) for
+    one whose rows need more still (at most one sequence per row, so it always fits). A micro-batch takes the
+    smallest that holds it.
 
-    `width` is `max_seq_len`; `sequences` comes from a sample of the training rows (`lowmem.data.sizing`), so
-    that nearly every micro-batch takes the smaller shape. Without packing every row is a sequence of its own
-    and the two shapes are one: (`rows`, `width`).
+    `width` is `max_seq_len`; `sequences` and `more` come from a sample of the training rows (`lowmem.data.sizing`),
+    so that nearly every micro-batch takes one of the two smaller shapes: a jump straight from the usual shape to
+    one sequence per row would be two to three times its positions. Without packing every row is a sequence of its
+    own and the shapes are one: (`rows`, `width`).
     """
 
     sequences: int
     rows: int
     width: int
+    more: int = 0  # 0: no third shape
+
+    @property
+    def sizes(self) -> list[int]:
+        """The sequences of each shape, smallest first."""
+        return sorted({self.sequences, self.more or self.sequences, self.rows})
 
     def sequences_for(self, needed: int) -> int:
-        """The sequences of the shape that holds `needed` sequences."""
+        """The sequences of the smallest shape that holds `needed` sequences."""
         if needed > self.rows:
             raise ValueError(f"a micro-batch needs {needed} sequences, more than the {self.rows} rows it may hold")
-        return self.sequences if needed <= self.sequences else self.rows
+        return next(size for size in self.sizes if needed <= size)
 
     @staticmethod
     def larger_positions(rows: int, width: int) -> int:
@@ -58,15 +67,17 @@ class FixedShapes:
         """(input_ids, targets) of a micro-batch of padding in each shape, smaller first: what compiles a model's
         graphs before training, learning nothing (no target counts, so the loss and every gradient are 0)."""
         batches = []
-        for sequences in sorted({self.sequences, self.rows}):
+        for sequences in self.sizes:
             input_ids = torch.full((sequences, self.width), pad_id, dtype=torch.long)  # (B, T)
             batches.append((input_ids, torch.full_like(input_ids, IGNORE_INDEX)))
         return batches
 
     def describe(self) -> str:
-        if self.sequences >= self.rows:
+        sizes = self.sizes
+        if len(sizes) == 1:
             return f"{self.rows} x {self.width}"
-        return f"{self.sequences} x {self.width}, or {self.rows} x {self.width} for a micro-batch that needs more"
+        smaller = ", ".join(f"{size} x {self.width}" for size in sizes[:-1])
+        return f"{smaller}, or {self.rows} x {self.width} for a micro-batch that needs more"
 
 
 def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:

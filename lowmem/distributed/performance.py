@@ -83,8 +83,8 @@ FLEX_ATTENTION_FROM_TOKENS = 1024
 class SpeedSettings:
     """How the training step runs on this device; none of it changes what the step computes.
 
-    compile: torch.compile the training model. static_shapes: every micro-batch takes one of two fixed shapes
-    (`lowmem.data.collate.FixedShapes`). attention: "sdpa" or "flex", the kernel for packed rows.
+    compile: torch.compile the training model. static_shapes: every micro-batch takes one of two or three fixed
+    shapes (`lowmem.data.collate.FixedShapes`). attention: "sdpa" or "flex", the kernel for packed rows.
     """
 
     compile: bool
@@ -195,7 +195,7 @@ def maybe_compile(model: torch.nn.Module, config: OptimConfig, settings: MemoryS
     mode = config.compile_mode if config.compile_backend == "inductor" and config.compile_mode != "default" else None
     logger.info("Compiling the model with torch.compile, backend %s%s, %s (the first steps take longer).",
                 config.compile_backend, f", mode {mode}" if mode else "",
-                "for the two fixed batch shapes" if speed.static_shapes else "shapes as they come")
+                "for the fixed batch shapes" if speed.static_shapes else "shapes as they come")
     # torch types compile's result as a plain callable; given a Module it returns an OptimizedModule (a Module).
     return torch.compile(model, backend=config.compile_backend, mode=mode,  # type: ignore[return-value]
                          dynamic=False if speed.static_shapes else None)

@@ -137,7 +137,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
     cache: dict[int, int] = {}
 
     def positions_for_rows(rows: int) -> int:
-        if speed.static_shapes:  # the larger of the two fixed shapes
+        if speed.static_shapes:  # the largest of the fixed shapes
             return FixedShapes.larger_positions(rows, config.max_seq_len)
         if rows not in cache:
             cache[rows] = sizes.largest_positions(rows)

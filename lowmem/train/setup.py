@@ -215,7 +215,7 @@ def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: A
 
 
 def decide_fixed_shapes(config: TrainConfig, tokenizer: TextTokenizer) -> FixedShapes:
-    """The two shapes of the run's micro-batches (`FixedShapes`), from a sample of the training rows tokenized as
+    """The shapes of the run's micro-batches (`FixedShapes`), from a sample of the training rows tokenized as
     training will; said in one line."""
     index = build_row_group_index(training_paths(config), data_columns(config))
     sizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer, seed=config.seed)

@@ -1,5 +1,5 @@
 """Training compiled with inductor on the CPU, as a GPU run compiles by default: one graph per fixed batch shape,
-both compiled before the first step and nothing after, no graph break in the model (the chunked loss included),
+all compiled before the first step and nothing after, no graph break in the model (the chunked loss included),
 and the losses of the eager run to float tolerance.
 
 In-process, so that dynamo's own counters can be read. Inductor generates C++ here, which takes a minute.
@@ -56,7 +56,7 @@ def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, 
     trainer = Trainer(tiny_config(in_tmp / "compiled", chat_data, tokenizer_dir, compile=True,
                                   compile_backend="inductor", **common), callbacks=[graphs, compiled])
     assert trainer.speed.compile and trainer.fixed_shapes is not None
-    shapes = {trainer.fixed_shapes.sequences, trainer.fixed_shapes.rows}
+    shapes = set(trainer.fixed_shapes.sizes)
     # Inductor compiles C++ in the process here; on a GPU host its Triton kernels go to a pool of worker processes.
     # A stand-in pool shows that the pool is shut down once the shapes are compiled, before the first step.
     from torch._inductor import async_compile
@@ -68,7 +68,7 @@ def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, 
     assert pool.shut_down_after_steps == 0 and not async_compile._pool_set
     assert any("worker processes shut down" in record.getMessage() for record in caplog.records)
 
-    # Both shapes were compiled before the first step (a graph each, forward and backward), and nothing since.
+    # Every shape was compiled before the first step (a graph each, forward and backward), and nothing since.
     assert graphs.graphs[1] == len(shapes), graphs.graphs
     assert set(graphs.graphs.values()) == {len(shapes)}, "a step recompiled"
     assert set(graphs.breaks.values()) == {0}, f"graph breaks: {dict(counters['graph_break'])}"

@@ -40,15 +40,15 @@ def demo_tokenizer(tmp_path_factory) -> Tokenizer:
     return Tokenizer.load(folder)
 
 
-def test_an_epoch_of_the_demo_data_takes_two_shapes_with_the_same_rows(demo_tokenizer):
-    """Every micro-batch of an epoch of the demo data, at the default 32 rows: at most two shapes with fixed
-    shapes on, and each micro-batch holds the same rows, in the same order, with the same counted targets as
-    the batch shaped to fit."""
+def test_an_epoch_of_the_demo_data_takes_three_shapes_with_the_same_rows(demo_tokenizer):
+    """Every micro-batch of an epoch of the demo data, at the default 32 rows: at most three shapes with fixed
+    shapes on (the sample makes a third worth it), and each micro-batch holds the same rows, in the same order,
+    with the same counted targets as the batch shaped to fit."""
     from lowmem.train.setup import decide_fixed_shapes
 
     config = apply_overrides(TrainConfig(), {"train_file": str(DEMO_TRAIN)})
     shapes = decide_fixed_shapes(config, demo_tokenizer)
-    assert shapes.width == 192 and shapes.rows == 32 and 8 <= shapes.sequences < 32
+    assert shapes.width == 192 and shapes.rows == 32 and 8 <= shapes.sequences < shapes.more < 32
     fitted = TokenizingCollate(demo_tokenizer, 192, response_only=True, pack=True)
     fixed = TokenizingCollate(demo_tokenizer, 192, response_only=True, pack=True, fixed_shapes=shapes)
     stream = ParquetStream(str(DEMO_TRAIN), shuffle=True, seed=config.seed)
@@ -65,8 +65,19 @@ def test_an_epoch_of_the_demo_data_takes_two_shapes_with_the_same_rows(demo_toke
         rows += hashes
         batches += 1
     assert batches > 700 and len(rows) == len(stream)  # the whole epoch, every row once
-    assert seen_shapes <= {(shapes.sequences, 192), (32, 192)} and (shapes.sequences, 192) in seen_shapes
+    assert seen_shapes <= {(size, 192) for size in shapes.sizes} and (shapes.sequences, 192) in seen_shapes
+    assert (shapes.more, 192) in seen_shapes  # the third shape is met: the micro-batches that needed a few more
     assert len(fitted_shapes) > 5  # what fixed shapes replace: a new shape every few batches
+    # The third shape is there for the positions it saves: fewer over the epoch than with the usual and the largest.
+    two = FixedShapes(shapes.sequences, 32, 192)
+    fitted_counts = [needed for needed in _needed_sequences(demo_tokenizer, stream)]
+    assert sum(map(shapes.sequences_for, fitted_counts)) < sum(map(two.sequences_for, fitted_counts))
+
+
+def _needed_sequences(tokenizer, stream: ParquetStream) -> list[int]:
+    """The sequences each micro-batch of 32 rows of an epoch needs, packed to fit."""
+    fitted = TokenizingCollate(tokenizer, 192, response_only=True, pack=True)
+    return [int(fitted(batch)["input_ids"].shape[0]) for batch in _batches(stream, 32)]
 
 
 def _batches(stream: ParquetStream, size: int):
@@ -93,6 +104,10 @@ def test_fixed_shapes_pad_a_short_batch_and_refuse_one_too_large(demo_tokenizer)
     assert shapes.sequences_for(2) == 3 and shapes.sequences_for(4) == 8
     with pytest.raises(ValueError, match="9 sequences"):
         shapes.sequences_for(9)
+    three = FixedShapes(sequences=3, rows=8, width=64, more=5)
+    assert [three.sequences_for(n) for n in (1, 3, 4, 5, 6, 8)] == [3, 3, 5, 5, 8, 8]
+    assert [tuple(ids.shape) for ids, _ in three.padding_batches(0)] == [(3, 64), (5, 64), (8, 64)]
+    assert three.describe() == "3 x 64, 5 x 64, or 8 x 64 for a micro-batch that needs more"
 
 
 def test_static_shapes_train_the_same_rows_to_the_same_losses(in_tmp, chat_data, tokenizer_dir):
