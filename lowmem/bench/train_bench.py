@@ -169,7 +169,7 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
     from accelerate.utils import gather_object
 
     from lowmem.bench.data_bench import generate_file, machine_line
-    from lowmem.distributed.accelerator import create_accelerator
+    from lowmem.distributed.accelerator import create_accelerator, ddp_settings
     from lowmem.distributed.collectives import broadcast_from_main
     from lowmem.config import validate_config
     from lowmem.train.setup import decide_fixed_shapes, ensure_tokenizer, make_loader, shared_memory_settings
@@ -178,7 +178,8 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
 
     validate_config(config)
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
-                                     config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu)
+                                     config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
+                                     ddp=ddp_settings(config))
     on_gpu = accelerator.device.type == "cuda"
     steps = steps or DEFAULT_STEPS[accelerator.device.type if on_gpu else "cpu"]
     with tempfile.TemporaryDirectory(prefix="lowmem-bench-train-") as folder:

@@ -164,6 +164,12 @@ class OptimConfig:
                                            "the losses stay the same; None: on with CUDA, off on the CPU (where "
                                            "the padding costs more than it saves)",
                                            hint="leave it unset to fix shapes on a GPU only")
+    ddp_bucket_cap_mb: int = option(25, "under DDP, the gradients are all-reduced in buckets of this many MB: larger "
+                                    "buckets are fewer, larger transfers (torch's default is 25)", minimum=1)
+    # Exact on resume: the gradients rounded to bf16 change what the rest of the run computes.
+    ddp_bf16_gradients: bool = option(False, "under DDP in a bf16 run, all-reduce the gradients in bf16: half the "
+                                      "bytes between the GPUs, the gradients rounded to bf16 on the way; the update "
+                                      "still adds them to float32 weights", resume=EXACT)
     attention: str = option("auto", "attention kernel for packed rows: sdpa (PyTorch's scaled_dot_product_attention "
                             "with a mask), flex (FlexAttention with a block mask built once per micro-batch, fast on "
                             "long sequences), auto (flex on CUDA from 1024 tokens per sequence, sdpa otherwise)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin,
                                InitProcessGroupKwargs, parse_flag_from_env)
 
+from lowmem.config import OptimConfig
 from lowmem.distributed.collectives import local_processes
 from lowmem.errors import ConfigError
 from lowmem.program import launch_line
@@ -202,9 +204,40 @@ def offload_optimizer_threads(accelerator: Accelerator) -> None:
                 "on this machine).", threads, cores, local_processes(accelerator))
 
 
+@dataclass(frozen=True)
+class DdpSettings:
+    """How DDP all-reduces the gradients: in buckets of `bucket_cap_mb` MB, and with `bf16_gradients` (in a bf16
+    run) as bf16 (`lowmem.distributed.gradient_hooks`, registered when the model is prepared)."""
+
+    bucket_cap_mb: int = 25  # torch's default
+    bf16_gradients: bool = False
+
+    def handler(self) -> DistributedDataParallelKwargs:
+        """Accelerate's DDP settings. DDP's gradients are views into its all-reduce buckets: without it every gradient
+        is held twice, once in the parameter and once in the bucket (4 bytes per parameter more on each process,
+        438 MB on the large config), and copied in and out at every step."""
+        return DistributedDataParallelKwargs(gradient_as_bucket_view=True, bucket_cap_mb=self.bucket_cap_mb)
+
+    def compresses(self, accelerator: Accelerator) -> bool:
+        """Whether the gradients go in bf16: asked for, in a bf16 run."""
+        return self.bf16_gradients and accelerator.mixed_precision == "bf16"
+
+    def describe(self, accelerator: Accelerator) -> str:
+        """How the gradients are all-reduced, for the log's parallelism line."""
+        ignored = " (--ddp_bf16_gradients is for bf16 runs)" if self.bf16_gradients and \
+            not self.compresses(accelerator) else ""
+        return (f"gradients all-reduced in {'bf16' if self.compresses(accelerator) else 'float32'}{ignored}, buckets "
+                f"of {self.bucket_cap_mb} MB")
+
+
+def ddp_settings(config: OptimConfig) -> DdpSettings:
+    """The DDP settings a config asks for (`--ddp_bucket_cap_mb`, `--ddp_bf16_gradients`)."""
+    return DdpSettings(config.ddp_bucket_cap_mb, config.ddp_bf16_gradients)
+
+
 def create_accelerator(gradient_accumulation_steps: int, bf16: bool, process_group_timeout_minutes: float,
                        log_with: str | None = None, project_dir: str | None = None,
-                       bf16_on_cpu: bool = False) -> Accelerator:
+                       bf16_on_cpu: bool = False, ddp: DdpSettings | None = None) -> Accelerator:
     """An Accelerator on the GPUs if there are any, else on the CPU (gloo between processes).
 
     The process group comes first (accelerate's PartialState, which also sets this process's GPU), so that
@@ -220,6 +253,7 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool, process_gro
         log_with: Accelerate's tracker for the training curves ("tensorboard", "wandb"), or None.
         project_dir: the trackers' logging folder (see `lowmem.train.tracking.tracker_arguments`).
         bf16_on_cpu: with `bf16`, bf16 autocast on the CPU as well (see `bf16_for`).
+        ddp: how DDP all-reduces the gradients (`DdpSettings`; torch's buckets in float32 by default).
     """
     on_cpu = not torch.cuda.is_available()
     cpu = on_cpu or parse_flag_from_env("ACCELERATE_USE_CPU")  # as AcceleratorState would decide it
@@ -229,14 +263,11 @@ def create_accelerator(gradient_accumulation_steps: int, bf16: bool, process_gro
     state = PartialState(cpu=cpu, timeout=timeout)
     mixed_precision = "bf16" if bf16_for(state.device, bf16, bf16_on_cpu) else "no"
     fsdp_plugin = fsdp_plugin_for(mixed_precision)
-    # DDP's gradients as views into its all-reduce buckets: without it every gradient is held twice, once in
-    # the parameter and once in the bucket (4 bytes per parameter more on each process, 438 MB on the large
-    # config), and copied in and out at every step.
-    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+    ddp = ddp or DdpSettings()
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=gradient_accumulation_steps,
                               mixed_precision=mixed_precision, fsdp_plugin=fsdp_plugin,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout), ddp], log_with=log_with,
-                              project_dir=project_dir)
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout), ddp.handler()],
+                              log_with=log_with, project_dir=project_dir)
     launched = requested_processes()
     if launched != accelerator.num_processes:
         raise ConfigError(

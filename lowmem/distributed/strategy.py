@@ -41,7 +41,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from lowmem.config import OptimConfig
-from lowmem.distributed.accelerator import offloads_optimizer
+from lowmem.distributed.accelerator import ddp_settings, offloads_optimizer
+from lowmem.distributed.gradient_hooks import use_bf16_gradients
 from lowmem.distributed.collectives import broadcast_from_main
 from lowmem.distributed.safe_load import deepspeed_loads_as_data, load_distributed_checkpoint, load_torch_file
 from lowmem.errors import CheckpointError, ConfigError
@@ -86,8 +87,8 @@ def strategy(accelerator: Accelerator) -> str:
     return PLAIN
 
 
-def describe(accelerator: Accelerator) -> str:
-    """One line for the log: the strategy and its main settings."""
+def describe(accelerator: Accelerator, config: OptimConfig | None = None) -> str:
+    """One line for the log: the strategy and its main settings (DDP's all-reduce from `config`)."""
     kind = strategy(accelerator)
     if kind == DEEPSPEED:
         plugin = accelerator.state.deepspeed_plugin
@@ -96,7 +97,9 @@ def describe(accelerator: Accelerator) -> str:
     if kind == FSDP:
         plugin = accelerator.state.fsdp_plugin
         return f"FSDP{plugin.fsdp_version}, {accelerator.num_processes} processes"
-    return "DDP" if accelerator.num_processes > 1 else "single process"
+    if accelerator.num_processes == 1:
+        return "single process"
+    return "DDP" if config is None else f"DDP, {ddp_settings(config).describe(accelerator)}"
 
 
 def plain_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -177,7 +180,11 @@ def prepare_model_and_optimizer(model: GPT, config: OptimConfig,
         _fill_deepspeed_config(config, accelerator)
         if accelerator.is_main_process and accelerator.mixed_precision == "bf16":
             logger.info(DEEPSPEED_BF16_EXPORTS)
-    return accelerator.prepare(model, optimizer)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    ddp = strategy(accelerator) == PLAIN and accelerator.num_processes > 1
+    if ddp and ddp_settings(config).compresses(accelerator):
+        use_bf16_gradients(prepared)
+    return prepared, optimizer
 
 
 # ----- checkpoints ------------------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def prepare_for_training(model: GPT, config: TrainConfig, accelerator: Accelerat
     speed = speed or run_speed_settings(config, accelerator)
     model.use_attention(speed.attention)
     prepared, optimizer = prepare_model_and_optimizer(model, config, accelerator)
-    logger.info("Parallelism: %s.", describe(accelerator))
+    logger.info("Parallelism: %s.", describe(accelerator, config))
     if enable_tf32(accelerator.device.type == "cuda"):
         logger.info("TF32 matmuls on: float32 work runs on the tensor cores.")
     return maybe_compile(prepared, config, settings, speed), optimizer

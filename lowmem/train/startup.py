@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # Fields added after checkpoints were written without them: the value those runs had in effect.
 VALUES_BEFORE_THE_FIELD = {"dataloader_mix_row_groups": 1, "architecture": "gpt2", "text_column": "",
-                           "train_sources": "", "init_from": ""}
+                           "train_sources": "", "init_from": "", "ddp_bf16_gradients": False}
 
 
 def in_effect(saved_config: dict[str, Any]) -> dict[str, Any]:

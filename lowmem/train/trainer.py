@@ -45,7 +45,7 @@ from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.disk_errors import writing
 from lowmem.errors import DataError
-from lowmem.distributed.accelerator import create_accelerator, log_launcher_precision_note
+from lowmem.distributed.accelerator import create_accelerator, ddp_settings, log_launcher_precision_note
 from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
                                            end_process_group, run_on_main)
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
@@ -170,7 +170,7 @@ class Trainer:
         self.config, self.callbacks = config, list(callbacks)
         self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                                              config.process_group_timeout_minutes,
-                                                             bf16_on_cpu=config.bf16_on_cpu,
+                                                             bf16_on_cpu=config.bf16_on_cpu, ddp=ddp_settings(config),
                                                              **tracker_arguments(config.report_to))
         self.is_main = self.accelerator.is_main_process
         self.tracking = Tracking(self.accelerator, config)  # first: it checks the accelerator has the trackers
@@ -629,7 +629,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
     stop_when_launcher_dies()
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                      config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
-                                     **tracker_arguments(config.report_to))
+                                     ddp=ddp_settings(config), **tracker_arguments(config.report_to))
     config, memory = settle_memory(config, accelerator, explicit_fields(config, given),
                                    saved_run.memory_choice(allow_config_change), start)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LAUNCH_LOG_DIR)

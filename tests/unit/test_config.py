@@ -31,7 +31,7 @@ def test_resume_roles_come_from_the_fields():
         "dataloader_buffer_size", "dataloader_mix_row_groups", "max_seq_len", "epochs", "max_steps", "learn_rate",
         "min_lr_ratio",
         "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "loss_on_response_only", "dropout",
-        "init_from",
+        "init_from", "ddp_bf16_gradients",
     }
 
 
