@@ -13,7 +13,6 @@ from lowmem.config.train_sources import validation_sources
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.validation import EvalResult, evaluate
-from lowmem.memory.cleanup import release_cuda_cache
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +32,9 @@ class Validator:
         """Loss over the validation file (or its first `eval_batches` batches), and BLEU-4 unless told not to (or
         the rows are one text column, with no prompts to answer)."""
         config = self.config
-        # Training's cached blocks have training's sizes: handing them back lets evaluation's (other batch
-        # shapes, the key/value cache) be allocated without running the GPU out of memory.
-        release_cuda_cache(self.accelerator.device.type == "cuda")
+        # The CUDA cache is left as it is: evaluation's tensors (other batch shapes, the key/value cache) come from
+        # the blocks training cached, and where none fits the allocator frees cached blocks and tries again by
+        # itself; emptying it first would synchronize, and make the next training step allocate every block anew.
         with model_for_eval(model, self.accelerator) as eval_model:
             result = evaluate(eval_model, self.tokenizer, config.validation_file, self.accelerator,
                               bleu_samples=config.eval_bleu_samples if with_bleu else 0,

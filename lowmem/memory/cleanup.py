@@ -105,8 +105,7 @@ def cleanup_memory(on_gpu: bool, empty_cuda_cache: bool = False, collect: bool |
     Args:
         on_gpu: this process computes on a GPU.
         empty_cuda_cache: also hand the CUDA cache back to the driver. Off for the routine cleanups of
-            the training loop; on in the watchdog's (`forced_cleanup`). Validation empties the cache
-            alone (`release_cuda_cache`) before it starts.
+            the training loop; on in the watchdog's (`forced_cleanup`).
         collect: make a full garbage collection; by default on the CPU only: on a GPU the device would idle
             through it, and the memory records collect when Python objects grow (`lowmem.memory.collector`).
     """
@@ -133,8 +132,8 @@ def release_cuda_cache(on_gpu: bool) -> None:
     """On a GPU, hand the caching allocator's unused blocks back to the driver (`torch.cuda.empty_cache()`).
 
     It lowers reserved GPU memory, frees no host RAM, synchronizes the device, and the next step has to
-    allocate its blocks again: worth it before evaluation (whose shapes differ from training's) and when
-    the watchdog fires, not as a routine every few steps.
+    allocate its blocks again: worth it when the watchdog fires, not as a routine every few steps, nor before a
+    validation (the allocator frees cached blocks by itself when a new one does not fit).
     """
     if on_gpu:
         import torch  # only here: the data layer imports this module and must not pay for torch
