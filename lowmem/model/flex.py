@@ -35,8 +35,19 @@ def document_block_mask(segment_ids: torch.Tensor) -> Any:
     # One mask for every head (H=None): the rule does not depend on the head. In an eager model on a GPU the
     # construction is compiled too, or it would evaluate every (query, key) pair of the batch at once (a (B, T, T)
     # tensor, 134 MB at 8 x 4,096); inside a compiled model it is traced with the model.
-    compiled = segment_ids.is_cuda and not torch.compiler.is_compiling()
-    return create_block_mask(same_row_not_later, B, None, T, T, device=segment_ids.device, _compile=compiled)
+    if segment_ids.is_cuda and not torch.compiler.is_compiling():
+        return _compiled_create_block_mask()(same_row_not_later, B, None, T, T, device=segment_ids.device)
+    return create_block_mask(same_row_not_later, B, None, T, T, device=segment_ids.device)
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., Any]:
+    """`create_block_mask` compiled once per process (torch's `_compile=True` made a new compiled wrapper at every
+    call, and is deprecated); each micro-batch's rule is a new closure of the same code, which needs no new
+    compilation."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 @functools.cache
