@@ -53,7 +53,7 @@ class SaverChoice:
 
     def line(self) -> str:
         """One log line: what was turned on and why, or that nothing was needed."""
-        before, after = self.before.machine_total, self.plan.machine_total
+        after = self.plan.machine_total
         budget = f"{gib_text(self.budget_bytes)} budget"
         merged = f"{self.merged} " if self.merged else ""
         if self.whole_logits:
@@ -62,9 +62,31 @@ class SaverChoice:
         if not self.steps:
             return (f"{merged}Memory savers: none needed (predicted {after / MB:,.0f} MB for this machine, within the "
                     f"{budget} less {PLAN_MARGIN:.0%}).")
-        return (f"{merged}Memory savers turned on to fit the {budget}: {'; '.join(self.steps)} (predicted "
-                f"{before / MB:,.0f} MB for this machine → {after / MB:,.0f} MB). Settings given explicitly are "
-                "kept; --memory_savers=off keeps every setting as given.")
+        return (f"{merged}Memory savers turned on to fit {self._reason()}: {'; '.join(self.steps)} (predicted "
+                f"{self._prediction()}). Settings given explicitly are kept; --memory_savers=off keeps every setting "
+                "as given.")
+
+    def _gpu_was_short(self) -> bool:
+        gpu = self.before.inputs.gpu_bytes
+        return bool(self.before.device and gpu and self.before.device_peak > gpu * (1 - PLAN_MARGIN))
+
+    def _host_was_short(self) -> bool:
+        return self.before.machine_total > self.budget_bytes * (1 - PLAN_MARGIN)
+
+    def _reason(self) -> str:
+        """What the savers were turned on for: the host's budget, the GPU's memory, or both."""
+        budget = f"the {gib_text(self.budget_bytes)} budget"
+        gpu = f"the GPU's {self.before.inputs.gpu_bytes / MB:,.0f} MB"
+        if self._gpu_was_short():
+            return f"{budget} and {gpu}" if self._host_was_short() else gpu
+        return budget
+
+    def _prediction(self) -> str:
+        host = f"{self.before.machine_total / MB:,.0f} MB for this machine → {self.plan.machine_total / MB:,.0f} MB"
+        if not self._gpu_was_short():
+            return host
+        gpu = f"a GPU peak of {self.before.device_peak / MB:,.0f} MB → {self.plan.device_peak / MB:,.0f} MB"
+        return f"{host}, {gpu}" if self._host_was_short() else gpu
 
 
 def _divisor_below(rows: int) -> int:

@@ -9,6 +9,7 @@ whose split the plan changed, in tests/integration/test_memory_fit.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 from pathlib import Path
 
@@ -428,3 +429,19 @@ def test_the_plan_gives_a_gpu_the_fewest_micro_batches_that_fit(gpu_gb, expected
                     base_bytes=400 * 2**20)
     assert on_cpu.changes.get("gradient_accumulation_steps", 2) >= 2
     assert on_cpu.changes.get("loss_chunk_tokens") != 0  # the CPU keeps its chunks
+
+
+def test_the_savers_line_names_the_gpu_when_the_gpu_was_short(tmp_path):
+    """The large preset on a 4 GB GPU of a host with room: the savers are turned on for the GPU, and the line says so
+    with the GPU's peak before and after, not the host's budget."""
+    from lowmem.config import TrainConfigPretrainLarge
+    from lowmem.train.memory_fit import RunLayout, decide
+
+    config = dataclasses.replace(TrainConfigPretrainLarge(), train_file=str(DEMO_TRAIN),
+                                 tokenizer_dir=str(tmp_path / "no-tokenizer"), memory_budget_gb=64.0)
+    layout = RunLayout("single", 1, 1, "cuda", bf16=True, gpu_bytes=4 * 2**30)
+    decision = decide(config, layout, explicit=(), base_bytes=400 * 2**20)
+    assert decision.error is None
+    [line] = [line for line in decision.lines if "Memory savers turned on" in line]
+    assert "turned on to fit the GPU's 4,096 MB:" in line and "GiB budget" not in line
+    assert re.search(r"predicted a GPU peak of [\d,]+ MB → [\d,]+ MB\)", line), line
