@@ -168,7 +168,7 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
     """
     from accelerate.utils import gather_object
 
-    from lowmem.bench.data_bench import generate_file, machine_line
+    from lowmem.bench.data_bench import generate_file
     from lowmem.distributed.accelerator import create_accelerator, ddp_settings
     from lowmem.distributed.collectives import broadcast_from_main
     from lowmem.config import validate_config
@@ -224,12 +224,18 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
                                "high_water": high_water, "predicted": predicted}])
     if not accelerator.is_main_process:
         return ""
-    device = torch.cuda.get_device_name() if on_gpu else machine_line()
-    peak = peak_tflops or (peak_bf16_tflops(device) if on_gpu else 0.0)
-    header = describe_run(config, accelerator, settings, n_params, device, steps, skip_steps)
+    header = describe_run(config, accelerator, settings, n_params, _device_name(on_gpu), steps, skip_steps)
     shape_text = f"; batch shapes {shapes.describe()}" if shapes is not None else ""
+    peak = peak_tflops or (peak_bf16_tflops(_device_name(on_gpu)) if on_gpu else 0.0)
     return header + shape_text + split + "\n" + format_table(per_rank, flops_per_token, peak, attention_flops,
                                                              config.max_seq_len)
+
+
+def _device_name(on_gpu: bool) -> str:
+    """The GPU's name, or the CPU machine's line, for the table's header."""
+    from lowmem.bench.data_bench import machine_line
+
+    return torch.cuda.get_device_name() if on_gpu else machine_line()
 
 
 def measure_lowmem_phases(config: TrainConfig, accelerator: Any, settings: Any, vocab_size: int,
