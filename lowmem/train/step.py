@@ -136,13 +136,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
             accelerator.backward(batch_loss_sum * scale)
             loss_sum += batch_loss_sum.detach()
             if accelerator.sync_gradients:  # the last micro-batch: gradients are complete
-                grad_norm = clip_and_measure(model, accelerator, grad_clip)
-                step_if_finite(optimizer, grad_norm)
+                if clips_in_the_optimizer(optimizer, accelerator):
+                    grad_norm = gradient_norm(model)
+                    step_if_finite(optimizer, grad_norm, clip_to=grad_clip)
+                else:
+                    grad_norm = clip_and_measure(model, accelerator, grad_clip)
+                    step_if_finite(optimizer, grad_norm)
                 optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
 
-def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip_to: float = 0.0) -> None:
     """`optimizer.step()`, skipped when `grad_norm` is not finite: weights, moments and step count unchanged.
 
     A fused torch optimizer (the model's AdamW is fused wherever torch has the kernel) decides on the device,
@@ -150,16 +154,44 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
     optimizer (DeepSpeed's, say) has no such flag, and the norm is read on the host first. The groups decide, not
     the optimizer's defaults: a checkpoint's optimizer state brings its own groups' settings back (a run saved
     with an unfused AdamW resumes unfused).
+
+    `clip_to` > 0 (a fused optimizer only, `clips_in_the_optimizer`): the gradients are clipped to that norm by the
+    optimizer's kernel, which divides each gradient by GradScaler's `grad_scale` as it reads it, instead of by a
+    pass of their own over every gradient before the step. The factor is torch's clipping factor's inverse.
     """
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
-    if isinstance(inner, torch.optim.Optimizer) and all(group.get("fused") for group in inner.param_groups):
+    inner = _fused_torch_optimizer(optimizer)
+    if inner is not None:
         inner.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)  # type: ignore[attr-defined]
+        if clip_to > 0:
+            inner.grad_scale = ((grad_norm + CLIP_EPSILON) / clip_to).clamp(min=1.0)  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
             del inner.found_inf  # type: ignore[attr-defined]
+            if clip_to > 0:
+                del inner.grad_scale  # type: ignore[attr-defined]
     elif math.isfinite(float(grad_norm)):
         optimizer.step()
+
+
+# torch's `clip_grad_norm_` divides the limit by the norm plus this, so that a zero norm divides by nothing.
+CLIP_EPSILON = 1e-6
+
+
+def _fused_torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside accelerate's wrapper when every group of it runs the fused kernel, else None."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, torch.optim.Optimizer) and all(group.get("fused") for group in inner.param_groups):
+        return inner
+    return None
+
+
+def clips_in_the_optimizer(optimizer: torch.optim.Optimizer, accelerator: Accelerator) -> bool:
+    """Whether the fused optimizer's kernel clips the gradients (`step_if_finite`): on a GPU, one process or DDP,
+    where the gradients are plain tensors whose norm torch takes in one pass. FSDP's sharded gradients and
+    DeepSpeed's engine clip as before, and the CPU keeps torch's own clipping."""
+    return (accelerator.device.type == "cuda" and strategy(accelerator) == PLAIN
+            and _fused_torch_optimizer(optimizer) is not None)
 
 
 def clip_and_measure(model: torch.nn.Module, accelerator: Accelerator, grad_clip: float) -> torch.Tensor:
@@ -171,6 +203,13 @@ def clip_and_measure(model: torch.nn.Module, accelerator: Accelerator, grad_clip
         norm = _engine_grad_norm(model)
     # FSDP2 returns a DTensor: its local value would be this rank's shard only.
     return plain_tensor(norm).to(device=accelerator.device, dtype=torch.float32)
+
+
+def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The global norm of plain (unsharded, already all-reduced) gradients, a float32 tensor on their device; the
+    gradients are left as they are (torch's clipping with no limit would still multiply each by 1)."""
+    gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+    return torch.nn.utils.get_total_norm(gradients).to(torch.float32)
 
 
 def _engine_grad_norm(model: torch.nn.Module) -> torch.Tensor:

@@ -207,6 +207,45 @@ def test_a_step_reads_nothing_from_the_device_and_skips_a_non_finite_update(monk
     assert not hasattr(optimizer.optimizer, "found_inf")  # the flag does not outlive the step
 
 
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "non-finite"])
+def test_the_fused_kernel_clips_as_torch_does_with_no_pass_of_its_own(monkeypatch, nan):
+    """On a GPU (one process or DDP) the fused AdamW clips through `grad_scale` as it reads each gradient: the
+    weights after the step match torch's clipping followed by a step, the gradients are not rewritten before the
+    step, nothing is read on the host, and a non-finite step is still skipped. The CPU keeps torch's clipping."""
+    import lowmem.train.step as step
+
+    model, optimizer, accelerator, batch = _step_parts(nan)
+    assert not step.clips_in_the_optimizer(optimizer, accelerator)  # the CPU path is unchanged
+    clipped_model, clipped_optimizer, _, _ = _step_parts(nan)
+    step.train_step(clipped_model, clipped_optimizer, accelerator, [batch], 30.0, grad_clip=0.05)
+
+    monkeypatch.setattr(step, "clips_in_the_optimizer", lambda optimizer, accelerator: True)
+    rewritten = []
+    monkeypatch.setattr(step, "clip_and_measure", lambda *args: rewritten.append(1))
+    seen_scales = []
+    inner_step = optimizer.optimizer.step
+
+    def recorded_step(*args, **kwargs):
+        seen_scales.append(optimizer.optimizer.grad_scale.clone())
+        return inner_step(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer.optimizer, "step", recorded_step)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with _NoHostRead(monkeypatch):
+        _, grad_norm = step.train_step(model, optimizer, accelerator, [batch], 30.0, grad_clip=0.05)
+    monkeypatch.undo()
+    assert rewritten == [] and len(seen_scales) == 1
+    assert not hasattr(optimizer.optimizer, "grad_scale") and not hasattr(optimizer.optimizer, "found_inf")
+    if nan:
+        assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+        return
+    assert float(seen_scales[0]) == pytest.approx(float(grad_norm) / 0.05, rel=1e-5) and float(seen_scales[0]) > 1
+    expected = clipped_model.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7)
+    assert any(not torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
 def test_an_optimizer_without_a_device_side_skip_reads_the_norm_and_still_skips(monkeypatch):
     from lowmem.train.step import train_step
 
