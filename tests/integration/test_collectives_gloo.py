@@ -3,20 +3,13 @@ reading the result back never waits for the GPU. Run here with 3 processes on gl
 
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 
 WORLD = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, results) -> None:
@@ -39,10 +32,7 @@ def _rank_main(rank: int, port: int, results) -> None:
 
 
 def test_host_collectives_sum_and_max_over_every_rank_through_gloo():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_main, args=(_free_port(), results), nprocs=WORLD, join=True)
-        results = dict(results)
+    results = run_on_ranks(_rank_main, WORLD)
     for rank in range(WORLD):
         summed, largest, cpu_uses_default, cpu_sum = results[rank]
         assert summed == [3.0, 3.0, 1.5]

@@ -5,19 +5,12 @@ nothing."""
 
 from __future__ import annotations
 
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 
 WORLD = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _gradients(settings, bf16_run: bool, rank: int) -> dict[str, torch.Tensor]:
@@ -64,10 +57,7 @@ def _rank_main(rank: int, port: int, results) -> None:
 
 
 def test_bf16_gradients_equal_float32_ones_to_bf16_rounding_and_buckets_change_nothing():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_main, args=(_free_port(), results), nprocs=WORLD, join=True)
-        results = dict(results)
+    results = run_on_ranks(_rank_main, WORLD)
     for rank in range(WORLD):
         figures = results[rank]
         assert figures["buckets_equal"] and figures["not_bf16_equal"], figures
