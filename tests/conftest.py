@@ -1,4 +1,8 @@
-"""Shared test helpers: small generated parquet files."""
+"""Shared test helpers: small generated parquet files.
+
+pytest puts this folder on the import path (its conftest.py, in a folder that is no package): the helper modules
+beside it (training_helpers.py, trainer_fixtures.py, data_helpers.py, ...) are what tests/unit/ and
+tests/integration/ share. A test file never imports another (tests/unit/test_architecture.py checks it)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 
 
 def write_rows(path: Path, ids: list[str], row_group_rows: int, **extra_columns) -> Path:

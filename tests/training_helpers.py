@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -32,6 +33,21 @@ def write_chat_rows(path: Path, rows: int, seed: int, row_group_rows: int = 64) 
 def resume_chat_data(folder: Path) -> tuple[Path, Path]:
     """The training and validation files of the resume tests: 900 and 60 rows."""
     return write_chat_rows(folder / "train.parquet", 900, seed=1), write_chat_rows(folder / "valid.parquet", 60, seed=2)
+
+
+# The fixtures below reach a test module that imports them as themselves (`from training_helpers import chat_data
+# as chat_data`): each such module makes its own.
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    """The resume tests' data (`resume_chat_data`), made once per module."""
+    return resume_chat_data(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """The multi-node tests' folder, with the resume tests' data in it: (folder, (train, valid))."""
+    folder = tmp_path_factory.mktemp("multinode")
+    return folder, resume_chat_data(folder)
 
 
 def tiny_overrides(tmp_path: Path, train_file: Path, valid_file: Path) -> list[str]:
@@ -69,6 +85,20 @@ def three_cpu_processes(rank_logs: Path) -> list[str]:
     of its own under `rank_logs`, where its lines cannot interleave with the other ranks' (see `rank_matches`)."""
     return ["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0",
             "--tee", "3", "--log_dir", str(rank_logs)]
+
+
+def launcher_args(name: str) -> argparse.Namespace:
+    """The arguments `accelerate launch --config_file <name>` (a file of configs/accelerate/) works with, after it
+    merged the file in."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    config_file = ROOT / "configs" / "accelerate" / name
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "train_low_mem.py", "train"])
+    args, defaults, mixed_precision_from_file = _validate_launch_command(args)
+    if args.use_deepspeed:  # as accelerate's launch_command does before starting DeepSpeed
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_file else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    return args
 
 
 # FSDP2 over 3 processes on the CPU (gloo), as configs/accelerate/fsdp.yaml says; run with FSDP_CPU_ENV.

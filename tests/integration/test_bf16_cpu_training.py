@@ -1,12 +1,12 @@
 """`--bf16_on_cpu=True` through the training command: a run trains, validates and saves under bf16 autocast on
 the CPU, and a run killed after a save resumes with the same losses (to 1e-6: a resume on the same machine
 replays the same operations in the same order). BF16_RTOL, the tolerance against float32, is explained in
-tests/unit/test_bf16_cpu.py."""
+tests/tolerances.py."""
 
 from __future__ import annotations
 
 import pytest
-from test_bf16_cpu import BF16_RTOL
+from tolerances import BF16_RTOL
 from training_helpers import (assert_losses_match, kill_all, resume_chat_data, resumed_from, start_run,
                               traced_losses, traced_run, wait_for_step)
 

@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 from fault_injection import TrainingTrace
-from test_trainer import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
-from test_trainer import tiny_config
 from torch._dynamo.utils import counters
+from trainer_fixtures import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
+from trainer_fixtures import tiny_config
 
 from lowmem.train.callbacks import Callback
 from lowmem.train.trainer import Trainer

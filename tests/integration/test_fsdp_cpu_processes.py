@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_resume_runs import chat_data as chat_data  # the resume tests' data, made once per module
+from training_helpers import chat_data as chat_data  # the resume tests' data, made once per module
 from training_helpers import (FSDP_CONFIG, FSDP_CPU_ENV as CPU_ENV, FSDP_LAUNCHER, assert_losses_match, kill_all,
                               resumed_from, start_run, traced_losses, traced_run, wait_for_step)
 
@@ -101,7 +101,7 @@ def test_a_planted_pickle_in_the_sharded_optimizer_state_is_refused_and_runs_not
     """The optimizer state's metadata rewritten to run a command when unpickled (its marker's CRC too): the resume
     stops on every rank with one message, exit code 2; `evaluate`, `generate` and `export`, which read the weights
     and JSON only, run as before; the command never runs."""
-    from test_safe_checkpoint import Planted, rewrite_as_saved
+    from checkpoint_tampering import Planted, rewrite_as_saved
     from training_helpers import resume_overrides, run_command
 
     _, _, run_dir = reference

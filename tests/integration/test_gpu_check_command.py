@@ -11,7 +11,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from test_gpu_check import results
+from run_outputs import check_results
 
 STAGE_NAMES = ["environment", "train", "bench", "speed", "parallel", "memory_log"]
 
@@ -29,7 +29,7 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("gpu_check [")]
     assert [line.split("] ", 1)[1].split(":")[0] for line in lines] == STAGE_NAMES
     assert all(": PASS (" in line for line in lines), lines
-    by_stage = {record["stage"]: record for record in results(tmp_path)}
+    by_stage = {record["stage"]: record for record in check_results(tmp_path)}
     assert all(record["verdict"] == "PASS" and record["device"] == "cpu" for record in by_stage.values())
     train = by_stage["train"]["figures"]
     assert train["precision"] == "bf16" and train["resumed_from"] == 50 and train["killed_at_step"] == 51

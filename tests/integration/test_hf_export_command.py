@@ -1,5 +1,5 @@
 """`train_low_mem.py export` run as a command: a model folder written before the architecture field exports
-as gpt2. The tokenizer and the run folder are the fixtures of tests/unit/test_hf_export.py."""
+as gpt2. The tokenizer and the run folder are those of tests/unit/test_hf_export.py (tests/export_helpers.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The in-process half sets the offline variables and imports transformers there (or skips without it).
-from test_hf_export import transformers
-# Fixtures of tests/unit/test_hf_export.py, imported as themselves so that pytest finds them here too (one_thread
-# is autouse there and here).
-from test_hf_export import gpt2_run as gpt2_run, one_thread as one_thread, tokenizer_dir as tokenizer_dir
+# Imports transformers offline (or skips this module without it); the fixtures, imported as themselves so that
+# pytest finds them here (one_thread is autouse).
+from export_helpers import gpt2_run as gpt2_run, one_thread as one_thread, tokenizer_dir as tokenizer_dir
+from export_helpers import transformers
 from training_helpers import ROOT
 
 from lowmem.config import TrainConfig

@@ -10,9 +10,10 @@ import time
 import numpy as np
 import psutil
 import pytest
-from test_memory_log import MB
 
 from lowmem.memory import take_snapshot
+
+MB = 1024**2
 
 
 def _sleep(seconds: float) -> None:

@@ -16,9 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-# Fixtures of tests/unit/test_multinode.py, imported as themselves so that pytest finds them here too.
-from test_multinode import workspace as workspace
 from training_helpers import command_line, tiny_overrides
+from training_helpers import workspace as workspace  # a fixture, imported as itself so that pytest finds it here
 
 pytestmark = pytest.mark.slow
 

@@ -14,13 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from training_helpers import (assert_losses_match, kill_all, resume_chat_data, resume_overrides, resumed_from,
-                              run_command, start_run, tiny_overrides, traced_losses, traced_run, wait_for_step)
-
-
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory):
-    return resume_chat_data(tmp_path_factory.mktemp("chat"))
+from training_helpers import chat_data as chat_data  # the resume tests' data, made once per module
+from training_helpers import (assert_losses_match, kill_all, resume_overrides, resumed_from, run_command, start_run,
+                              tiny_overrides, traced_losses, traced_run, wait_for_step)
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,14 @@
 """Training on one text column (--text_column) through the commands: a run trains, evaluates, generates and
-resumes exactly, and the training log says which tokens are in the loss. The data and the tokenizer are the
-fixtures of tests/unit/test_text_column.py."""
+resumes exactly, and the training log says which tokens are in the loss. The data and the tokenizer are those
+of tests/unit/test_text_column.py (tests/data_helpers.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from test_text_column import EVERY_TOKEN_LINE
-# Fixtures of tests/unit/test_text_column.py, imported as themselves so that pytest finds them here too.
-from test_text_column import text_data as text_data, text_tokenizer as text_tokenizer
+from data_helpers import EVERY_TOKEN_LINE
+from data_helpers import text_data as text_data, text_tokenizer as text_tokenizer  # fixtures
 from training_helpers import (assert_losses_match, resume_overrides, resumed_from, run_command, tiny_overrides,
                               traced_losses, traced_run, write_chat_rows)
 

@@ -7,10 +7,12 @@ import math
 import re
 
 import pytest
-from test_tracking import read_scalars
+from run_outputs import read_scalars
 from training_helpers import run_command, tiny_overrides, write_chat_rows
 
 from lowmem.train.tracking import LINE_TAGS, TAGS, tensorboard_dir
+
+pytest.importorskip("tensorboard")
 
 LOG_LINE = re.compile(r"step (\d+)/\d+ \| epoch \d+ \| loss ([\d.]+) \|")
 VALIDATION_LINE = re.compile(r"Validation at step (\d+): loss [\d.]+, perplexity [\d.]+ \([^)]*\)(, BLEU-4)?")

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_bad_text import write_bad_text
-from test_worker_errors import GROUP_ROWS, ROWS, write_damaged
+from data_helpers import DAMAGED_GROUP_ROWS as GROUP_ROWS, DAMAGED_ROWS as ROWS, write_bad_text, write_damaged
 from training_helpers import run_command, tiny_overrides, write_chat_rows
 
 

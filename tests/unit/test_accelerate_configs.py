@@ -3,13 +3,13 @@ and the DeepSpeed / FSDP plugins build from them the way `accelerate launch` pas
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.utils import DistributedType
+from training_helpers import launcher_args
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs" / "accelerate"
@@ -20,18 +20,6 @@ def load(name: str) -> ClusterConfig:
     config = load_config_from_file(str(CONFIG_DIR / name))
     assert isinstance(config, ClusterConfig)
     return config
-
-
-def launcher_args(name: str) -> argparse.Namespace:
-    """The arguments `accelerate launch --config_file <name>` works with, after it merged the file in."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-
-    args = launch_command_parser().parse_args(["--config_file", str(CONFIG_DIR / name), "train_low_mem.py", "train"])
-    args, defaults, mixed_precision_from_file = _validate_launch_command(args)
-    if args.use_deepspeed:  # as accelerate's launch_command does before starting DeepSpeed
-        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_file else [])
-        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-    return args
 
 
 def test_every_expected_file_is_there_and_loads():

@@ -8,33 +8,14 @@ import json
 import logging
 import re
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from data_helpers import BAD_TEXT_CELLS as BAD, BAD_TEXT_GROUP_ROWS as GROUP_ROWS, BAD_TEXT_ROWS as ROWS
+from data_helpers import EMPTY_PROMPT_ROWS as EMPTY, write_bad_text
 
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.errors import ConfigError, DataError
 
-GROUP_ROWS = 100
-ROWS = 1000
 BUFFER = 250
-# (row in the file, column): rows in several row groups, one with both columns bad.
-BAD = {(37 + 2 * GROUP_ROWS, "response"), (5, "prompt"), (640, "prompt"), (640, "response"), (999, "prompt")}
-EMPTY = {412}  # a row with an empty prompt: skipped as before, counted with the others
-
-
-def write_bad_text(path, bad=BAD, empty=EMPTY, clean: bool = False):
-    """ROWS rows `x<i>` / `r:x<i>`; the values at `bad` hold bytes that are not UTF-8 (valid marker text instead
-    when `clean`, so that the file has the same row groups and the same order)."""
-    columns = {"prompt": [f"x{i}".encode() for i in range(ROWS)], "response": [f"r:x{i}".encode() for i in range(ROWS)]}
-    for row, column in bad:
-        columns[column][row] = b"ok-marker" if clean else b"\xff\xfe broken \xc3"
-    for row in empty:
-        columns["prompt"][row] = b""
-    # Parquet writers do not check UTF-8: a binary array viewed as strings is written as it is.
-    table = pa.table({name: pa.array(values, pa.binary()).view(pa.string()) for name, values in columns.items()})
-    pq.write_table(table, path, row_group_size=GROUP_ROWS)
-    return path
 
 
 def good_ids() -> set[str]:

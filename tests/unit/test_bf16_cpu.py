@@ -11,12 +11,11 @@ A resume on the same machine replays the same operations in the same order: the 
 from __future__ import annotations
 
 import torch
+from tolerances import BF16_RTOL  # 1e-2: see the module's docstring
 
 from lowmem.distributed.accelerator import bf16_for
 from lowmem.model import GPT, IGNORE_INDEX, GPTConfig
 from lowmem.distributed.performance import inference_autocast
-
-BF16_RTOL = 1e-2  # see the module's docstring
 
 
 def small_model() -> GPT:

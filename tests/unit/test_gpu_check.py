@@ -5,18 +5,14 @@ plain PyTorch loop's on the verdict line (the commands: tests/integration/test_g
 from __future__ import annotations
 
 import io
-import json
 import sys
-from pathlib import Path
+
+from run_outputs import check_results
 
 from lowmem.gpucheck import check, stages
 from lowmem.gpucheck.check import run_check
 from lowmem.gpucheck.runs import Finished, StageFailed
 from lowmem.gpucheck.stages import CheckSettings, parse_bench_table
-
-
-def results(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "check" / "results.jsonl").read_text().splitlines()]
 
 
 def test_a_failed_stage_says_why_and_the_next_stages_still_run(tmp_path, monkeypatch, capsys):
@@ -31,7 +27,7 @@ def test_a_failed_stage_says_why_and_the_next_stages_still_run(tmp_path, monkeyp
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("gpu_check")]
     assert "train: FAIL" in lines[1] and "loss at step 51 is 6.7 against 6.6" in lines[1]
     assert "environment: PASS" in lines[2] and "1 PASS, 1 FAIL, 0 SKIP" in lines[3]
-    assert [(record["stage"], record["verdict"], record["reason"][:8]) for record in results(tmp_path)] == [
+    assert [(record["stage"], record["verdict"], record["reason"][:8]) for record in check_results(tmp_path)] == [
         ("train", "FAIL", "the resu"), ("environment", "PASS", "")]
 
 
@@ -114,7 +110,7 @@ def test_the_bench_verdict_line_shows_the_ratio_and_mfu_of_each_case(tmp_path, m
     for case in ("eager", "compiled"):
         assert f"{case}_ratio_to_plain_loop=0.94 {case}_mfu=(a) 31.0%, (r) 33.0% {case}_loop_ratio_to_plain_loop=0.9" \
             in line
-    [record] = results(tmp_path)
+    [record] = check_results(tmp_path)
     assert record["figures"]["compiled"]["ratio_to_plain_loop"] == 0.94
     assert record["figures"]["eager"]["phases"]["(r) plain PyTorch loop (reference)"]["mfu"] == "33.0%"
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from fault_injection import TrainingTrace, row_hashes
-from test_trainer import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
-from test_trainer import tiny_config
+from trainer_fixtures import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
+from trainer_fixtures import tiny_config
 
 from lowmem.config import TrainConfig, apply_overrides
 from lowmem.data.collate import FixedShapes, TokenizingCollate

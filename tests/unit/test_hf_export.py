@@ -5,30 +5,21 @@ cause are one message. CPU, float32, offline."""
 from __future__ import annotations
 
 import json
-import os
-import random
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
+# Imports transformers offline (or skips this module without it); the fixtures, imported as themselves.
+from export_helpers import gpt2_run as gpt2_run, one_thread as one_thread, tokenizer_dir as tokenizer_dir
+from export_helpers import run_folder, tiny_model, transformers
 
-os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # before transformers is imported
-transformers = pytest.importorskip("transformers")
+from lowmem.cli import main
+from lowmem.config import TrainConfig
+from lowmem.data.tokenizer import Tokenizer
+from lowmem.errors import ConfigError
+from lowmem.hf import export_hf, tokenizer_files
 
-from lowmem.checkpoint.export import export_model  # noqa: E402
-from lowmem.cli import main  # noqa: E402
-from lowmem.config import TrainConfig  # noqa: E402
-from lowmem.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
-from lowmem.errors import ConfigError  # noqa: E402
-from lowmem.hf import export_hf, tokenizer_files  # noqa: E402
-from lowmem.model import GPT, GPTConfig  # noqa: E402
-
-CHINESE = "春风明月江南归去相思落花流水千里故人长亭夜雨西楼山青云白酒醉梦天地日星河海草木鸟鱼书画琴棋诗词"
-ENGLISH = ["the", "spring", "wind", "moon", "river", "south", "return", "flower", "water", "night", "rain", "poem",
-           "write", "please", "a", "of", "and", "in", "old", "friend"]
 PROMPTS = ["春风", "请写一首词：江南 spring rain, 3 lines.", "Write a poem of the moon and the river 千里 in 2 lines."]
 # Strings of every kind the tokenizers must agree on.
 TEXTS = [
@@ -39,66 +30,13 @@ TEXTS = [
 ]
 
 
-def _write_rows(path: Path, rows: int, seed: int) -> Path:
-    """Chinese, English and mixed prompt/response rows, so that the vocabulary holds both scripts and spaces."""
-    rng = random.Random(seed)
-
-    def text() -> str:
-        chinese = "".join(rng.choices(CHINESE, k=rng.randint(3, 12)))
-        english = " ".join(rng.choices(ENGLISH, k=rng.randint(2, 8)))
-        return rng.choice([chinese, english, f"{chinese} {english} {rng.randint(0, 999)}"])
-
-    pq.write_table(pa.table({"prompt": [text() for _ in range(rows)], "response": [text() for _ in range(rows)]}),
-                   path, row_group_size=100)
-    return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and a second one spinning against a busy core made generation
-    100 times slower (1.1 s against 0.01 s for 32 tokens) while another process used the other core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tokenizer")
-    train_tokenizer([_write_rows(folder / "rows.parquet", 400, seed=0)], folder, vocab_size=700)
-    return folder
-
-
-def _tiny_model(vocab_size: int, architecture: str, bias: bool = False) -> GPT:
-    """A random model whose norms are not all ones and zeros, and whose blocks weigh enough against the (tied)
-    embedding that greedy generation wanders through many tokens instead of repeating its input."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab_size, max_seq_len=64, n_layer=2, n_head=2, n_embd=32,
-                          architecture=architecture, bias=bias)).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".ln_" in name or name.startswith("ln_f") or name.endswith(".bias"):
-                parameter.add_(0.3 * torch.randn_like(parameter))
-            elif name.startswith("blocks."):
-                parameter.mul_(8.0)  # from std 0.02 to 0.16
-    return model
-
-
-def _run_folder(tmp: Path, model: GPT, tokenizer_dir: Path) -> TrainConfig:
-    """A run folder holding `model` as training leaves it in final/; the config that finds it."""
-    config = TrainConfig(output_dir=str(tmp / "run"), tokenizer_dir=str(tokenizer_dir))
-    export_model(model, config, tmp / "run" / "final", str(tokenizer_dir))
-    return config
-
-
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def exported(request, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """Our model, the transformers model and tokenizer loaded from its export, and our tokenizer."""
     tokenizer = Tokenizer.load(tokenizer_dir)
-    model = _tiny_model(tokenizer.vocab_size, request.param)
+    model = tiny_model(tokenizer.vocab_size, request.param)
     tmp = tmp_path_factory.mktemp(f"export-{request.param}")
-    config = _run_folder(tmp, model, tokenizer_dir)
+    config = run_folder(tmp, model, tokenizer_dir)
     assert main(["export", str(tmp / "hf"), f"--output_dir={config.output_dir}"]) == 0
     hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf", output_loading_info=True)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -218,11 +156,6 @@ def test_the_chat_template_is_the_training_layout(exported):
 # ------------------------------------------------------------------------------------------------ errors
 
 
-@pytest.fixture
-def gpt2_run(tokenizer_dir: Path, tmp_path: Path) -> TrainConfig:
-    return _run_folder(tmp_path, _tiny_model(Tokenizer.load(tokenizer_dir).vocab_size, "gpt2"), tokenizer_dir)
-
-
 def test_refuses_an_out_that_is_not_empty_or_a_file(gpt2_run: TrainConfig, tmp_path: Path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
@@ -256,8 +189,8 @@ def test_a_tokenizer_that_would_differ_is_not_exported(gpt2_run: TrainConfig, tm
 def test_a_model_with_biases_exports_them(architecture, tokenizer_dir: Path, tmp_path: Path):
     """Biases (q, k and v split from one qkv bias; LayerNorm biases for gpt2) reach the exported model."""
     tokenizer = Tokenizer.load(tokenizer_dir)
-    model = _tiny_model(tokenizer.vocab_size, architecture, bias=True)
-    config = _run_folder(tmp_path, model, tokenizer_dir)
+    model = tiny_model(tokenizer.vocab_size, architecture, bias=True)
+    config = run_folder(tmp_path, model, tokenizer_dir)
     assert main(["export", str(tmp_path / "hf"), f"--output_dir={config.output_dir}"]) == 0
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     row = tokenizer.encode_pair(PROMPTS[0], "回答")[0]

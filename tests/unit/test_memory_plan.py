@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from memory_plan_helpers import LARGE, large_inputs, positions
 
 from lowmem.memory.budget import MemoryBudget, read_cgroup_limit_bytes
 from lowmem.memory.cgroup import find_own_cgroup, machine_oom_kills, own_cgroup_limit
 from lowmem.memory.levers import choose_savers, no_fit_message
-from lowmem.memory.plan import (DDP, FSDP, SINGLE, STEP, ModelShape, PlanInputs, activation_bytes_per_position,
-                                plan_memory, with_inputs)
+from lowmem.memory.plan import FSDP, SINGLE, STEP, ModelShape, activation_bytes_per_position, plan_memory
 from lowmem.model import GPT, GPTConfig
 from lowmem.units import GIB, MB
 
@@ -166,19 +166,6 @@ def test_checkpointing_keeps_only_each_blocks_input():
     assert per_block == 3 * 48 * 64 * 4  # the (B, T, C) float32 input
 
 
-LARGE = ModelShape(n_layer=12, n_embd=768, n_head=12, mlp_hidden=2048, padded_vocab=32000, max_seq_len=192,
-                   architecture="llama", params=109_530_624, block_params=7_080_960)
-
-
-def large_inputs(**changes) -> PlanInputs:
-    base = PlanInputs(model=LARGE, micro_batch_positions=2688, sequence_width=192, masked_attention=True,
-                      micro_batch_rows=32, gradient_accumulation_steps=2, loss_chunk_tokens=2048,
-                      activation_checkpointing=False, malloc_mmap_threshold_mb=1.0, strategy=DDP, processes=3,
-                      world_size=3, base_bytes=400 * MB, data_bytes=20 * MB, eval_positions=32 * 192,
-                      generation_rows=32, generation_positions=192, launcher=True)
-    return with_inputs(base, **changes)
-
-
 def part(plan, name):
     return next(item for item in plan.host if item.name == name)
 
@@ -267,10 +254,6 @@ def test_a_gpu_plan_keeps_the_model_on_the_device():
 
 
 # ----- the levers ------------------------------------------------------------------------------------------------
-def positions(rows: int) -> int:
-    return rows * 84  # packed rows of about 84 tokens
-
-
 def test_a_small_budget_turns_the_levers_on_and_keeps_the_global_batch():
     inputs = large_inputs(malloc_mmap_threshold_mb=0.0)
     choice = choose_savers(inputs, 9 * GIB, explicit=(), positions_for_rows=positions)

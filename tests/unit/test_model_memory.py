@@ -12,7 +12,7 @@ def test_the_bench_fsdp_launch_is_the_fsdp_config_files(monkeypatch):
     environment the launcher gives each process must be the one configs/accelerate/fsdp.yaml gives."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
-    from test_accelerate_configs import launcher_args
+    from training_helpers import launcher_args
 
     def launch_env(args) -> dict[str, str]:
         env = prepare_multi_gpu_env(args)

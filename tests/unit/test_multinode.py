@@ -4,17 +4,9 @@ refused (two machines on one, for real: tests/integration/test_multinode_launch.
 from __future__ import annotations
 
 import pytest
-from training_helpers import write_chat_rows
+from training_helpers import workspace as workspace  # a fixture, imported as itself so that pytest finds it here
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("multinode")
-    data = (write_chat_rows(folder / "train.parquet", 900, seed=1),
-            write_chat_rows(folder / "valid.parquet", 60, seed=2))
-    return folder, data
 
 
 def test_output_folder_not_shared_between_nodes_is_refused(workspace, monkeypatch):

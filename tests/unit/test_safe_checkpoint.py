@@ -6,43 +6,19 @@ of the earlier format, whose random states are Python tuples and a numpy array, 
 from __future__ import annotations
 
 import io
-import json
-import os
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from checkpoint_tampering import Planted, rewrite_as_saved
 from fault_injection import StopAfterStep, TrainingTrace
-from test_trainer import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
-from test_trainer import tiny_config
+from trainer_fixtures import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
+from trainer_fixtures import tiny_config
 
-from lowmem.checkpoint.folders import file_crc32
 from lowmem.distributed import safe_load
 from lowmem.errors import UnsafeCheckpointError
 from lowmem.train.trainer import Trainer
-
-
-class Planted:
-    """Runs `touch PATH` when unpickled: what a hostile checkpoint file would do."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.path}",)
-
-
-def rewrite_as_saved(path: Path, obj: object) -> None:
-    """Replace a checkpoint's file with `torch.save(obj)`, and its marker's size and CRC-32 with the new file's."""
-    with open(path, "wb") as file:
-        torch.save(obj, file)
-    marker_file = next(parent for parent in path.parents if (parent / "COMPLETE.json").is_file()) / "COMPLETE.json"
-    marker = json.loads(marker_file.read_text())
-    size, crc = file_crc32(path)
-    marker["files"][path.relative_to(marker_file.parent).as_posix()].update(size=size, crc32=crc)
-    marker_file.write_text(json.dumps(marker))
 
 
 @pytest.fixture

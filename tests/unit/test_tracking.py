@@ -8,6 +8,7 @@ import re
 import sys
 
 import pytest
+from run_outputs import read_scalars
 
 from lowmem.config import TrainConfig, apply_overrides
 from lowmem.errors import ConfigError
@@ -15,16 +16,6 @@ from lowmem.train.log import LineFigures
 from lowmem.train.tracking import EVAL_TAGS, LINE_TAGS, Tracking, run_name, tensorboard_dir, tracker_arguments
 
 pytest.importorskip("tensorboard")
-
-
-def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the event files in `folder` (not its subfolders): tag → [(step, value)]."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
-    accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}
 
 
 def test_a_resumed_run_continues_the_curve_in_the_same_folder(tmp_path, monkeypatch):

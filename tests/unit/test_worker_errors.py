@@ -4,29 +4,11 @@ command: tests/integration/test_worker_errors_command.py)."""
 
 from __future__ import annotations
 
-import pyarrow.parquet as pq
 import pytest
-from test_bad_text import write_bad_text
-from training_helpers import write_chat_rows
+from data_helpers import write_bad_text, write_damaged
 
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.errors import DataError
-
-ROWS, GROUP_ROWS = 2000, 200
-
-
-def write_damaged(path, group: int = 5):
-    """Chat rows in row groups of GROUP_ROWS whose row group `group` has its compressed pages scrambled."""
-    write_chat_rows(path, ROWS, seed=3, row_group_rows=GROUP_ROWS)
-    metadata = pq.ParquetFile(path).metadata.row_group(group)
-    data = bytearray(path.read_bytes())
-    for column in range(metadata.num_columns):
-        chunk = metadata.column(column)
-        start = chunk.data_page_offset + 40  # past the page header, inside the compressed values
-        for offset in range(start, min(start + 64, chunk.data_page_offset + chunk.total_compressed_size)):
-            data[offset] ^= 0x5A
-    path.write_bytes(bytes(data))
-    return path
 
 
 def error_of(path, workers: int) -> str:
