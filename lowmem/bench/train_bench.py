@@ -37,6 +37,7 @@ import torch
 
 from lowmem.config import OptimConfig, TrainConfig
 from lowmem.config.columns import data_columns, response_only
+from lowmem.config.overrides import explicit_fields
 from lowmem.data.collate import FixedShapes, TokenizingCollate
 from lowmem.distributed.performance import (SpeedSettings, inference_autocast, mfu, peak_bf16_tflops,
                                             run_speed_settings)
@@ -174,7 +175,7 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
     from lowmem.config import validate_config
     from lowmem.train.setup import decide_fixed_shapes, ensure_tokenizer, make_loader, shared_memory_settings
     from lowmem.memory.plan import STEP, plan_memory
-    from lowmem.train.memory_fit import explicit_fields, layout_of, measure_base_bytes, plan_inputs, settle_memory
+    from lowmem.train.memory_fit import layout_of, measure_base_bytes, plan_inputs, settle_memory
 
     validate_config(config)
     accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
@@ -210,7 +211,7 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
             config, accelerator, settings, tokenizer.vocab_size, in_memory, loader if pipeline else None, steps,
             skip_steps, tokenizer.pad_id, shapes)
         # The plan samples the data file, which must still exist when rows were generated.
-        inputs, _ = plan_inputs(config, layout_of(accelerator), base, tokenizer)
+        inputs = plan_inputs(config, layout_of(accelerator), base, tokenizer).inputs
         predicted = plan_memory(inputs).high_water(accelerator.is_main_process, phases=(STEP,))
         high_water = own_high_water()  # before the reference's whole logits: the plan predicts lowmem's phases
         free_training_state(config, accelerator)
@@ -395,7 +396,7 @@ def _train_plain_loop(config: TrainConfig, device: torch.device, vocab_size: int
                      pad_id, device.type == "cuda")
 
 
-def compile_plain_loop_shapes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+def compile_plain_loop_shapes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: OptimConfig,
                               device: torch.device, shapes: FixedShapes, pad_id: int) -> None:
     """A forward and backward pass of padding in each fixed shape (no target counts, no step, gradients dropped,
     random state restored): the compiled plain loop's graphs, made before its timed steps."""

@@ -30,7 +30,6 @@ from typing import Any, Protocol
 import torch
 from accelerate import Accelerator
 
-from lowmem.checkpoint.layout import FINAL, step_of
 from lowmem.config import TrainConfig
 from lowmem.distributed.safe_load import load_torch_file
 from lowmem.distributed.strategy import (FSDP_OPTIMIZER_DIR, OPTIMIZER_FILE, load_model_and_optimizer,
@@ -125,17 +124,3 @@ RESUME_ONLY = (OPTIMIZER_FILE, FSDP_OPTIMIZER_DIR)
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:
     return json.loads((folder / TRAINER_STATE_FILE).read_text())
-
-
-def newest_readable_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint of `run_dir` that has a readable trainer state (with its config), and that state; or
-    None. For what every checkpoint of a run shares (the architecture, the memory savers): nothing is verified."""
-    folders = [folder for folder in Path(run_dir).glob("checkpoint-*") if FINAL.fullmatch(folder.name)]
-    for folder in sorted(folders, key=step_of, reverse=True):
-        try:
-            state = read_trainer_state(folder)
-            dict(state["config"])
-            return folder, state
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return None

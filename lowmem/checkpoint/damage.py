@@ -20,21 +20,22 @@ from lowmem.checkpoint.listing import Found
 logger = logging.getLogger(__name__)
 
 
-def cleanup_incomplete(run_dir: Path) -> list[Path]:
+def cleanup_incomplete(run_dir: Path, folders: list[Path] | None = None) -> list[Path]:
     """Remove leftovers of interrupted saves and deletions; returns what was removed.
 
     That is: temporary folders `.checkpoint-<step>.tmp`, and `checkpoint-<step>` folders with no marker
     file. A folder whose marker exists is never removed here, even if it is unreadable. A `.checkpoint-
     <step>.old` (the previous checkpoint of the same step, moved aside while being replaced) is put back if
     the replacement never arrived, else removed. Call it only while no save is running (the main process
-    does at start and at the beginning of each save).
+    does at start and at the beginning of each save). `folders`: the run folder's folders as a listing already
+    found them (`CheckpointFolders.folders`), else listed here.
     """
     if not run_dir.is_dir():
         return []
     removed = []
-    for path in sorted(run_dir.iterdir()):
-        if not path.is_dir() or path.is_symlink():
-            continue
+    if folders is None:
+        folders = sorted(path for path in run_dir.iterdir() if path.is_dir() and not path.is_symlink())
+    for path in folders:
         if TMP.fullmatch(path.name):
             logger.info("Removing %s, left by an interrupted save.", path)
         elif old := OLD.fullmatch(path.name):

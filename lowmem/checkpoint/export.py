@@ -49,6 +49,22 @@ def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, toke
                                lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path))
 
 
+def trained_config(folder: Path) -> dict[str, Any] | None:
+    """The config the model in `folder` (best/, final/ or a checkpoint) was trained with: its train_config.json,
+    else its checkpoint's trainer state's; None when neither reads."""
+    from lowmem.checkpoint.contents import TRAINER_STATE_FILE  # it loads the strategies: only for this command
+
+    for path in (folder / TRAIN_CONFIG_FILE, folder / TRAINER_STATE_FILE):
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            saved = data.get("config", data) if path.name == TRAINER_STATE_FILE else data
+            return saved if isinstance(saved, dict) else {}
+    return None
+
+
 def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> Path:
     """The folder to load: `checkpoint` if given, else `<output_dir>/best`, else `<output_dir>/final`."""
     candidates = [Path(checkpoint)] if checkpoint else [Path(output_dir) / "best", Path(output_dir) / "final"]

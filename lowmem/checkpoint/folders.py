@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lowmem.checkpoint import damage
-from lowmem.checkpoint.layout import FINAL, MANIFEST_NAME, MARKER_NAME, final_folder, step_of, temporary_folder
+from lowmem.checkpoint.layout import (FINAL, MANIFEST_NAME, MARKER_NAME, OLD, final_folder, step_of,
+                                     temporary_folder)
 from lowmem.checkpoint.listing import CheckpointFolders, Found
 from lowmem.checkpoint.manifest import build_manifest, read_manifest, read_scores, refresh_manifest, write_manifest
 from lowmem.checkpoint.marker import file_crc32, read_marker, verify_checkpoint
@@ -61,6 +62,8 @@ class CheckpointManager:
             kept in the `keep_resumable_n` newest checkpoints and removed from the older ones kept for their score,
             whose markers then say `"weights_only": true`.
         keep_resumable_n: how many of the newest checkpoints keep `resume_only` (at least 1: the latest).
+        folders: the run folder's listing made at start-up (`lowmem.train.startup.read_saved_run`), gone on with
+            rather than listed again; default: a new one.
 
     The main process removes leftovers of interrupted saves when it is created (never a complete checkpoint)
     and reads the manifest back, so the retention list survives resumes.
@@ -69,14 +72,16 @@ class CheckpointManager:
     def __init__(self, run_dir: str | Path, keep_best_n: int, metric: str = "val_loss", mode: str = "min",
                  is_main: bool = True, barrier: Callable[[], None] = lambda: None,
                  all_ok: Callable[[bool], bool] | None = None, fsync: bool = True, save_every: int = 0,
-                 resume_only: tuple[str, ...] = (), keep_resumable_n: int = 2) -> None:
+                 resume_only: tuple[str, ...] = (), keep_resumable_n: int = 2,
+                 folders: CheckpointFolders | None = None) -> None:
         self.run_dir = Path(run_dir)
         self._retention = Retention(self.run_dir, keep_best_n, metric, mode, resume_only, keep_resumable_n)
         self.is_main = is_main
         self.save_every = save_every
         self.last_saved_step: int | None = None  # this training's last save (a resume loads it)
         self._fsync = fsync
-        self._folders = CheckpointFolders(self.run_dir)
+        self._folders = folders if folders is not None and folders.run_dir == self.run_dir else \
+            CheckpointFolders(self.run_dir)
         self._steps = SaveSteps(self._folders, is_main, barrier, all_ok)
         if is_main and self.run_dir.is_dir():
             self.cleanup_incomplete()
@@ -133,6 +138,10 @@ class CheckpointManager:
         """Folders with a readable marker, oldest first (a cheap check: files are verified by latest_complete)."""
         return [f.path for f in self._folders.complete()]
 
+    def marker_of(self, folder: str | Path) -> dict[str, Any] | None:
+        """The marker of the checkpoint `folder`, as the run folder's listing read it."""
+        return self._folders.marker_of(Path(folder))
+
     def verify(self, checkpoint_dir: str | Path, check_hashes: bool = True) -> list[str]:
         """Problems with one checkpoint folder (empty: intact); see `verify_checkpoint`."""
         return verify_checkpoint(checkpoint_dir, check_hashes)
@@ -170,6 +179,7 @@ class CheckpointManager:
         newer = [found for found in self._folders.scan() if found.step > step_of(folder)]
         if newer and self.is_main:
             damage.move_superseded(self.run_dir, folder, newer)
+            self._folders.changed()
             for found in newer:
                 self._retention.scores.pop(found.step, None)
             refresh_manifest(self.run_dir, self._build_manifest())
@@ -178,7 +188,11 @@ class CheckpointManager:
     def cleanup_incomplete(self) -> list[Path]:
         """Remove leftovers of interrupted saves and deletions (never a complete checkpoint); returns what was
         removed. See `damage.cleanup_incomplete`; call it only while no save is running."""
-        return damage.cleanup_incomplete(self.run_dir)
+        listed = self._folders.folders()
+        removed = damage.cleanup_incomplete(self.run_dir, listed)
+        if removed or any(OLD.fullmatch(path.name) for path in listed):  # removed, or a replaced one put back
+            self._folders.changed()
+        return removed
 
     # ----- scores and manifest --------------------------------------------------------------------------
     def _build_manifest(self, complete: list[Found] | None = None) -> dict[str, Any]:
@@ -221,9 +235,12 @@ class CheckpointManager:
         found_all = self._folders.scan()  # one look at the folder: what follows changes only what it decides
         complete = self._folders.complete(found_all)
         plan = self._retention.plan(complete, just_saved)
-        damaged = self._retention.remove_unkept(found_all, plan, self._folders.damaged)
-        # What frees space first; setting aside (a rename, but a folder may have to be made) last.
-        self._retention.strip_older(plan, complete)
+        try:
+            damaged = self._retention.remove_unkept(found_all, plan, self._folders.damaged)
+            # What frees space first; setting aside (a rename, but a folder may have to be made) last.
+            self._retention.strip_older(plan, complete)  # rewrites markers: "weights_only"
+        finally:
+            self._folders.changed()
         for found in damaged:
             self._set_aside(found)
         kept = [found for found in complete if found.step in plan]  # the others were just removed
@@ -231,7 +248,9 @@ class CheckpointManager:
 
     def _set_aside(self, found: Found) -> None:
         """Move a damaged checkpoint into `damaged/` and forget it; if it cannot be moved, it stays damaged."""
-        if damage.set_aside(self.run_dir, found.path):
+        moved = damage.set_aside(self.run_dir, found.path)
+        self._folders.changed()
+        if moved:
             self._retention.scores.pop(found.step, None)
             self._folders.damaged.discard(found.step)
 
@@ -273,6 +292,8 @@ class CheckpointManager:
         except BaseException:
             self.last_saved_step = previous
             raise
+        finally:  # the folder changed, whatever happened: the next look lists it again
+            self._folders.changed()
         return final
 
     def _prepare(self, step: int, tmp: Path, final: Path) -> None:
@@ -282,11 +303,13 @@ class CheckpointManager:
         if step in self._folders.damaged and final.exists():  # saved again after a fallback: the new one
             self._set_aside(Found(step, final, None, True))  # must not delete the damaged one
         tmp.mkdir()
+        self._folders.changed()
 
     def _finish(self, step: int, tmp: Path, final: Path, score: float | None, info: dict[str, Any] | None) -> None:
         """Main process: marker last, rename into place, then retention (only now may anything be deleted)."""
         clean = clean_score(score, step)
         marker = seal(tmp, final, step, self.metric, clean, info, self._fsync)
+        self._folders.changed()
         self._folders.damaged.discard(step)
         self._retention.scores[step] = clean
         logger.info("Saved checkpoint %s (%.1f MB, %s=%s).", final, marker["total_bytes"] / MB, self.metric, clean)

@@ -2,6 +2,11 @@
 
 Only reading happens here; what is found damaged is remembered (`CheckpointFolders.damaged`) so that retention
 never keeps it and a resume never takes it, and the other modules decide what to do with it.
+
+The folder is listed, and each marker read, once: a listing is kept until whoever changes the run's checkpoints
+says so (`changed()`: the CheckpointManager, after each save, retention or setting aside). The start-up's listing
+is the one the run's CheckpointManager goes on with (`lowmem.train.startup.read_saved_run`); another process that
+would change the folder meanwhile is kept out by the run folder's lock.
 """
 
 from __future__ import annotations
@@ -38,16 +43,38 @@ class CheckpointFolders:
         self.run_dir = run_dir
         self.damaged: set[int] = set()  # steps found damaged by latest_complete(); never kept or resumed from
         self.damage: dict[str, list[str]] = {}  # what latest_complete() found wrong, by folder name
+        self._entries: list[Path] = []  # every folder in the run folder, as last listed
+        self._listed: list[Found] | None = None  # the last listing, until `changed()`
 
     def scan(self) -> list[Found]:
-        """Every `checkpoint-<step>` folder, sorted by step."""
-        if not self.run_dir.is_dir():
-            return []
+        """Every `checkpoint-<step>` folder, sorted by step: listed (and each marker read) the first time and
+        after `changed()`, else that listing again."""
+        if self._listed is not None:
+            return list(self._listed)
         found = []
-        for path in self.run_dir.iterdir():
-            if FINAL.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
+        self._entries = sorted(path for path in self.run_dir.iterdir() if path.is_dir() and not path.is_symlink()) \
+            if self.run_dir.is_dir() else []
+        for path in self._entries:
+            if FINAL.fullmatch(path.name):
                 found.append(Found(step_of(path), path, read_marker(path), (path / MARKER_NAME).exists()))
-        return sorted(found, key=lambda f: f.step)
+        self._listed = sorted(found, key=lambda f: f.step)
+        return list(self._listed)
+
+    def folders(self) -> list[Path]:
+        """Every folder in the run folder (not through a link), sorted by name, from the same listing as `scan`."""
+        self.scan()
+        return list(self._entries)
+
+    def changed(self) -> None:
+        """Say that a checkpoint was added, removed or rewritten here: the next `scan` lists the folder again."""
+        self._listed = None
+
+    def marker_of(self, folder: Path) -> dict[str, Any] | None:
+        """The marker of the checkpoint `folder` of this run, as listed (read now for a folder of another run)."""
+        for found in self.scan():
+            if found.path.name == Path(folder).name and Path(folder).parent.resolve() == self.run_dir.resolve():
+                return found.marker
+        return read_marker(folder)
 
     def complete(self, found: list[Found] | None = None) -> list[Found]:
         """The folders with a readable marker that were not found damaged, oldest first: of `found` (a scan
@@ -56,17 +83,26 @@ class CheckpointFolders:
                 if f.marker is not None and f.step not in self.damaged]
 
     def latest_complete(self, verify_hashes: bool = True) -> Path | None:
-        """The newest checkpoint that is complete and intact, or None; newer damaged ones are logged and remembered.
+        """The checkpoint a resume continues from: the newest that is complete and intact, or None; newer damaged
+        ones are logged and remembered (and not checked again).
 
-        Only the returned checkpoint's files are hashed, plus those of any damaged newer ones.
+        Only the returned checkpoint's files are hashed (sizes only without `verify_hashes`), plus those of any
+        damaged newer ones.
         """
-        self.damage = {}
         for found in reversed(self.scan()):
-            problems = verify_checkpoint(found.path, check_hashes=verify_hashes)
+            if found.step in self.damaged:
+                continue
+            problems = verify_checkpoint(found.path, check_hashes=verify_hashes, marker=found.marker,
+                                         has_marker_file=found.has_marker_file)
             if not problems:
                 return found.path
-            self.damaged.add(found.step)
-            self.damage[found.path.name] = problems
-            logger.warning("Checkpoint %s is damaged and will not be used: %s. Falling back to an earlier one.",
-                           found.path, "; ".join(problems))
+            self.set_damaged(found.path, problems)
         return None
+
+    def set_damaged(self, folder: Path, problems: list[str]) -> None:
+        """Remember the checkpoint `folder` as damaged (`problems`: what is wrong), logged: never kept or resumed
+        from."""
+        self.damaged.add(step_of(folder))
+        self.damage[folder.name] = problems
+        logger.warning("Checkpoint %s is damaged and will not be used: %s. Falling back to an earlier one.",
+                       folder, "; ".join(problems))

@@ -102,16 +102,20 @@ def read_marker(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     return marker
 
 
-def verify_checkpoint(checkpoint_dir: str | Path, check_hashes: bool = True) -> list[str]:
+def verify_checkpoint(checkpoint_dir: str | Path, check_hashes: bool = True, marker: dict[str, Any] | None = None,
+                      has_marker_file: bool | None = None) -> list[str]:
     """What is wrong with a checkpoint folder: an empty list means it is complete and intact.
 
     Checks that the marker exists and parses, and that every file it lists exists with the listed size and,
     with `check_hashes`, the listed CRC-32 (this reads every byte, so do it only for the one being loaded).
+    A listing that already read the marker hands it over (`marker`, and whether its file exists).
     """
     folder = Path(checkpoint_dir)
-    if not (folder / MARKER_NAME).exists():
+    if has_marker_file is None:
+        has_marker_file = (folder / MARKER_NAME).exists()
+        marker = read_marker(folder) if has_marker_file else None
+    if not has_marker_file:
         return [f"no {MARKER_NAME} marker (the save did not finish)"]
-    marker = read_marker(folder)
     if marker is None:
         return [f"{MARKER_NAME} is unreadable"]
     problems = []

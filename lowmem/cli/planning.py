@@ -31,9 +31,9 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     from lowmem.config import validate_config
     from lowmem.errors import ConfigError
     from lowmem.memory.plan import DDP, DEEPSPEED, FSDP, SINGLE, STRATEGIES
-    from lowmem.source.settle import settle_source
-    from lowmem.train.memory_fit import RunLayout, decide, explicit_fields
-    from lowmem.train.startup import SavedRun, read_saved_run, settled_config
+    from lowmem.config.overrides import explicit_fields
+    from lowmem.train.memory_fit import RunLayout, decide
+    from lowmem.train.startup import SavedRun, read_saved_run, settle_run
 
     config, given = resolve_config(use_large_config, overrides)
     validate_config(config)
@@ -55,10 +55,9 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
                        deepspeed_offload=strategy == DEEPSPEED, launcher=num_processes > 1, gpu_bytes=gpu_bytes)
     # The run as `train` would settle it: a resume's architecture and savers, a source model's shape and load.
     saved = read_saved_run(config.output_dir) if is_keep_training else SavedRun()
-    explicit = explicit_fields(config, given)
-    config, start = settle_source(config, explicit, saved.config, saved.checkpoint)
-    config = settled_config(config, saved, given)
-    decision = decide(config, layout, explicit, saved.memory_choice(allow_config_change=False), start=start)
+    config, start = settle_run(config, given, saved)
+    decision = decide(config, layout, explicit_fields(config, given), saved.memory_choice(allow_config_change=False),
+                      start=start)
     for line in decision.lines + decision.warnings:
         print(line)
     if decision.error is not None:

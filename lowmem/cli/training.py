@@ -59,7 +59,7 @@ def resume_target(config: TrainConfig, given: Collection[str], checkpoint: str) 
 
 def _train(use_large_config: bool, is_keep_training: bool, allow_config_change: bool, overrides: dict[str, Any],
            callbacks: Sequence[Any], overwrite: bool = False, resume_from_checkpoint: str | None = None) -> None:
-    from lowmem.train.trainer import run_training
+    from lowmem.train.run import run_training
 
     config, given = resolve_config(use_large_config, overrides)
     if resume_from_checkpoint:

@@ -4,6 +4,13 @@ Everything the command line and the checks need to know about a field is declare
 default, and read back from `dataclasses.field(metadata=...)`:
 
     batch_size_per_gpu: int = option(32, "rows per micro-batch on each process", minimum=1, resume="exact")
+
+A field added after checkpoints were written without it declares the value those runs had in effect
+(`before=`), which a resume from such a checkpoint compares with (`values_before_the_field`).
+
+A field that lowmem decides when it is left unset holds None, whatever the field; one that once spelled that
+otherwise (-1, "auto") declares the old spellings (`none_spellings=`): they are read as None wherever a user can
+still give them, on the command line, in a config file, or in a config built in Python (`automatic`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,16 @@ RESUME_ROLES = (EXACT, MODEL_SHAPE)
 _METADATA_KEY = "lowmem"
 
 
+class _NoValue:
+    """The `before` of a field that existed when the first checkpoints were written: there is no earlier value."""
+
+    def __repr__(self) -> str:
+        return "NO_VALUE"
+
+
+NO_VALUE: Any = _NoValue()
+
+
 @dataclass(frozen=True)
 class OptionSpec:
     """What a field's metadata says about it: help text, bounds, allowed values, resume roles, aliases."""
@@ -35,6 +52,19 @@ class OptionSpec:
     resume: frozenset[str] = frozenset()
     aliases: tuple[str, ...] = ()
     alias_notes: tuple[tuple[str, str], ...] = ()  # (alias, why it exists) for the aliases that say so when used
+    before: Any = NO_VALUE  # the value runs had in effect before the field existed (NO_VALUE: it always did)
+    none_spellings: tuple[Any, ...] = ()  # older spellings of None ("lowmem decides"), read as None
+
+    @property
+    def added_later(self) -> bool:
+        """Whether checkpoints were written before the field existed (it declares `before`)."""
+        return not isinstance(self.before, _NoValue)
+
+    def means_none(self, value: Any) -> bool:
+        """Whether `value` leaves the field for lowmem to decide: None, or one of its older spellings."""
+        if value is None:
+            return True
+        return not isinstance(value, bool) and value in self.none_spellings  # True == 1: no bool spells None
 
     def alias_note(self, alias: str, name: str) -> str | None:
         """The line said when `alias` sets field `name`, for an alias declared with a note; else None."""
@@ -65,9 +95,10 @@ class OptionSpec:
         return ""
 
     def accepts(self, value: Any) -> bool:
-        """Whether `value` is within the bounds and choices (None, for an automatic setting, always is)."""
-        if value is None:
-            return True
+        """Whether `value` is within the bounds and choices (None, or an older spelling of it, always is)."""
+        return self.means_none(value) or self._within(value)
+
+    def _within(self, value: Any) -> bool:
         if self.choices and value not in self.choices:
             return False
         try:
@@ -87,7 +118,8 @@ class OptionSpec:
 def option(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
            maximum: float | None = None, below: float | None = None, choices: Iterable[Any] = (), hint: str = "",
            resume: str | Iterable[str] = (), aliases: Iterable[str] = (),
-           alias_notes: Mapping[str, str] | None = None) -> Any:
+           alias_notes: Mapping[str, str] | None = None, before: Any = NO_VALUE,
+           none_spellings: Iterable[Any] = ()) -> Any:
     """A dataclass field with `default` whose metadata holds its help, bounds and resume roles.
 
     Args:
@@ -100,6 +132,12 @@ def option(default: Any, help: str, *, minimum: float | None = None, above: floa
         aliases: other command-line names for the field.
         alias_notes: alias → why it exists (another library's name for the field, say): using that alias is then
             said in one line naming the field (`OptionSpec.alias_note`).
+        before: for a field added after checkpoints were written without it, the value those runs had in effect
+            (not necessarily today's default): what a resume from such a checkpoint compares with
+            (`values_before_the_field`). Left out for a field that always existed.
+        none_spellings: for a field whose "decided by lowmem" is None, the values that once said so (-1, "auto"):
+            still accepted wherever a user gives them, and read as None (`automatic`, `apply_overrides`). None of
+            them may be a value the bounds and choices allow.
     """
     roles = frozenset([resume] if isinstance(resume, str) else resume)
     unknown = roles - set(RESUME_ROLES)
@@ -109,7 +147,14 @@ def option(default: Any, help: str, *, minimum: float | None = None, above: floa
     if not set(notes) <= set(names):
         raise ValueError(f"Notes for {sorted(set(notes) - set(names))}, which are not aliases of the field {names}.")
     spec = OptionSpec(help=help, minimum=minimum, above=above, maximum=maximum, below=below, choices=tuple(choices),
-                      hint=hint, resume=roles, aliases=names, alias_notes=tuple(notes.items()))
+                      hint=hint, resume=roles, aliases=names, alias_notes=tuple(notes.items()), before=before,
+                      none_spellings=tuple(none_spellings))
+    allowed_spellings = [spelling for spelling in spec.none_spellings if spec._within(spelling)]
+    if allowed_spellings:
+        raise ValueError(f"none_spellings {allowed_spellings} are values the field allows ({spec.allowed()}): "
+                         "they could not also mean None.")
+    if spec.added_later and not spec.accepts(before):
+        raise ValueError(f"before={before!r} is not a value the field allows ({spec.allowed()}).")
     return dataclasses.field(default=default, metadata={_METADATA_KEY: spec})
 
 
@@ -121,3 +166,18 @@ def spec_of(field: dataclasses.Field) -> OptionSpec:
 def fields_with_role(config_class: type, role: str) -> tuple[str, ...]:
     """Names of the fields of `config_class` with resume role `role`, in declaration order."""
     return tuple(field.name for field in dataclasses.fields(config_class) if role in spec_of(field).resume)
+
+
+def values_before_the_field(config_class: type) -> dict[str, Any]:
+    """Field name → the value runs had in effect before the field existed, for the fields of `config_class`
+    declared with `before=` (those a checkpoint written before them lacks), in declaration order."""
+    return {field.name: spec_of(field).before for field in dataclasses.fields(config_class)
+            if spec_of(field).added_later}
+
+
+def automatic(config_class: type, name: str, value: Any) -> bool:
+    """Whether `value` of field `name` of `config_class` leaves it for lowmem to decide: None, or an older spelling
+    of None the field declares (`none_spellings`, such as -1 for --dataloader_num_workers). The deciders read the
+    field through this, so that a config built in Python with an old spelling decides as None does."""
+    fields = {field.name: field for field in dataclasses.fields(config_class)}
+    return spec_of(fields[name]).means_none(value)

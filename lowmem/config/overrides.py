@@ -11,7 +11,7 @@ import difflib
 import logging
 import numbers
 import typing
-from typing import TYPE_CHECKING, Any, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Collection, Iterable, TypeVar
 
 from lowmem.config.option import spec_of
 from lowmem.errors import ConfigError
@@ -115,9 +115,11 @@ def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
     Names may use - for _ and may be an alias (`keep_best_n` for `keep_latest_n_ckp`); an alias given
     together with its field is an error, and an alias declared with a note says so in one line
     (`--gradient_checkpointing`, HF's name for `--activation_checkpointing`). An unknown name is an error listing
-    the valid ones (and the closest match).
+    the valid ones (and the closest match). A value the field declares as an older spelling of None
+    (`--dataloader_num_workers=-1`, `--attention=auto`) becomes None.
     """
     fields = config_fields(config)
+    specs = {field.name: spec_of(field) for field in dataclasses.fields(config)}
     aliases = config_aliases(config)
     changes: dict[str, Any] = {}
     given_as: dict[str, str] = {}  # field → the name it was given as
@@ -129,7 +131,8 @@ def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
         if key in given_as:
             raise ConfigError(f"--{given_as[key]} and --{name} set the same option ({key}): give only one of them.")
         given_as[key] = name
-        changes[key] = _coerce(key, value, fields[key])
+        value = _coerce(key, value, fields[key])
+        changes[key] = None if specs[key].means_none(value) else value  # an older spelling of None (-1, "auto")
     _say_alias_notes(config, given_as.values())
     return dataclasses.replace(config, **changes)
 
@@ -153,11 +156,23 @@ def given_fields(config: DataclassInstance | type[DataclassInstance], overrides:
     return frozenset(name for name in names if name in fields)
 
 
+def explicit_fields(config: DataclassInstance, given: Collection[str] | None = None) -> frozenset[str]:
+    """The fields a user set: those named on the command line (`given`), and any that differ from the
+    defaults of the config's class (a preset's defaults count as defaults)."""
+    defaults = type(config)()
+    differing = {item.name for item in dataclasses.fields(config)
+                 if getattr(config, item.name) != getattr(defaults, item.name)}
+    return frozenset(differing | set(given or ()))
+
+
 def describe_fields(config: DataclassInstance) -> str:
-    """Every option with its value in `config` (its default, for a fresh one) and its help, one per line."""
+    """Every option with its value in `config` (its default, for a fresh one) and its help, one per line; a None
+    is followed by the older spellings the field still accepts for it (`--attention=None (or auto)`)."""
     lines = []
     for field in dataclasses.fields(config):
         spec = spec_of(field)
+        value = getattr(config, field.name)
+        spelled = "".join(f" (or {spelling})" for spelling in spec.none_spellings) if value is None else ""
         also = "".join(f" (also --{alias})" for alias in spec.aliases)
-        lines.append(f"--{field.name}={getattr(config, field.name)!r}{also}: {spec.help}".rstrip(": "))
+        lines.append(f"--{field.name}={value!r}{spelled}{also}: {spec.help}".rstrip(": "))
     return "\n".join(lines)

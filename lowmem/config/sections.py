@@ -2,7 +2,8 @@
 
 A function that needs one part of the configuration takes that section (`def maybe_compile(model,
 config: OptimConfig)`); a TrainConfig is every section at once. Each field is declared with `option()`:
-its help text, its bounds and what changing it between a save and a resume breaks.
+its help text, its bounds and what changing it between a save and a resume breaks; a field added after
+checkpoints were written without it, the value those runs had in effect (`before=`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class DataConfig:
     train_sources: str = option("", "several training sources mixed by weight, PATH:WEIGHT,PATH:WEIGHT (each a parquet "
                                 "file, folder or glob; in a config file also a mapping of paths to weights); every "
                                 "batch follows the weights, a small source is repeated; replaces --train_file",
-                                resume=EXACT, hint="empty reads --train_file alone")
+                                resume=EXACT, hint="empty reads --train_file alone", before="")
     validation_sources: str = option("", "held-out files scored one by one at every validation, PATH,PATH (e.g. one "
                                      "per training source): a validation loss per source in the log and the curves, "
                                      "beside --validation_file's", hint="empty scores --validation_file alone")
@@ -33,7 +34,7 @@ class DataConfig:
     # Exact on resume: pairs and one text column make different sequences, and count different tokens in the loss.
     text_column: str = option("", "one text column to pretrain on, every token in the loss, instead of "
                               "prompt/response pairs (empty: the pairs of --prompt_column and --response_column)",
-                              resume=EXACT)
+                              resume=EXACT, before="")
     # Not a resume setting: positions count the rows left out too, so a run refused at bad text resumes with skip.
     bad_text: str = option("refuse", "rows whose text is not valid UTF-8: refuse stops with a message naming the "
                            "file, row group, row and column; skip leaves them out, counted with the rows with empty "
@@ -43,9 +44,12 @@ class DataConfig:
     dataloader_buffer_size: int = option(2000, "rows in each process's shuffle buffer", minimum=1, resume=EXACT)
     dataloader_mix_row_groups: int = option(16, "row groups each reader reads at once and mixes into every batch; "
                                             "memory holds this many row groups", minimum=1, resume=EXACT,
-                                            hint="1 reads one row group at a time, as earlier versions did")
-    dataloader_num_workers: int = option(-1, "DataLoader workers per process; -1 decides from the memory budget",
-                                         minimum=-1, hint="-1 decides from the memory budget")
+                                            hint="1 reads one row group at a time, as earlier versions did",
+                                            before=1)
+    # -1 said "decide" before None did; it still does (`none_spellings`).
+    dataloader_num_workers: Optional[int] = option(None, "DataLoader workers per process; None decides from the "
+                                                   "memory budget", minimum=0, none_spellings=(-1,),
+                                                   hint="leave it unset (None) to decide from the memory budget")
 
 
 @dataclass
@@ -109,11 +113,12 @@ class ModelConfig:
                             "else its newest checkpoint), a checkpoint-<step>, best/ or final/ folder, or a "
                             "transformers folder of a Llama, Qwen2 or Mistral model; the model takes the source's "
                             "shape and tokenizer, with a new optimizer, learning-rate schedule and data position, in "
-                            "a run folder of its own", resume=EXACT, hint="empty starts from random weights")
+                            "a run folder of its own", resume=EXACT, hint="empty starts from random weights",
+                            before="")
     architecture: Optional[str] = option(None, "llama (rotary positions, RMSNorm, SwiGLU) or gpt2 (learned "
                                          "positions, LayerNorm, GELU); unset: llama for a new run, the checkpoint's "
                                          "when resuming", choices=("gpt2", "llama"), resume=MODEL_SHAPE,
-                                         hint="leave it unset to keep a resumed run's architecture")
+                                         hint="leave it unset to keep a resumed run's architecture", before="gpt2")
     n_layer: int = option(4, "transformer blocks", minimum=1, resume=MODEL_SHAPE)
     n_head: int = option(4, "attention heads per block (must divide n_embd)", minimum=1, resume=MODEL_SHAPE)
     n_embd: int = option(128, "width of the residual stream", minimum=1, resume=MODEL_SHAPE)
@@ -169,11 +174,14 @@ class OptimConfig:
     # Exact on resume: the gradients rounded to bf16 change what the rest of the run computes.
     ddp_bf16_gradients: bool = option(False, "under DDP in a bf16 run, all-reduce the gradients in bf16: half the "
                                       "bytes between the GPUs, the gradients rounded to bf16 on the way; the update "
-                                      "still adds them to float32 weights", resume=EXACT)
-    attention: str = option("auto", "attention kernel for packed rows: sdpa (PyTorch's scaled_dot_product_attention "
-                            "with a mask), flex (FlexAttention with a block mask built once per micro-batch, fast on "
-                            "long sequences), auto (flex on CUDA from 1024 tokens per sequence, sdpa otherwise)",
-                            choices=("auto", "sdpa", "flex"))
+                                      "still adds them to float32 weights", resume=EXACT, before=False)
+    # "auto" said "decide" before None did; it still does (`none_spellings`).
+    attention: Optional[str] = option(None, "attention kernel for packed rows: sdpa (PyTorch's "
+                                      "scaled_dot_product_attention with a mask), flex (FlexAttention with a block "
+                                      "mask built once per micro-batch, fast on long sequences); None decides: flex "
+                                      "on CUDA from 1024 tokens per sequence, sdpa otherwise",
+                                      choices=("sdpa", "flex"), none_spellings=("auto",),
+                                      hint="leave it unset (None) to decide from the device and --max_seq_len")
     # A first run's rank 0 trains the tokenizer (streaming every row to sample up to tokenizer_max_sentences, 1M,
     # then SentencePiece, which can outlast NCCL's default 10 minutes on a slow CPU) while the other ranks wait in
     # a barrier. A dead rank still stops the run at once (the launcher ends the others); only a rank that hangs

@@ -17,7 +17,8 @@ from lowmem.data.fingerprint import changed_files, content_fingerprint
 from lowmem.data.lanes import ConsumerOrder, LayoutSpec
 from lowmem.data.plan import EpochPlan, consumer_range
 from lowmem.data.reader import RowGroupReader
-from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, build_row_group_index, warn_large_row_groups
+from lowmem.data.sources import (DEFAULT_COLUMNS, FileSpec, RowGroupIndex, build_row_group_index,
+                                 warn_large_row_groups)
 from lowmem.data.windows import SourceCache, Window, read_window, row_origin
 from lowmem.errors import DataContentChanged, DataError
 from lowmem.memory import MemoryBudget
@@ -95,6 +96,7 @@ class ParquetStream(ConsumerNumbering, IterableDataset):
             values; a position stays exact).
         allow_changed_content: load a saved position whose files have the same names and row counts but
             other content (`lowmem.data.fingerprint`) with a warning, instead of refusing it.
+        index: the row-group index of `files` with `columns`, when it was built already; else built here.
 
     Each consumer (a rank, or a DataLoader worker of a rank) yields exactly `total_rows // consumers`
     rows per epoch, minus rows with a null or empty value, which are skipped and counted. A saved position
@@ -120,6 +122,7 @@ class ParquetStream(ConsumerNumbering, IterableDataset):
         mix_row_groups: int = DEFAULT_MIX_ROW_GROUPS,
         bad_text: str = "refuse",
         allow_changed_content: bool = False,
+        index: RowGroupIndex | None = None,
     ):
         super().__init__()
         _check_arguments(columns, buffer_size, rank, world_size, num_workers, mix_row_groups)
@@ -134,7 +137,8 @@ class ParquetStream(ConsumerNumbering, IterableDataset):
         self.num_workers = int(num_workers)
         self.drop_remainder = bool(drop_remainder)
         self.max_rows = None if max_rows is None else int(max_rows)
-        self.index = build_row_group_index(files, self.columns)
+        # An index built already (the memory plan's, of the same files and columns) is not built again.
+        self.index = index if index is not None else build_row_group_index(files, self.columns)
         self._content: dict[str, Any] | None = None  # the files' content fingerprint, computed when first needed
 
         budget = MemoryBudget.detect() if ultra_low_mem is None or large_row_group_bytes is None else None

@@ -2,7 +2,7 @@
 (with its compile workers bounded on a low memory budget), fixed batch shapes, the attention kernel for packed
 rows, and bf16 autocast for evaluation and generation.
 
-The automatic choices (a config value of None, or "auto") are settled in one place, `speed_settings`, from the
+The automatic choices (a config value of None) are settled in one place, `speed_settings`, from the
 device: what pays on a GPU (compiled kernels, shapes that never change) costs more than it gains on a CPU.
 """
 
@@ -19,6 +19,7 @@ from typing import Any, ContextManager
 import torch
 
 from lowmem.config import OptimConfig, TrainConfig
+from lowmem.config.option import automatic
 from lowmem.errors import ConfigError
 from lowmem.distributed.accelerator import bf16_supported
 from lowmem.memory.data_settings import MemorySettings
@@ -73,7 +74,7 @@ def enable_tf32(on_gpu: bool) -> bool:
     return True
 
 
-# From this many tokens per sequence, attention over packed rows runs on FlexAttention when `attention=auto`:
+# From this many tokens per sequence, attention over packed rows runs on FlexAttention when `attention` is unset:
 # SDPA's kernels that take a mask cannot use flash attention (2.8x plain causal attention at 4,096 tokens on an
 # H200), while at the 192 tokens of the default configs the masked kernel costs little (0.34 against 0.27 ms).
 FLEX_ATTENTION_FROM_TOKENS = 1024
@@ -116,9 +117,9 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
 
     compile and static_shapes left unset (None) are on with CUDA and off on the CPU; under FSDP or DeepSpeed
     (`sharded`) compile is left to `--compile=True`: their hooks around every block split a whole-model graph,
-    and neither combination has run on a GPU here. attention "auto" is flex on CUDA for packed rows of at least
-    FLEX_ATTENTION_FROM_TOKENS tokens without dropout (FlexAttention has none), sdpa otherwise. Raises
-    ConfigError for a combination that cannot run.
+    and neither combination has run on a GPU here. attention left unset (None, or its older spelling "auto") is
+    flex on CUDA for packed rows of at least FLEX_ATTENTION_FROM_TOKENS tokens without dropout (FlexAttention has
+    none), sdpa otherwise. Raises ConfigError for a combination that cannot run.
     """
     on_gpu = device_type == "cuda"
     compiled = on_gpu and not sharded if config.compile is None else bool(config.compile)
@@ -128,14 +129,13 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
     if problem and config.compile_backend == "inductor":
         compiled = False  # left unset: eager, said in the speed settings' line (--compile=True would fail here)
     static = on_gpu if config.static_shapes is None else bool(config.static_shapes)
-    if config.attention == "auto":
+    attention = None if automatic(OptimConfig, "attention", config.attention) else config.attention
+    if attention is None:
         long_rows = config.max_seq_len >= FLEX_ATTENTION_FROM_TOKENS
         attention = "flex" if on_gpu and config.pack_rows and long_rows and config.dropout == 0 else "sdpa"
-    else:
-        attention = config.attention
     if attention == "flex" and not on_gpu:
         raise ConfigError("--attention=flex trains on a GPU only: torch has no FlexAttention backward pass on the "
-                          "CPU. Pass --attention=sdpa (or leave it at auto) to train here.")
+                          "CPU. Pass --attention=sdpa (or leave it unset) to train here.")
     if attention == "flex" and config.dropout > 0:
         raise ConfigError(f"--attention=flex has no dropout on the attention weights, but --dropout={config.dropout}: "
                           "pass --attention=sdpa, or --dropout=0.")

@@ -15,10 +15,10 @@ from lowmem.atomic_files import file_built_aside, write_json_atomic
 from lowmem.distributed.accelerator import create_accelerator
 from lowmem.eval.validation import EvalResult, bleu4, evaluate
 from lowmem.model import GPT
-from lowmem.checkpoint.contents import TRAINER_STATE_FILE
-from lowmem.checkpoint.export import TRAIN_CONFIG_FILE, find_model_folder, load_model_folder
+from lowmem.checkpoint.export import find_model_folder, load_model_folder, trained_config
 from lowmem.checkpoint.run_lock import lock_run_folder
-from lowmem.config import TrainConfig
+from lowmem.config import DataConfig, TrainConfig
+from lowmem.config.settle import settled_for_model
 from lowmem.config.demo import is_demo_file
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.data.path_checks import check_data_files
@@ -47,41 +47,12 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
             lock.release()
 
 
-def saved_training_config(folder: Path) -> dict[str, Any]:
-    """The settings the model in `folder` was trained with: its train_config.json (best/, final/) or its
-    checkpoint's trainer state; empty when neither can be read."""
-    for path in (folder / TRAIN_CONFIG_FILE, folder / TRAINER_STATE_FILE):
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
-            saved = data.get("config", data) if path.name == TRAINER_STATE_FILE else data
-            return saved if isinstance(saved, dict) else {}
-    return {}
-
-
-def trained_like(config: TrainConfig, folder: Path, saved: dict[str, Any] | None = None) -> TrainConfig:
-    """`config` with the columns and the loss targets the model in `folder` was trained with (`saved`, read from
-    the folder when not given), where the command did not give them: a model pretrained on one text column is scored
-    and prompted as such, and the loss counts the tokens its training counted."""
-    saved = saved_training_config(folder) if saved is None else saved
-    changes: dict[str, Any] = {}
-    if not config.text_column and saved.get("text_column"):
-        changes["text_column"] = saved["text_column"]
-    if config.loss_on_response_only is None and saved.get("loss_on_response_only") is not None:
-        changes["loss_on_response_only"] = bool(saved["loss_on_response_only"])
-    if changes:
-        logger.info("As %s was trained: %s.", folder, ", ".join(f"--{name}={value}" for name, value in changes.items()))
-    return dataclasses.replace(config, **changes)
-
-
 def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | None, test_file: str | None,
                      bleu_samples: int) -> dict[str, Any]:
     folder = find_model_folder(config.output_dir, checkpoint)
-    saved = saved_training_config(folder)
-    config = trained_like(config, folder, saved)
-    config.test_file = test_file or test_file_for(config, folder, saved)
+    saved = trained_config(folder)
+    config = settled_for_model(config, saved, folder)
+    config = dataclasses.replace(config, test_file=test_file or test_file_for(config, folder, saved or {}))
     check_data_files(config, ("test_file",))
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, accelerator.device)
     model.use_memory_savers(loss_chunk_tokens=config.loss_chunk_tokens)  # the test loss without whole logits
@@ -112,7 +83,7 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
     return summary
 
 
-def test_file_for(config: TrainConfig, folder: Path, saved: dict[str, Any]) -> str:
+def test_file_for(config: DataConfig, folder: Path, saved: dict[str, Any]) -> str:
     """The test file to score the model in `folder` on when none was given: the command's (data/test.parquet, else
     the demo's), except that a model trained on data of one's own is scored on its run's test file when that is
     found from here, and never on the demo's test set without a warning naming --test_file."""
@@ -176,7 +147,7 @@ def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint:
     With `config.text_column` set (a model pretrained on one text column), the prompt is a beginning to continue."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = find_model_folder(config.output_dir, checkpoint)
-    config = trained_like(config, folder)
+    config = settled_for_model(config, trained_config(folder), folder)
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, device)
     enable_tf32(device.type == "cuda")
     # answer()'s keyword arguments, each of its own type.

@@ -21,8 +21,9 @@ from types import ModuleType
 from typing import Any
 
 from lowmem.atomic_files import folder_built_aside
-from lowmem.checkpoint.export import find_model_folder, tokenizer_folder
+from lowmem.checkpoint.export import find_model_folder, tokenizer_folder, trained_config
 from lowmem.config import EvalConfig, TrainConfig
+from lowmem.config.settle import settled_for_model
 from lowmem.data.text_tokenizer import TextTokenizer, load_tokenizer
 from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, Tokenizer
 from lowmem.errors import ConfigError
@@ -53,6 +54,7 @@ def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = Non
     out = Path(out)
     _check_out(out)
     folder = find_model_folder(config.output_dir, checkpoint)
+    config = settled_for_model(config, trained_config(folder), folder)  # as evaluate and generate settle it
     transformers = _import_transformers()
     model_config = load_model_config(folder)
     tokenizer_dir = tokenizer_folder(folder, config.tokenizer_dir)

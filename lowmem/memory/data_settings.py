@@ -39,21 +39,26 @@ class MemorySettings:
         return self.budget_bytes // self.local_processes
 
 
-def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int, threshold_gb: float,
+def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int | None, threshold_gb: float,
                            local_processes: int, on_gpu: bool, budget_gb: float = 0.0) -> MemorySettings:
     """Choose ultra-low-mem mode, DataLoader workers and pinned memory from the host's budget.
 
-    Values given explicitly (ultra_low_mem not None, num_workers >= 0) are kept; automatic ones follow
-    the budget: below `threshold_gb`, ultra-low-mem mode, one worker on a GPU if the process's share is at
-    least `MIN_SHARE_FOR_A_WORKER_GIB` (else none), and no pinned memory (page-locked memory cannot be
-    swapped or reclaimed). On the CPU there are no workers: they would take cores from the model's own step.
+    Values given explicitly (not None) are kept; automatic ones follow the budget: below `threshold_gb`,
+    ultra-low-mem mode, one worker on a GPU if the process's share is at least `MIN_SHARE_FOR_A_WORKER_GIB`
+    (else none), and no pinned memory (page-locked memory cannot be swapped or reclaimed). On the CPU there are
+    no workers: they would take cores from the model's own step.
+
+    `num_workers` is --dataloader_num_workers: None decides, and so does a number below 0, which a config built in
+    Python may still hold (-1, the older spelling of None that the option declares; the config layer sits above
+    this one, so the range is checked here).
     """
     budget = MemoryBudget.detect(local_processes, budget_gb)
     low = budget.is_low(threshold_gb)
     auto_ultra = ultra_low_mem is None
     ultra = low if auto_ultra else bool(ultra_low_mem)
-    if num_workers >= 0:
-        workers = num_workers
+    given_workers = None if num_workers is None or num_workers < 0 else num_workers
+    if given_workers is not None:
+        workers = given_workers
     elif not on_gpu:
         workers = 0
     elif not low:
@@ -66,6 +71,6 @@ def decide_memory_settings(ultra_low_mem: bool | None, num_workers: int, thresho
         f"{budget.local_processes} process(es) "
         f"({budget.per_process_bytes / GIB:.1f} GiB each), {'below' if low else 'at or above'} the "
         f"{threshold_gb:g} GiB threshold; ultra_low_mem={ultra} ({'auto' if auto_ultra else 'set'}), "
-        f"num_workers={workers} ({'auto' if num_workers < 0 else 'set'}), pin_memory={pin}"
+        f"num_workers={workers} ({'auto' if given_workers is None else 'set'}), pin_memory={pin}"
     )
     return MemorySettings(budget.total_bytes, budget.local_processes, ultra, workers, pin, reason, low_budget=low)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Collection
 
 from lowmem.atomic_files import write_json_atomic
-from lowmem.config import TrainConfig
+from lowmem.config import ModelConfig, TrainConfig
 from lowmem.data.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
 from lowmem.errors import ConfigError
 from lowmem.hf.architectures import sliding_window
@@ -136,7 +136,7 @@ def _with_source_shape(config: TrainConfig, source: ModelSource, given: Collecti
     return dataclasses.replace(config, **values)
 
 
-def _sequence_length(config: TrainConfig, source: ModelSource, given: Collection[str]) -> int:
+def _sequence_length(config: ModelConfig, source: ModelSource, given: Collection[str]) -> int:
     """The run's --max_seq_len: a learned position table's (gpt2) always; a lowmem llama's unless given; for a
     transformers model, as given (or the default), within its context and sliding window."""
     model = source.model_config
@@ -172,7 +172,7 @@ def write_source_record(start: StartingPoint, config: TrainConfig) -> None:
     write_json_atomic(Path(config.output_dir) / SOURCE_RECORD_NAME, source_record(start, config))
 
 
-def source_record(start: StartingPoint, config: TrainConfig) -> dict[str, Any]:
+def source_record(start: StartingPoint, config: ModelConfig) -> dict[str, Any]:
     """What the run folder records of its source (`SOURCE_RECORD_NAME`): the path given, the folder read and why,
     its kind and shape, the dtypes and a fingerprint of its tensors (names, dtypes, shapes and sizes from the
     headers: another model, or the same one re-saved with other tensors, has another)."""

@@ -8,6 +8,10 @@ paragraph (exit code 2) and nothing on disk.
 
 The savers chosen are part of the run: they are saved with every checkpoint, and `--is_keep_training=True`
 applies the same ones again (the batches, and so the resume, stay exact), saying so when the budget changed.
+
+What the plan decided on the way is handed to the Trainer with the decision, which decides none of it again:
+the speed settings and the data settings (every rank), and what rank 0 read to plan (`Measured`: the tokenizer,
+the training data's index and the sample of its row lengths), which rank 0 goes on with.
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ from lowmem.config.columns import data_columns
 from lowmem.config.train_sources import training_paths
 from lowmem.data.collate import FixedShapes
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
-from lowmem.data.sources import build_row_group_index
+from lowmem.data.sources import RowGroupIndex, build_row_group_index
 from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer
+from lowmem.distributed.performance import SpeedSettings
 from lowmem.errors import ConfigError, LowmemError
 from lowmem.memory.budget import budget_source
-from lowmem.memory.data_settings import decide_memory_settings
-from lowmem.memory.levers import LEVER_FIELDS, SaverChoice, choose_savers, no_fit_message
+from lowmem.memory.data_settings import MemorySettings, decide_memory_settings
+from lowmem.memory.levers import LEVER_FIELDS, SaverChoice, choose_savers, no_fit_message, plan_inputs_of_levers
 from lowmem.memory.plan import (CUDA_CONTEXT_DEVICE_BYTES, DDP, DEEPSPEED, FSDP, SINGLE, MemoryPlan, ModelShape,
                                 PlanInputs, format_plan, plan_memory)
 from lowmem.program import command_line, launch_line
@@ -43,15 +48,6 @@ logger = logging.getLogger(__name__)
 
 # Where a checkpoint's trainer state keeps the savers the run chose (with the budget they were chosen for).
 SAVED_KEY = "memory_savers"
-
-
-def explicit_fields(config: TrainConfig, given: Collection[str] | None = None) -> frozenset[str]:
-    """The fields a user set: those named on the command line (`given`), and any that differ from the
-    defaults of the config's class (a preset's defaults count as defaults)."""
-    defaults = type(config)()
-    differing = {item.name for item in dataclasses.fields(config)
-                 if getattr(config, item.name) != getattr(defaults, item.name)}
-    return frozenset(differing | set(given or ()))
 
 
 def model_shape(config: TrainConfig, vocab_size: int, start: StartingPoint | None = None) -> ModelShape:
@@ -73,17 +69,38 @@ def measure_base_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def existing_tokenizer(config: TokenizerConfig, start: StartingPoint | None = None) -> TextTokenizer | None:
-    """The tokenizer the run will use: that of the model it starts from (`start`), else the one in `tokenizer_dir`;
-    None when none has been trained there yet."""
-    folder = start.tokenizer_folder if start is not None and start.tokenizer_folder is not None else \
+def tokenizer_folder(config: TokenizerConfig, start: StartingPoint | None = None) -> Path:
+    """Where the tokenizer the run will use is: that of the model it starts from (`start`), else `tokenizer_dir`."""
+    return start.tokenizer_folder if start is not None and start.tokenizer_folder is not None else \
         Path(config.tokenizer_dir)
+
+
+def existing_tokenizer(config: TokenizerConfig, start: StartingPoint | None = None) -> TextTokenizer | None:
+    """The tokenizer the run will use (`tokenizer_folder`); None when none has been trained there yet."""
+    folder = tokenizer_folder(config, start)
     if not has_tokenizer(folder):
         return None
     try:
         return load_tokenizer(folder)
     except LowmemError:
         return None
+
+
+@dataclass
+class Measured:
+    """What rank 0 read to plan, which the run goes on with rather than reading it again: the tokenizer (and its
+    folder; None when none existed yet), the training data's row-group index, and the sample of its row lengths
+    (`tokenized`: counted in the tokenizer's tokens, not estimated from characters). Never sent to other ranks."""
+
+    tokenizer: TextTokenizer | None = None
+    tokenizer_folder: Path | None = None
+    index: RowGroupIndex | None = None
+    sizes: BatchSizes | None = None
+    tokenized: bool = False
+
+    def sample_if_tokenized(self) -> BatchSizes | None:
+        """The sample of row lengths when it was counted in tokens (fixed shapes need real lengths)."""
+        return self.sizes if self.tokenized else None
 
 
 @dataclass(frozen=True)
@@ -123,11 +140,23 @@ def layout_of(accelerator: Any) -> RunLayout:
                      gpu_bytes=gpu_bytes)
 
 
+@dataclass
+class Planned:
+    """The plan's inputs, the largest micro-batch's positions for any number of rows (the levers need it for smaller
+    micro-batches), and the settings decided on the way (`plan_inputs`)."""
+
+    inputs: PlanInputs
+    positions_for_rows: Callable[[int], int]
+    speed: SpeedSettings
+    settings: MemorySettings
+    measured: Measured
+
+
 def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None = None,
                 tokenizer: TextTokenizer | None = None,
-                start: StartingPoint | None = None) -> tuple[PlanInputs, Callable[[int], int]]:
-    """The plan's inputs for `config` run as `layout` (starting from `start`'s model when given), and the largest
-    micro-batch's positions for any number of rows (the levers need it for smaller micro-batches)."""
+                start: StartingPoint | None = None) -> Planned:
+    """The plan's inputs for `config` run as `layout` (starting from `start`'s model when given, with `tokenizer`
+    when one exists), and the speed and data settings decided on the way."""
     from lowmem.distributed.performance import compile_worker_processes, speed_settings
 
     speed = speed_settings(config, layout.device, sharded=layout.strategy in (FSDP, DEEPSPEED))
@@ -154,8 +183,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         # FlexAttention's block mask is a few kB: only SDPA's boolean mask grows with the positions.
         sequence_width=config.max_seq_len, masked_attention=config.pack_rows and speed.attention == "sdpa",
         micro_batch_rows=config.batch_size_per_gpu, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        loss_chunk_tokens=config.loss_chunk_tokens, activation_checkpointing=config.activation_checkpointing,
-        malloc_mmap_threshold_mb=config.malloc_mmap_threshold_mb, strategy=layout.strategy,
+        **plan_inputs_of_levers(config), strategy=layout.strategy,
         deepspeed_offload=layout.deepspeed_offload, processes=layout.processes, world_size=layout.world_size,
         device=layout.device, bf16=layout.bf16, workers=settings.num_workers,
         base_bytes=measure_base_bytes() if base_bytes is None else base_bytes,
@@ -168,7 +196,8 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         load_chunk_bytes=load_slice_bytes(start.source) if start is not None and start.source is not None else 0,
         static_shapes=speed.static_shapes,
     )
-    return inputs, positions_for_rows
+    measured = Measured(tokenizer=tokenizer, index=index, sizes=sizes, tokenized=tokenizer is not None)
+    return Planned(inputs, positions_for_rows, speed, settings, measured)
 
 
 def _generation_prompts(config: TrainConfig, world_size: int) -> int:
@@ -185,7 +214,8 @@ def _generation_prompts(config: TrainConfig, world_size: int) -> int:
 
 @dataclass
 class MemoryDecision:
-    """What rank 0 decided, for every rank: the config changes, the plan, the lines to log, or why to stop."""
+    """What rank 0 decided, for every rank: the config changes, the plan, the speed and data settings, the lines to
+    log, or why to stop; and, on rank 0 only, what it read to decide (`measured`)."""
 
     changes: dict[str, Any] = field(default_factory=dict)
     plan: MemoryPlan | None = None
@@ -193,6 +223,13 @@ class MemoryDecision:
     lines: list[str] = field(default_factory=list)  # logged at start, after the training log exists
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
+    speed: SpeedSettings | None = None
+    settings: MemorySettings | None = None
+    measured: Measured = field(default_factory=Measured)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What other ranks receive: the decision, not what rank 0 read to make it (each reads its own once)."""
+        return {**self.__dict__, "measured": Measured()}
 
     def predicted_high_water(self, main: bool) -> int | None:
         return None if self.plan is None else self.plan.high_water(main)
@@ -238,7 +275,10 @@ def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], s
         decision.changes = {name: value for name, value in saved.get("changes", {}).items()
                             if name in LEVER_FIELDS and name not in explicit}
         config = dataclasses.replace(config, **decision.changes)
-    inputs, positions_for_rows = plan_inputs(config, layout, base_bytes, existing_tokenizer(config, start), start)
+    planned = plan_inputs(config, layout, base_bytes, existing_tokenizer(config, start), start)
+    inputs, positions_for_rows = planned.inputs, planned.positions_for_rows
+    decision.speed, decision.settings, decision.measured = planned.speed, planned.settings, planned.measured
+    decision.measured.tokenizer_folder = tokenizer_folder(config, start)
     if config.memory_savers == "off" or saved is not None:
         decision.plan = plan_memory(inputs)
         if saved is not None:

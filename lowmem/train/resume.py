@@ -27,16 +27,16 @@ from typing import Any
 from accelerate import Accelerator
 
 from lowmem.checkpoint.contents import TRAINER_STATE_FILE, rank_part_file, read_part_file
-from lowmem.checkpoint.folders import CheckpointManager, read_marker
+from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, OptimConfig, TrainConfig
+from lowmem.config.settle import in_effect
 from lowmem.data.elastic import merge_rank_states
 from lowmem.data.tokenizer_identity import check_same_tokenizer
 from lowmem.distributed.collectives import broadcast_from_main, run_on_main
 from lowmem.distributed.safe_load import check_checkpoint_files
 from lowmem.distributed.strategy import DEEPSPEED_DIR, FSDP_OPTIMIZER_DIR
 from lowmem.errors import ConfigError, DataContentChanged, DataError
-from lowmem.train.schedule import same_learning_rates, schedule_state_of_train_state, total_steps
-from lowmem.train.startup import in_effect
+from lowmem.train.schedule import LearningRateSchedule, schedule_state_of_train_state, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def choose_checkpoint(checkpoints: CheckpointManager, accelerator: Accelerator, 
     is_main = accelerator.is_main_process
     if resume_from is not None:
         if not allow_config_change:  # refused before newer checkpoints are set aside
-            check_weights_only(Path(resume_from), allow_config_change, is_main)
+            check_weights_only(Path(resume_from), checkpoints.marker_of(resume_from), allow_config_change, is_main)
         if Path(resume_from).is_dir():  # a checkpoint that is not data is refused before anything is set aside too
             _check_files_are_data(accelerator, Path(resume_from))
         return Path(broadcast_from_main(accelerator, lambda: str(checkpoints.resume_from(resume_from))))
@@ -93,15 +93,16 @@ def _check_files_are_data(accelerator: Accelerator, folder: Path) -> None:
     run_on_main(accelerator, lambda: check_checkpoint_files(folder, FSDP_OPTIMIZER_DIR, DEEPSPEED_DIR))
 
 
-def decide_resume(folder: Path, saved: dict[str, Any], config: TrainConfig, tokenizer_identity: dict[str, Any],
-                  run_facts: dict[str, Any], steps_per_epoch: int, allow_config_change: bool, is_main: bool = True,
+def decide_resume(folder: Path, saved: dict[str, Any], marker: dict[str, Any] | None, config: TrainConfig,
+                  tokenizer_identity: dict[str, Any], run_facts: dict[str, Any], steps_per_epoch: int,
+                  allow_config_change: bool, is_main: bool = True,
                   damaged: dict[str, list[str]] | None = None) -> ResumeDecision:
-    """Whether the run may continue from `folder` (its trainer state `saved`) with this config, tokenizer and
-    layout (`run_facts`), and how: the tokenizer and the settings compared with the saved ones (`check_resume`,
-    `check_weights_only`; `damaged` names the newer checkpoints the choice fell back from)."""
+    """Whether the run may continue from `folder` (its trainer state `saved`, its completeness `marker`) with this
+    config, tokenizer and layout (`run_facts`), and how: the tokenizer and the settings compared with the saved ones
+    (`check_resume`, `check_weights_only`; `damaged` names the newer checkpoints the choice fell back from)."""
     check_same_tokenizer(saved.get("tokenizer"), tokenizer_identity, folder)
     changes = check_resume(folder, saved, config, allow_config_change, steps_per_epoch)
-    with_optimizer = check_weights_only(folder, allow_config_change, is_main, damaged)
+    with_optimizer = check_weights_only(folder, marker, allow_config_change, is_main, damaged)
     if not with_optimizer:
         changes.append("optimizer state started afresh")
     if "schedule" not in saved:  # saved before the schedule was a part of its own: its state is in `train`
@@ -134,14 +135,13 @@ def steps_after_rescale(config: OptimConfig, step: int, epoch: int, micro_batche
     return min(total, config.max_steps) if config.max_steps else total
 
 
-def check_weights_only(folder: Path, allow_config_change: bool, is_main: bool = True,
+def check_weights_only(folder: Path, marker: dict[str, Any] | None, allow_config_change: bool, is_main: bool = True,
                        damaged: dict[str, list[str]] | None = None) -> bool:
     """True when `folder` holds the optimizer state a resume needs; a checkpoint kept for its score only (its
-    marker says "weights_only") is refused unless `allow_config_change`, which resumes with a fresh optimizer.
+    `marker` says "weights_only") is refused unless `allow_config_change`, which resumes with a fresh optimizer.
     The refusal's message is the main process's (the others raise it empty); `damaged` names the newer
     checkpoints a resume fell back from."""
-    marker = read_marker(folder) or {}
-    if not marker.get("weights_only"):
+    if not (marker or {}).get("weights_only"):
         return True
     if not allow_config_change:
         listing = "; ".join(f"{name}: {', '.join(problems)}" for name, problems in (damaged or {}).items())
@@ -164,10 +164,11 @@ def _run_length_is_harmless(saved: dict[str, Any], config: OptimConfig, steps_pe
     saved_config = saved["config"]
     old_total = total_steps(steps_per_epoch, saved_config["epochs"], saved_config["max_steps"])
     new_total = total_steps(steps_per_epoch, config.epochs, config.max_steps)
-    # The warmup the run started with (shortened to fit it, `fitted_warmup`), where the checkpoint records it.
-    warmup = int(saved.get("schedule", {}).get("warmup_steps", config.warmup_steps))
-    return same_learning_rates(int(saved["train"]["step"]), config.learn_rate, warmup, config.min_lr_ratio,
-                               old_total, new_total)
+    # The schedule as saved: its shape from the config, the warmup the run started with (shortened to fit it,
+    # `fitted_warmup`) from its own state where the checkpoint records it.
+    schedule = LearningRateSchedule.from_config(config, old_total, warmup_kept_by=None)
+    schedule.load_state_dict(saved.get("schedule", {}))
+    return schedule.same_rates(int(saved["train"]["step"]), old_total, new_total)
 
 
 def resume_differences(saved: dict[str, Any], config: TrainConfig, steps_per_epoch: int) -> tuple[list[str], list[str]]:

@@ -4,7 +4,10 @@ number of processes; a stateful part of the run."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Collection
+
+from lowmem.config import OptimConfig
+from lowmem.config.overrides import explicit_fields
 
 
 def get_lr(step: float, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
@@ -97,6 +100,21 @@ class LearningRateSchedule:
         self.anchor_virtual = 0.0
         self.virtual_total = 0  # 0: not stretched, the schedule runs over total_steps
 
+    @classmethod
+    def from_config(cls, optim: OptimConfig, total_steps: int, warmup_kept_by: str | None) -> LearningRateSchedule:
+        """The schedule of a run of `total_steps` optimizer steps, its shape as `optim` says (--learn_rate,
+        --warmup_steps, --min_lr_ratio): the one place the config is read. A resume then loads what the run changed
+        on the way (`load_state_dict`).
+
+        Args:
+            optim: the run's optimisation settings (a TrainConfig is one).
+            total_steps: the run's optimizer steps in all.
+            warmup_kept_by: the flag that keeps --warmup_steps whatever the run's length, or None to fit a warmup
+                that does not fit the run (see the class's docstring).
+        """
+        return cls(optim.learn_rate, optim.warmup_steps, optim.min_lr_ratio, total_steps,
+                   warmup_kept_by=warmup_kept_by)
+
     @property
     def stretched(self) -> bool:
         return bool(self.virtual_total)
@@ -111,6 +129,13 @@ class LearningRateSchedule:
         at, self.virtual_total = self._position(step)
         self.anchor_step, self.anchor_virtual = step, float(at)
         self.total_steps = new_total
+
+    def same_rates(self, steps_done: int, old_total: int, new_total: int) -> bool:
+        """True when the first `steps_done` steps had the same learning rate on this schedule's shape (its peak, its
+        warmup and its floor) over a run of `old_total` steps and over one of `new_total` (`same_learning_rates`):
+        a run lengthened or shortened then still continues exactly."""
+        return same_learning_rates(steps_done, self.peak_lr, self.warmup_steps, self.min_lr_ratio, old_total,
+                                   new_total)
 
     def _position(self, step: int) -> tuple[float, int]:
         """(where step `step` falls on the schedule, the schedule's length in steps)."""
@@ -160,3 +185,12 @@ def schedule_state_of_train_state(train_state: dict[str, Any]) -> dict[str, Any]
     return {"total_steps": train_state.get("total_steps", 0), "anchor_step": train_state.get("lr_anchor_step", 0),
             "anchor_virtual": train_state.get("lr_anchor_virtual", 0.0),
             "virtual_total": train_state.get("lr_virtual_total", 0)}
+
+
+def warmup_kept_by(config: OptimConfig, given: Collection[str] | None, planned_steps: int) -> str | None:
+    """The flag that keeps --warmup_steps as it is even when it does not fit the run (`fitted_warmup`): the warmup
+    given itself, or a --max_steps given that cuts the run short; None when neither was."""
+    explicit = explicit_fields(config, given)
+    if "warmup_steps" in explicit:
+        return "--warmup_steps"
+    return "--max_steps" if "max_steps" in explicit and planned_steps == config.max_steps else None

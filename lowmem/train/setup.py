@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import torch
 from accelerate import Accelerator
 
+from lowmem.checkpoint.contents import RESUME_ONLY
+from lowmem.checkpoint.folders import CheckpointManager
+from lowmem.checkpoint.listing import CheckpointFolders
 from lowmem.config import ModelConfig, OptimConfig, TrainConfig
 from lowmem.config.columns import data_columns
+from lowmem.config.settle import NEW_RUN_ARCHITECTURE
 from lowmem.config.train_sources import Source, training_paths
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.mixture import MixedStream
 from lowmem.data.collate import FixedShapes, TokenizingCollate
-from lowmem.data.sizing import sample_batch_sizes
-from lowmem.data.sources import build_row_group_index, resolve_data_files
+from lowmem.data.sizing import BatchSizes, sample_batch_sizes
+from lowmem.data.sources import RowGroupIndex, build_row_group_index, resolve_data_files
 from lowmem.data.stream_type import RowStream
 from lowmem.data.text_tokenizer import TextTokenizer, copy_tokenizer, has_tokenizer, load_tokenizer
 from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
 from lowmem.data.tokenizer_identity import (describe_files, describe_identity, read_training_record,
                                             tokenizer_identity, trained_on_same_files)
+from lowmem.distributed.accelerator import log_launcher_precision_note
 from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main
+from lowmem.eval.validation import METRIC_MODES
 from lowmem.distributed.strategy import FSDP, describe, prepare_model_and_optimizer, strategy
 from lowmem.errors import ConfigError
 from lowmem.memory.cleanup import set_malloc_mmap_threshold
@@ -36,13 +42,11 @@ from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
 from lowmem.source.load import LoadedWeights, empty_model, fill_model
 from lowmem.source.settle import StartingPoint
+from lowmem.train.log import StepLog
 from lowmem.distributed.performance import SpeedSettings, enable_tf32, maybe_compile, run_speed_settings
 
 logger = logging.getLogger(__name__)
 
-# The architecture of a new run whose config leaves it unset: the one that reached the lower validation loss
-# on the demo data in the same training time (README, "Architectures").
-NEW_RUN_ARCHITECTURE = "llama"
 
 
 def model_config_for(config: ModelConfig, vocab_size: int, start: StartingPoint | None = None) -> GPTConfig:
@@ -90,29 +94,33 @@ def check_tokenizer_data(config: TrainConfig, explicit: Collection[str]) -> None
         f"--tokenizer_dir={folder}. Nothing was written.")
 
 
-def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator,
-                     start: StartingPoint | None = None) -> tuple[TextTokenizer, dict[str, Any]]:
+def ensure_tokenizer(config: TrainConfig, accelerator: Accelerator, start: StartingPoint | None = None,
+                     loaded: TextTokenizer | None = None,
+                     loaded_from: Path | None = None) -> tuple[TextTokenizer, dict[str, Any]]:
     """Load the tokenizer, made first on the main process (while the others wait): a new run started from a model
-    copies the model's into its run folder; any other run trains one if it is missing. Returns it with its identity
-    (`tokenizer_identity`), logged in one line."""
+    copies the model's into its run folder; any other run trains one if it is missing. The tokenizer the memory plan
+    already loaded (`loaded`, from the folder `loaded_from`: `lowmem.train.memory_fit.Measured`) is the one used when
+    it is the run's. Returns it with its identity (`tokenizer_identity`), logged in one line."""
     model_path = Path(config.tokenizer_dir) / TOKENIZER_FILE
     copy_from = start.tokenizer_folder if start is not None and start.source is not None else None
 
-    def make_if_missing() -> None:
+    def make_if_missing() -> bool:
+        """Whether the run's tokenizer is another than the one read before (trained now, or copied)."""
         if copy_from is not None:  # the source's, copied afresh: the run needs no file of the source to resume
             with writing("the model's tokenizer", config.tokenizer_dir, option="--tokenizer_dir"):
                 copy_tokenizer(copy_from, config.tokenizer_dir, came_with=_source_text(start))
-            return
+            return loaded_from is None or Path(loaded_from) != Path(copy_from)
         if has_tokenizer(config.tokenizer_dir):
-            return
+            return loaded_from is None or Path(loaded_from) != Path(config.tokenizer_dir)
         logger.info("No tokenizer at %s: training one on %s (vocab_size=%d).", model_path,
                     config.train_sources or config.train_file,
                     config.vocab_size)
         with writing("the tokenizer", config.tokenizer_dir, option="--tokenizer_dir"):
             train_tokenizer_for(config)
+        return True
 
-    run_on_main(accelerator, make_if_missing)  # a failure there (bad data, a full disk) stops every rank
-    tokenizer = load_tokenizer(config.tokenizer_dir)
+    made = run_on_main(accelerator, make_if_missing)  # a failure there (bad data, a full disk) stops every rank
+    tokenizer = loaded if loaded is not None and made is False else load_tokenizer(config.tokenizer_dir)
     identity = {**tokenizer_identity(config.tokenizer_dir), "pieces": tokenizer.vocab_size}
     logger.info("Tokenizer: %d pieces, %s.", tokenizer.vocab_size, describe_identity(identity))
     if start is not None:  # the model's own: its size is the model's, not --vocab_size
@@ -128,9 +136,11 @@ def _source_text(start: StartingPoint | None) -> str | None:
     return start.source.description if start is not None and start.source is not None else None
 
 
-def shared_memory_settings(config: TrainConfig, accelerator: Accelerator) -> MemorySettings:
-    """Rank 0 decides from the memory budget and broadcasts, so no two ranks run with different settings."""
-    settings = broadcast_from_main(accelerator, lambda: decide_memory_settings(
+def shared_memory_settings(config: TrainConfig, accelerator: Accelerator,
+                           decided: MemorySettings | None = None) -> MemorySettings:
+    """The data settings of the memory budget: those the memory plan decided (`decided`), else decided by rank 0
+    and broadcast, so no two ranks run with different settings; said on every rank."""
+    settings = decided or broadcast_from_main(accelerator, lambda: decide_memory_settings(
         config.ultra_low_mem, config.dataloader_num_workers, config.ultra_low_mem_threshold_gb,
         local_processes=local_processes(accelerator),
         on_gpu=accelerator.device.type == "cuda", budget_gb=config.memory_budget_gb,
@@ -196,8 +206,10 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
 
 
 def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: Accelerator,
-                collate: TokenizingCollate, settings: MemorySettings, shuffle: bool) -> StreamLoader:
-    """A StreamLoader over this rank's share of `files`: a path, or sources to mix by weight (`training_data`)."""
+                collate: TokenizingCollate, settings: MemorySettings, shuffle: bool,
+                index: RowGroupIndex | None = None) -> StreamLoader:
+    """A StreamLoader over this rank's share of `files`: a path (whose row-group `index` the memory plan may have
+    built already), or sources to mix by weight (`training_data`)."""
     arguments = dict(
         columns=data_columns(config), buffer_size=config.dataloader_buffer_size,
         seed=config.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
@@ -209,16 +221,20 @@ def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: A
         logger.info("Training sources: %s.", mixture.describe())
         stream: RowStream[Any] = mixture
     else:
-        stream = ParquetStream(files, shuffle=shuffle, **arguments)
+        stream = ParquetStream(files, shuffle=shuffle, index=index, **arguments)
     return StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate,
                         num_workers=settings.num_workers, pin_memory=settings.pin_memory)
 
 
-def decide_fixed_shapes(config: TrainConfig, tokenizer: TextTokenizer) -> FixedShapes:
+def decide_fixed_shapes(config: TrainConfig, tokenizer: TextTokenizer, sample: BatchSizes | None = None,
+                        index: RowGroupIndex | None = None) -> FixedShapes:
     """The shapes of the run's micro-batches (`FixedShapes`), from a sample of the training rows tokenized as
-    training will; said in one line."""
-    index = build_row_group_index(training_paths(config), data_columns(config))
-    sizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer, seed=config.seed)
+    training will (`sample`, when the memory plan took it with this tokenizer; else taken from `index`, or from
+    the training files); said in one line."""
+    sizes = sample
+    if sizes is None:
+        index = index or build_row_group_index(training_paths(config), data_columns(config))
+        sizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer, seed=config.seed)
     shapes = sizes.fixed_shapes(config.batch_size_per_gpu)
     logger.info("Batch shapes: %s (sequences x tokens), fixed for the run so that compiled kernels never meet a new "
                 "one; the padding they add is never attended to or counted (--static_shapes=False shapes each "
@@ -254,3 +270,29 @@ def make_memory_monitor(config: TrainConfig, accelerator: Accelerator, settings:
     watchdog = MemoryWatchdog(share, fraction=config.memory_watchdog_fraction)
     return MemoryMonitor(memory_logger, watchdog, on_gpu=accelerator.device.type == "cuda",
                          cleanup_steps=config.cleanup_steps, memory_log_steps=config.memory_log_steps)
+
+
+def make_checkpoint_manager(config: TrainConfig, accelerator: Accelerator, all_ok: Callable[[bool], bool],
+                            folders: CheckpointFolders | None = None) -> CheckpointManager:
+    """The run's checkpoint folders: saved every --save_steps, the latest and the best --keep_latest_n_ckp by
+    --best_metric kept, the optimizer state in the newest --keep_optimizer_n_ckp; going on with the start-up's
+    listing of the run folder (`folders`) when a resume made one."""
+    return CheckpointManager(
+        config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
+        mode=METRIC_MODES[config.best_metric], is_main=accelerator.is_main_process,
+        barrier=accelerator.wait_for_everyone, all_ok=all_ok, save_every=config.save_steps, resume_only=RESUME_ONLY,
+        keep_resumable_n=config.keep_optimizer_n_ckp, folders=folders)
+
+
+def make_step_log(config: TrainConfig, accelerator: Accelerator, model: GPT, planned_steps: int) -> StepLog:
+    """The log line every --logging_steps, with the model's FLOPs per token for its MFU."""
+    return StepLog(accelerator, planned_steps, config.logging_steps, flops_per_token=model.estimate_flops_per_token(),
+                   peak_tflops=config.peak_tflops, attention_flops_per_pair=model.attention_flops_per_pair(),
+                   max_seq_len=model.config.max_seq_len)
+
+
+def log_processes(accelerator: Accelerator, config: TrainConfig) -> None:
+    """One line: the processes, their device and mixed precision (and the launcher's note on precision)."""
+    logger.info("Processes: %d on %s, mixed precision: %s.", accelerator.num_processes, accelerator.device,
+                accelerator.mixed_precision)
+    log_launcher_precision_note(accelerator, config.bf16, config.bf16_on_cpu)  # the launcher's "'no'" note

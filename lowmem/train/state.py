@@ -7,10 +7,13 @@ import dataclasses
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
+
+from lowmem.data import StreamLoader
+from lowmem.train.step import Batch, take
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +107,38 @@ def _current_device_state(saved: torch.Tensor | list[torch.Tensor]) -> torch.Ten
                    "CUDA random state is not restored (dropout draws differ from the uninterrupted run).",
                    len(saved), index)
     return None
+
+
+class LoaderPosition:
+    """The training loader as a checkpoint part: its position, except at a stop, where the batches taken for
+    a step that was not trained are given back (the position before them is saved)."""
+
+    def __init__(self, loader: StreamLoader) -> None:
+        self.loader = loader
+        self._before_step: dict[str, Any] | None = None
+        self._untrained = False
+
+    def epoch_batches(self, epoch: int) -> Iterator[Batch]:
+        self.loader.set_epoch(epoch)
+        return iter(self.loader)
+
+    def take(self, batches: Iterator[Batch], count: int) -> list[Batch]:
+        """The next `count` batches, remembering the position before them."""
+        self._before_step = self.loader.state_dict()
+        return take(batches, count)
+
+    def give_back_last_batches(self) -> None:
+        self._untrained = True
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._untrained:
+            assert self._before_step is not None  # batches were taken before any could be given back
+            return self._before_step
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def allow_changed_content(self, allow: bool) -> None:
+        """Whether a saved position over data files rewritten since the save loads (read on from it) or is refused."""
+        self.loader.stream.allow_changed_content = allow

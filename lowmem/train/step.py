@@ -43,6 +43,19 @@ class StepResult:
     attention_pairs: int = 0  # this rank's (query, key) pairs of attention over the rows' real lengths (MFU)
 
 
+@dataclass
+class StepAgreement:
+    """What every rank learned in the one small collective at the start of a step."""
+
+    target_tokens: int  # this rank's tokens the loss counts
+    input_tokens: int  # this rank's real input tokens
+    global_target_tokens: float  # over every rank
+    global_input_tokens: float
+    ranks_out: bool  # some rank ran out of rows: the epoch ends here for all
+    stop: bool  # some rank was asked to stop
+    global_rows: int  # rows of this step's micro-batches on every rank: not trained when the epoch ends here
+
+
 def take(batches: Iterator[Batch], count: int) -> list[Batch]:
     """Up to `count` next batches (fewer at the end of the epoch)."""
     taken = []

@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator, Sequence
 
@@ -34,45 +33,41 @@ from accelerate.utils import set_seed
 from tqdm import tqdm
 
 from lowmem.atomic_files import write_json_atomic
-from lowmem.checkpoint.contents import RESUME_ONLY, TrainingCheckpoint
-from lowmem.checkpoint.export import export_checkpoint, export_model
-from lowmem.checkpoint.folders import CheckpointManager
-from lowmem.checkpoint.run_lock import lock_run_folder, start_fresh_run
+from lowmem.checkpoint.contents import TrainingCheckpoint
 from lowmem.config import TrainConfig, validate_config
+from lowmem.config.read_only import read_only
+from lowmem.config.settle import settled_config
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.config.train_sources import training_data
-from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.disk_errors import writing
 from lowmem.errors import DataError
-from lowmem.distributed.accelerator import create_accelerator, ddp_settings, log_launcher_precision_note
-from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, check_shared_folder,
-                                           end_process_group, run_on_main)
-from lowmem.distributed.launcher_watch import stop_when_launcher_dies
+from lowmem.distributed.accelerator import create_accelerator, ddp_settings
+from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, run_on_main)
 from lowmem.distributed.peers import PeerWatch
 from lowmem.distributed.performance import check_cuda_graphs, release_compile_workers, run_speed_settings
 from lowmem.distributed.strategy import model_for_eval
-from lowmem.eval.commands import answer
-from lowmem.eval.validation import METRIC_MODES, EvalResult
+from lowmem.eval.validation import EvalResult
 from lowmem.eval.validator import Validator
 from lowmem.memory.collector import freeze_set_up_objects
-from lowmem.model.weights import WEIGHTS_FILE, unwrap_gpt
+from lowmem.model.weights import unwrap_gpt
 from lowmem.program import command_line
 from lowmem.progress import progress_bar
-from lowmem.run_files import LAUNCH_LOG_DIR, run_training_log, tokenizer_record_file
+from lowmem.run_files import tokenizer_record_file
 from lowmem.train.callbacks import Callback
-from lowmem.train.log import StepLog, attach_run_log, setup_training_log
-from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, explicit_fields, log_decision, settle_memory
+from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, log_decision, settle_memory
 from lowmem.train.resume import (ResumeDecision, choose_checkpoint, data_position_to_load, decide_resume,
                                  epoch_may_restart, rescale_line, steps_after_rescale)
-from lowmem.train.schedule import LearningRateSchedule, total_steps
-from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, make_loader,
-                                make_memory_monitor, shared_memory_settings, steps_per_epoch)
-from lowmem.source.settle import StartingPoint, describe_start, settle_source, write_source_record
-from lowmem.train.startup import SavedRun, settled_config, start_up
-from lowmem.train.state import RngState, TrainState
-from lowmem.train.step import (Batch, StepResult, attention_pairs, compile_each_shape, count_rows, count_tokens, take,
-                               train_step)
+from lowmem.train.schedule import LearningRateSchedule, total_steps, warmup_kept_by
+from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, log_processes,
+                                make_checkpoint_manager, make_loader, make_memory_monitor, make_step_log,
+                                shared_memory_settings, steps_per_epoch)
+from lowmem.source.settle import StartingPoint, describe_start
+from lowmem.train.startup import SavedRun, settle_run
+from lowmem.train.run_end import export_models, sample_answer
+from lowmem.train.state import LoaderPosition, RngState, TrainState
+from lowmem.train.step import (Batch, StepAgreement, StepResult, attention_pairs, compile_each_shape, count_rows,
+                               count_tokens, train_step)
 from lowmem.train.stop import GracefulStop
 from lowmem.train.tracking import Tracking, tracker_arguments
 
@@ -81,69 +76,12 @@ logger = logging.getLogger(__name__)
 UNREAD_NORMS_LIMIT = 1000
 
 
-class LoaderPosition:
-    """The training loader as a checkpoint part: its position, except at a stop, where the batches taken for
-    a step that was not trained are given back (the position before them is saved)."""
-
-    def __init__(self, loader: StreamLoader) -> None:
-        self.loader = loader
-        self._before_step: dict[str, Any] | None = None
-        self._untrained = False
-
-    def epoch_batches(self, epoch: int) -> Iterator[Batch]:
-        self.loader.set_epoch(epoch)
-        return iter(self.loader)
-
-    def take(self, batches: Iterator[Batch], count: int) -> list[Batch]:
-        """The next `count` batches, remembering the position before them."""
-        self._before_step = self.loader.state_dict()
-        return take(batches, count)
-
-    def give_back_last_batches(self) -> None:
-        self._untrained = True
-
-    def state_dict(self) -> dict[str, Any]:
-        if self._untrained:
-            assert self._before_step is not None  # batches were taken before any could be given back
-            return self._before_step
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
-
-    def allow_changed_content(self, allow: bool) -> None:
-        """Whether a saved position over data files rewritten since the save loads (read on from it) or is refused."""
-        self.loader.stream.allow_changed_content = allow
-
-
-@dataclass
-class StepAgreement:
-    """What every rank learned in the one small collective at the start of a step."""
-
-    target_tokens: int  # this rank's tokens the loss counts
-    input_tokens: int  # this rank's real input tokens
-    global_target_tokens: float  # over every rank
-    global_input_tokens: float
-    ranks_out: bool  # some rank ran out of rows: the epoch ends here for all
-    stop: bool  # some rank was asked to stop
-    global_rows: int  # rows of this step's micro-batches on every rank: not trained when the epoch ends here
-
-
-def warmup_kept_by(config: TrainConfig, given: Collection[str] | None, planned_steps: int) -> str | None:
-    """The flag that keeps --warmup_steps as it is even when it does not fit the run (`fitted_warmup`): the warmup
-    given itself, or a --max_steps given that cuts the run short; None when neither was."""
-    explicit = explicit_fields(config, given)
-    if "warmup_steps" in explicit:
-        return "--warmup_steps"
-    return "--max_steps" if "max_steps" in explicit and planned_steps == config.max_steps else None
-
-
 class Trainer:
     """Trains a GPT as a TrainConfig says; see the module's docstring for its parts.
 
     Args:
         config: the training configuration: as `run_training`'s start-up settled it when `saved_run` is given,
-            else validated and settled here as a new run's (`lowmem.train.startup.settled_config`).
+            else validated and settled here as a new run's (`lowmem.config.settle.settled_config`).
         accelerator: the run's Accelerator (default: one on the GPUs if there are any, else the CPU).
         callbacks: hooks run on every rank at fixed points (see `lowmem.train.callbacks`).
         memory: the memory plan and savers `run_training` settled (`settle_memory`); without it the config runs
@@ -161,11 +99,11 @@ class Trainer:
                  callbacks: Sequence[Callback] = (), memory: MemoryDecision | None = None,
                  given: Collection[str] | None = None, saved_run: SavedRun | None = None,
                  start: StartingPoint | None = None) -> None:
-        if saved_run is None:  # not through run_training: a new run's values (checkpoints record concrete ones)
+        if saved_run is None:  # not through run_training: settled here as a new run's, as `train` settles one
             validate_config(config)
-            if config.init_from and start is None:  # never random weights where a model was named
-                config, start = settle_source(config, explicit_fields(config, given), None, None)
-            config = settled_config(config, SavedRun())
+            if start is None:  # never random weights where a model was named
+                config, start = settle_run(config, given, SavedRun())
+            config = read_only(settled_config(config, None, given))
         self.saved_run = saved_run or SavedRun()
         self.config, self.callbacks = config, list(callbacks)
         self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
@@ -182,45 +120,40 @@ class Trainer:
             log_decision(memory)
         self.memory_decision = memory
         self.peers = PeerWatch.gather(self.accelerator, plan_line=memory.summary())
-        self.speed = run_speed_settings(config, self.accelerator)
+        # What the memory plan decided on the way is the run's: nothing of it is decided again here.
+        measured = memory.measured
+        self.speed = memory.speed or run_speed_settings(config, self.accelerator)
         check_cuda_graphs(config, self.speed)
         logger.info("Speed settings: %s.", self.speed.describe())
-        self.tokenizer, self.tokenizer_identity = ensure_tokenizer(config, self.accelerator, start)
-        settings = shared_memory_settings(config, self.accelerator)
-        logger.info("Processes: %d on %s, mixed precision: %s.", self.accelerator.num_processes,
-                    self.accelerator.device, self.accelerator.mixed_precision)
-        log_launcher_precision_note(self.accelerator, config.bf16, config.bf16_on_cpu)  # the launcher's "'no'" note
+        self.tokenizer, self.tokenizer_identity = ensure_tokenizer(config, self.accelerator, start, measured.tokenizer,
+                                                                   measured.tokenizer_folder)
+        settings = shared_memory_settings(config, self.accelerator, memory.settings)
+        log_processes(self.accelerator, config)
         self.model, self.optimizer, loaded = build_model_and_optimizer(config, self.accelerator,
                                                                        self.tokenizer.vocab_size, settings, self.speed,
                                                                        start)
         if loaded is not None and start is not None:
             logger.info(describe_start(start, loaded, unwrap_gpt(self.model).num_params(), self.tokenizer.describe()))
         # The main process samples the rows (the same choice everywhere, and one reading of the sample).
-        self.fixed_shapes = (broadcast_from_main(self.accelerator, lambda: decide_fixed_shapes(config, self.tokenizer))
-                             if self.speed.static_shapes else None)
+        self.fixed_shapes = None if not self.speed.static_shapes else broadcast_from_main(
+            self.accelerator, lambda: decide_fixed_shapes(config, self.tokenizer, measured.sample_if_tokenized(),
+                                                          measured.index))
         collate = TokenizingCollate(self.tokenizer, config.max_seq_len, data_columns(config), response_only(config),
                                     pack=config.pack_rows, fixed_shapes=self.fixed_shapes)
-        loader = make_loader(training_data(config), config, self.accelerator, collate, settings, shuffle=True)
+        loader = make_loader(training_data(config), config, self.accelerator, collate, settings, shuffle=True,
+                             index=measured.index)
         self.steps_per_epoch = steps_per_epoch(loader, config)
         planned_steps = total_steps(self.steps_per_epoch, config.epochs, config.max_steps)
 
         self.state = TrainState()
-        self.schedule = LearningRateSchedule(config.learn_rate, config.warmup_steps, config.min_lr_ratio,
-                                             planned_steps, warmup_kept_by=warmup_kept_by(config, given, planned_steps))
-        self.checkpoints = CheckpointManager(
-            config.output_dir, keep_best_n=config.keep_latest_n_ckp, metric=config.best_metric,
-            mode=METRIC_MODES[config.best_metric], is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,
-            all_ok=self._all_ok, save_every=config.save_steps, resume_only=RESUME_ONLY,
-            keep_resumable_n=config.keep_optimizer_n_ckp)
+        self.schedule = LearningRateSchedule.from_config(config, planned_steps,
+                                                         warmup_kept_by(config, given, planned_steps))
+        self.checkpoints = make_checkpoint_manager(config, self.accelerator, self._all_ok, self.saved_run.folders)
         self.data, self.rng = LoaderPosition(loader), RngState()
         self.memory = make_memory_monitor(config, self.accelerator, settings,
                                           predicted_high_water=memory.predicted_high_water(self.is_main))
         self.validator = Validator(config, self.tokenizer, self.accelerator)
-        self.step_log = StepLog(self.accelerator, planned_steps, config.logging_steps,
-                                flops_per_token=unwrap_gpt(self.model).estimate_flops_per_token(),
-                                peak_tflops=config.peak_tflops,
-                                attention_flops_per_pair=unwrap_gpt(self.model).attention_flops_per_pair(),
-                                max_seq_len=unwrap_gpt(self.model).config.max_seq_len)
+        self.step_log = make_step_log(config, self.accelerator, unwrap_gpt(self.model), planned_steps)
         self.stopper = GracefulStop()
         self.checkpoint_parts = TrainingCheckpoint(
             self.model, self.optimizer, self.accelerator,
@@ -443,7 +376,8 @@ class Trainer:
             logger.info("No complete checkpoint in %s: starting fresh.", self.config.output_dir)
             return None
         run_facts = self.checkpoint_parts.run_facts
-        decision = decide_resume(folder, self.saved_run.state_of(folder), self.config, self.tokenizer_identity,
+        decision = decide_resume(folder, self.saved_run.state_of(folder), self.checkpoints.marker_of(folder),
+                                 self.config, self.tokenizer_identity,
                                  run_facts, self.steps_per_epoch, allow_config_change, self.is_main,
                                  self.checkpoints.damage)
         planned_total = self.total_steps  # this run's length, before the checkpoint's schedule replaces it
@@ -555,103 +489,9 @@ class Trainer:
                         summary["val_loss_start"], summary["val_loss_end"], self.state.step,
                         summary["val_loss_start"] - summary["val_loss_end"], summary["seconds"])
             def export_and_sample() -> None:  # a full disk there stops every rank, not the main process only
-                self.export(final_model)
-                summary["sample"] = self.sample_answer(final_model)
+                export_models(final_model, self.config, self.checkpoints.manifest)
+                summary["sample"] = sample_answer(final_model, self.tokenizer, self.config)
 
             run_on_main(self.accelerator, export_and_sample)
         self.accelerator.wait_for_everyone()  # every rank is here before any ends the process group
         return summary
-
-    def export(self, final_model: Any) -> None:
-        """final/: the model as trained; best/: the best checkpoint's model by `best_metric` (main process)."""
-        config, output_dir = self.config, Path(self.config.output_dir)
-        # The checkpoints hold the trained weights: a failed export loses nothing, and can be made again.
-        manifest = self.checkpoints.manifest
-        latest = output_dir / str(manifest.get("latest"))
-        weights = latest / WEIGHTS_FILE
-        needed = weights.stat().st_size if weights.is_file() else None
-        kept = f"The checkpoints in {output_dir} are complete; the partial folder was removed."
-
-        def then(checkpoint: Path) -> str:
-            return f"then export it with `{command_line(f'export --out=FOLDER --checkpoint={checkpoint}')}`"
-
-        with writing("the final model", output_dir / "final", needed=needed, then=then(latest), kept=kept):
-            out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir)
-        logger.info("Model saved to %s", out_dir)
-        best = manifest.get("best") or []
-        if best:
-            with writing("the best model", output_dir / "best", needed=needed, then=then(output_dir / best[0]),
-                         kept=kept):
-                best_dir = export_checkpoint(output_dir / best[0], config, output_dir / "best",
-                                             tokenizer_dir=config.tokenizer_dir)
-            logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
-
-    def sample_answer(self, final_model: Any) -> dict[str, str]:
-        """The model's answer to the first validation prompt, logged beside the reference; with one text column,
-        its continuation of the first third of the first validation text, beside the rest."""
-        config = self.config
-        first = next(iter(ParquetStream(config.validation_file, columns=data_columns(config), shuffle=False,
-                                        bad_text=config.bad_text)))
-        if config.text_column:
-            text = first[config.text_column]
-            prompt, reference = text[: len(text) // 3], text[len(text) // 3:]
-        else:
-            prompt, reference = first[config.prompt_column], first[config.response_column]
-        # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
-        sampled = answer(final_model, self.tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
-                         seed=config.seed, bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu,
-                         continue_text=bool(config.text_column))
-        logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", prompt, sampled, reference)
-        return {"prompt": prompt, "answer": sampled}
-
-
-def run_training(config: TrainConfig, is_keep_training: bool = False, allow_config_change: bool = False,
-                 callbacks: Sequence[Callback] = (), given: Collection[str] | None = None,
-                 overwrite: bool = False, resume_from: str | Path | None = None) -> dict[str, Any]:
-    """Train as `config` says, with the training log set up; what `lowmem train` runs.
-
-    Before anything is written, the memory is planned and, with `memory_savers="auto"`, the savers the budget
-    needs are turned on (`lowmem.train.memory_fit`); a run that fits nowhere stops there.
-
-    Args:
-        config: a TrainConfig (or a preset of it), validated here.
-        is_keep_training: continue from the latest complete checkpoint in `config.output_dir`.
-        allow_config_change: resume even when settings that decide the data order, batches or schedule changed.
-        callbacks: hooks run on every rank (see `lowmem.train.callbacks`).
-        given: the fields set on the command line; with the fields that differ from the config class's defaults,
-            these are the settings the memory savers never change.
-        overwrite: a new run (not `is_keep_training`) into a folder that holds an earlier run's checkpoints
-            deletes them first; without it such a run is refused.
-        resume_from: with `is_keep_training`, the checkpoint folder of `config.output_dir` to continue from
-            instead of the newest (the newer ones are moved aside, not deleted).
-    """
-    config, saved_run, start = start_up(config, given, is_keep_training, resume_from)  # the saved run, read once
-    stop_when_launcher_dies()
-    accelerator = create_accelerator(config.gradient_accumulation_steps, config.bf16,
-                                     config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
-                                     ddp=ddp_settings(config), **tracker_arguments(config.report_to))
-    config, memory = settle_memory(config, accelerator, explicit_fields(config, given),
-                                   saved_run.memory_choice(allow_config_change), start)
-    log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LAUNCH_LOG_DIR)
-    log_decision(memory)
-    check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
-    lock = lock_run_folder(accelerator, config.output_dir, "training")
-    try:
-        if not is_keep_training:
-            start_fresh_run(accelerator, config.output_dir, overwrite)
-        attach_run_log(run_training_log(config.output_dir))  # the folder is this run's now
-        if start is not None and start.source is not None:
-            run_on_main(accelerator, lambda: write_source_record(start, config))
-        trainer = Trainer(config, accelerator, callbacks, memory=memory, given=given, saved_run=saved_run,
-                          start=start)
-        if is_keep_training:
-            trainer.resume(allow_config_change, resume_from=resume_from)
-        summary = trainer.fit()
-        # This run made the process group: it ends it while every rank is still there (fit's last step is a
-        # barrier), rather than leaving gloo's connections to the exit of processes that end one after another.
-        end_process_group()
-        return {**summary, "log_file": str(log_path), "run_log_file": str(run_training_log(config.output_dir))}
-    finally:
-        if lock is not None:
-            lock.release()
-

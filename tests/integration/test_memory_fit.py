@@ -16,7 +16,8 @@ from training_helpers import run_command, traced_losses, write_chat_rows
 
 from lowmem.cli.common import build_config
 from lowmem.config import given_fields
-from lowmem.train.memory_fit import RunLayout, decide, explicit_fields
+from lowmem.config.overrides import explicit_fields
+from lowmem.train.memory_fit import RunLayout, decide
 from lowmem.units import MB
 
 BASE_MB = 300

@@ -1,6 +1,6 @@
-"""The architecture's rules, checked on the source: no test plumbing in the package, environment variables the
-documentation lists, functions of a readable length, and a layout section (docs/architecture.md) that matches the
-tree."""
+"""The architecture's rules, checked on the source: no test plumbing in the package, no test file importing another,
+environment variables the documentation lists, functions of a readable length, and a layout section
+(docs/architecture.md) that matches the tree."""
 
 from __future__ import annotations
 
@@ -20,6 +20,21 @@ ARCHITECTURE_PAGE = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-
 LONG_BY_NATURE = {("lowmem/model/gpt.py", "forward")}
 MAX_FUNCTION_LINES = 80
 MAX_LOOP_LINES = 40
+MAX_FILE_LINES = 500
+# Files over MAX_FILE_LINES, each with the most lines it may grow to and why it is one file.
+LONG_FILES = {
+    "lowmem/model/gpt.py": (630, "the model in one file, as its readers know it from nanoGPT and transformers: "
+                                 "attention, MLP, block and the forward pass read together"),
+    "lowmem/data/stream.py": (570, "ParquetStream's iteration and its exact-resume state change together; split, "
+                                   "each half would need the other's private state"),
+    "lowmem/data/mixture.py": (560, "MixedStream: the same reason as stream.py, for several sources"),
+    "lowmem/memory/report.py": (550, "memlog's summary, verdict and plot read the same parsed records; to split "
+                                     "by output (table, verdict, plot)"),
+    "lowmem/data/hf_tokenizer.py": (545, "a transformers tokenizer's pieces, special tokens and pre-tokenizer "
+                                         "restated for the tokenizers library; to split by part"),
+    "lowmem/bench/train_bench.py": (545, "the benchmark's four phases share one set-up; to split by phase"),
+    "lowmem/data/tokenizer.py": (540, "SentencePiece training (streamed, sampled) and loading; to split in two"),
+}
 
 
 def package_sources() -> dict[str, str]:
@@ -30,6 +45,27 @@ def test_no_test_plumbing_in_the_package():
     for name, source in package_sources().items():
         assert "LOWMEM_" not in source, f"{name} names a test variable"
         assert "TestHooks" not in source and "TRACE_DIR" not in source, name
+
+
+def _imported_modules(tree: ast.AST):
+    """(module, line) for each import in `tree`, at any depth (inside functions too): `import a.b` and
+    `from a.b import c` name a.b; `from . import c` names nothing here (tests/ is no package)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module, node.lineno
+
+
+def test_no_test_file_imports_a_test_module():
+    """What tests share lies in helper modules beside tests/conftest.py (training_helpers.py, trainer_fixtures.py,
+    ...), never in a test file: renaming or splitting a test file must break no other test."""
+    tests = ROOT / "tests"
+    found = [f"{path.relative_to(ROOT).as_posix()}:{line} imports {module}"
+             for path in sorted(tests.rglob("*.py"))
+             for module, line in _imported_modules(ast.parse(path.read_text(encoding="utf-8")))
+             if module.split(".")[0].startswith("test_")]
+    assert not found, "import the shared helper module instead:\n" + "\n".join(found)
 
 
 def test_every_environment_variable_the_package_reads_is_documented():
@@ -65,6 +101,20 @@ def test_functions_stay_short():
             if lines > MAX_FUNCTION_LINES and (name, function.name) not in LONG_BY_NATURE:
                 too_long.append(f"{name}:{function.lineno} {function.name} ({lines} lines)")
     assert not too_long, too_long
+
+
+def test_files_stay_short():
+    too_long, no_longer_long = [], []
+    for name, source in package_sources().items():
+        lines = len(source.splitlines())
+        limit = LONG_FILES.get(name, (MAX_FILE_LINES, ""))[0]
+        if lines > limit:
+            too_long.append(f"{name} ({lines} lines, at most {limit})")
+        if name in LONG_FILES and lines <= MAX_FILE_LINES:
+            no_longer_long.append(name)
+    assert not too_long, f"split these by job, or give the reason in LONG_FILES: {too_long}"
+    assert not no_longer_long, f"back under {MAX_FILE_LINES} lines: take them out of LONG_FILES: {no_longer_long}"
+    assert set(LONG_FILES) <= set(package_sources()), "LONG_FILES names a file that does not exist"
 
 
 def test_the_training_loop_reads_in_one_screen():

@@ -71,6 +71,35 @@ def test_option_metadata():
         option(1, "x", resume="sometimes")
 
 
+def test_the_values_before_a_field_existed_are_declared_with_it():
+    from lowmem.config.option import values_before_the_field
+    from lowmem.config.settle import VALUES_BEFORE_THE_FIELD, in_effect
+
+    # The table start-up fills old checkpoints from, as it was written by hand before the fields declared it:
+    # some differ from today's default (a new run takes llama and mixes 16 row groups; the old runs did not).
+    table = {"dataloader_mix_row_groups": 1, "architecture": "gpt2", "text_column": "", "train_sources": "",
+             "init_from": "", "ddp_bf16_gradients": False}
+    assert values_before_the_field(TrainConfig) == VALUES_BEFORE_THE_FIELD == table
+    assert (TrainConfig().architecture, TrainConfig().dataloader_mix_row_groups) == (None, 16)
+    assert values_before_the_field(TrainConfigPretrainLarge) == table
+    # A checkpoint written before them gets each field's declared value; one that has them keeps its own.
+    old = {"n_layer": 4, "epochs": 2}
+    assert in_effect(old) == {**old, **table}
+    assert in_effect({**old, "architecture": "llama"})["architecture"] == "llama"
+
+    @dataclasses.dataclass
+    class Section:
+        always: int = option(8, "existed from the start")
+        added: int = option(8, "added later", minimum=1, before=1)
+        unset: str | None = option("x", "added later; earlier runs had none", before=None)
+
+    assert not spec_of(dataclasses.fields(Section)[0]).added_later
+    assert spec_of(dataclasses.fields(Section)[1]).added_later and spec_of(dataclasses.fields(Section)[1]).before == 1
+    assert values_before_the_field(Section) == {"added": 1, "unset": None}  # None is a value, unlike no before=
+    with pytest.raises(ValueError, match=r"before=0 is not a value the field allows \(at least 1\)"):
+        option(8, "x", minimum=1, before=0)
+
+
 def test_keep_best_n_is_an_alias_of_keep_latest_n_ckp():
     assert apply_overrides(TrainConfig(), {"keep_best_n": 7}).keep_latest_n_ckp == 7
     assert apply_overrides(TrainConfig(), {"keep-best-n": 2}).keep_latest_n_ckp == 2

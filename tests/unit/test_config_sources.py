@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from saved_runs import rewrite_trainer_state, write_saved_run
 from training_helpers import write_chat_rows
 
 from lowmem.cli import main
@@ -90,14 +91,13 @@ def test_the_large_preset_on_data_of_ones_own_gets_folders_named_after_the_data(
     write_chat_rows(tmp_path / "data" / "valid.parquet", 10, seed=2)
     write_chat_rows(tmp_path / "data" / "test.parquet", 10, seed=3)
     # The preset's folders hold a run on the demo data (the README's first try): the user's rows never go there.
-    demo_run = tmp_path / "model_save" / "pretrain_large" / "checkpoint-7"
-    demo_run.mkdir(parents=True)
-    (demo_run / "trainer_state.json").write_text(json.dumps({"config": {"train_file": "/x/demo_data/train.parquet"}}))
+    demo_run = write_saved_run(tmp_path / "model_save" / "pretrain_large", 7,
+                               {"config": {"train_file": "/x/demo_data/train.parquet"}})
     mine = printed_config(capsys, "--use_large_config=True")
     assert mine["output_dir"] == "model_save/train_pretrain_large"
     assert mine["tokenizer_dir"] == "model_save/train_pretrain_large/tokenizer"
     # An earlier large run on these rows, in the preset's folder: it goes on there, with its tokenizer.
-    (demo_run / "trainer_state.json").write_text(json.dumps({"config": {"train_file": "data/train.parquet"}}))
+    rewrite_trainer_state(demo_run, {"config": {"train_file": "data/train.parquet"}})
     earlier = printed_config(capsys, "--use_large_config=True", "--is_keep_training=True")
     assert earlier["output_dir"] == "model_save/pretrain_large"
     assert earlier["tokenizer_dir"] == "model_save/tokenizer_large"

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from data_helpers import EVERY_TOKEN_LINE
+from data_helpers import text_data as text_data, text_tokenizer as text_tokenizer  # fixtures
+from saved_runs import rewrite_trainer_state, write_saved_run
 from training_helpers import write_chat_rows
 
 from lowmem.config import TrainConfig, apply_overrides, validate_config
@@ -23,33 +24,8 @@ from lowmem.data.tokenizer import Tokenizer
 from lowmem.errors import ConfigError, DataError
 from lowmem.model import IGNORE_INDEX
 from lowmem.train.resume import resume_differences
-from lowmem.train.setup import train_tokenizer_for
-from lowmem.train.startup import read_saved_run, settle_best_metric, settle_loss_targets
-
-_SYLLABLES = list("春风明月江南归去相思落花流水千里故人长亭夜雨西楼山青云白酒醉梦")
-EVERY_TOKEN_LINE = "loss on every token (one text column)"
-
-
-def write_text_rows(path: Path, rows: int, seed: int, row_group_rows: int = 64) -> Path:
-    """Rows of one `text` column of made-up text (and an `id` column the run must not need)."""
-    rng = random.Random(seed)
-    texts = ["".join(rng.choices(_SYLLABLES, k=rng.randint(10, 40))) + "。" for _ in range(rows)]
-    pq.write_table(pa.table({"id": list(range(rows)), "text": texts}), path, row_group_size=row_group_rows)
-    return path
-
-
-@pytest.fixture(scope="module")
-def text_data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("text")
-    return write_text_rows(folder / "train.parquet", 600, seed=1), write_text_rows(folder / "valid.parquet", 40, seed=2)
-
-
-@pytest.fixture(scope="module")
-def text_tokenizer(tmp_path_factory, text_data) -> Path:
-    folder = tmp_path_factory.mktemp("tok")
-    train_tokenizer_for(apply_overrides(TrainConfig(), {"train_file": str(text_data[0]), "text_column": "text",
-                                                        "tokenizer_dir": str(folder), "vocab_size": 400}))
-    return folder
+from lowmem.config.settle import settle_best_metric, settle_loss_targets
+from lowmem.train.startup import read_saved_run
 
 
 def _config(**values) -> TrainConfig:
@@ -149,12 +125,11 @@ def test_pairs_default_to_the_response_and_every_token_when_asked(tmp_path, text
 
 # ----- resume: the saved value wins over today's default ---------------------------------------------------------
 def _saved_run(run: Path, **saved_values) -> dict:
-    """A run folder whose one checkpoint's trainer state holds a config with `saved_values`."""
+    """A run folder whose one (complete) checkpoint's trainer state holds a config with `saved_values`."""
     config = dataclasses.asdict(_config(output_dir=str(run)))
     config.update(saved_values)
     state = {"config": config, "train": {"step": 4}}
-    (run / "checkpoint-4").mkdir(parents=True)
-    (run / "checkpoint-4" / "trainer_state.json").write_text(json.dumps(state))
+    write_saved_run(run, 4, state)
     return state
 
 
@@ -162,7 +137,7 @@ def test_a_run_saved_with_every_token_resumes_with_every_token(tmp_path, caplog)
     run = tmp_path / "run"
     state = _saved_run(run, loss_on_response_only=False)
     del state["config"]["text_column"]  # saved before the field existed
-    (run / "checkpoint-4" / "trainer_state.json").write_text(json.dumps(state))
+    rewrite_trainer_state(run / "checkpoint-4", state)
     config = _config(output_dir=str(run))
     with caplog.at_level("INFO"):
         resumed = settle_loss_targets(config, read_saved_run(run).config)

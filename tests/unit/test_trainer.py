@@ -12,51 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 from fault_injection import StopAfterStep, TrainingTrace
-from training_helpers import write_chat_rows
+from trainer_fixtures import ACCUMULATION, BATCH, ROWS, tiny_config
+from trainer_fixtures import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
 
 from lowmem.checkpoint.folders import file_crc32
-from lowmem.config import TrainConfig, apply_overrides
+from lowmem.config import TrainConfig
 from lowmem.train.callbacks import Callback, StepResult
 from lowmem.train.schedule import get_lr, stretched_step
 from lowmem.train.trainer import Trainer
 
-ROWS, BATCH, ACCUMULATION = 200, 8, 2
 STEPS_PER_EPOCH = ROWS // (BATCH * ACCUMULATION)  # 12
-
-
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat")
-    return (write_chat_rows(folder / "train.parquet", ROWS, seed=1),
-            write_chat_rows(folder / "valid.parquet", 20, seed=2))
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory, chat_data):
-    """One tokenizer for every test here: training it is the slow part of a tiny run."""
-    from lowmem.train.setup import train_tokenizer_for
-
-    folder = tmp_path_factory.mktemp("tok")
-    train_tokenizer_for(tiny_config(folder, chat_data, folder))
-    return folder
-
-
-def tiny_config(folder: Path, chat_data, tokenizer_dir: Path, **overrides) -> TrainConfig:
-    train, valid = chat_data
-    values = dict(train_file=str(train), validation_file=str(valid), test_file=str(valid),
-                  tokenizer_dir=str(tokenizer_dir), output_dir=str(folder / "run"), vocab_size=400, n_layer=2,
-                  n_head=2, n_embd=32, max_seq_len=64, batch_size_per_gpu=BATCH,
-                  gradient_accumulation_steps=ACCUMULATION, dataloader_buffer_size=50, logging_steps=5,
-                  warmup_steps=2, sample_max_new_tokens=8, eval_bleu_samples=0, eval_max_new_tokens=8, epochs=1,
-                  dropout=0.1, save_steps=100, keep_latest_n_ckp=1, best_metric="val_loss")
-    values.update(overrides)
-    return apply_overrides(TrainConfig(), values)
-
-
-@pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the memory and training logs go to ./logs
-    return tmp_path
 
 
 class Recorder(Callback):
@@ -165,33 +130,50 @@ def test_a_resumed_trainer_continues_exactly(in_tmp, chat_data, tokenizer_dir, a
     assert resumed_trace.rows == reference.rows[rows_before:]
 
 
-def run_epoch(trainer: Trainer) -> int | None:
-    """The steps of the current epoch as `fit` takes them, until a rank runs out of rows (returns the rows, on every
-    rank, of the short step not taken: the epoch ended) or the step budget ends (returns None)."""
-    batches = trainer.data.epoch_batches(trainer.state.epoch)
-    while trainer.state.step < trainer.total_steps:
-        micro_batches = trainer.data.take(batches, trainer.config.gradient_accumulation_steps)
-        agreed = trainer.agree(micro_batches)
-        if agreed.ranks_out:
-            return agreed.global_rows
-        trainer.after_step(trainer.optimizer_step(micro_batches, agreed))
-    return None
+class EpochsSeen(Callback):
+    """The epoch each step was trained in, the (step, epoch) of each save, and what the first step of the second
+    epoch found: the last step saved, and whether that checkpoint was complete."""
+
+    def __init__(self) -> None:
+        self.epoch_of_step: dict[int, int] = {}
+        self.saves: list[tuple[int, int]] = []
+        self.found_in_second_epoch: tuple[int | None, bool] | None = None
+
+    def on_step_end(self, trainer, result: StepResult) -> None:
+        self.epoch_of_step[trainer.state.step] = trainer.state.epoch
+        if trainer.state.epoch == 1 and self.found_in_second_epoch is None:
+            last = trainer.checkpoints.last_saved_step
+            complete = Path(trainer.config.output_dir) / f"checkpoint-{last}" / "COMPLETE.json"
+            self.found_in_second_epoch = (last, complete.is_file())
+
+    def on_checkpoint_write(self, trainer, folder: Path) -> None:
+        self.saves.append((trainer.state.step, trainer.state.epoch))
+
+
+class StopAtFirstEpochEnd(Callback):
+    """Asks for a stop while the first epoch's end is saved: the run ends at that checkpoint, as it stands after
+    the epoch's end (the stop is agreed at the next step, and that step's batches go back untrained)."""
+
+    def on_checkpoint_write(self, trainer, folder: Path) -> None:
+        if trainer.state.epoch == 1:
+            trainer.request_stop("the end of the first epoch")
 
 
 def test_running_out_of_rows_ends_the_epoch_and_the_step_budget_does_not(in_tmp, chat_data, tokenizer_dir):
-    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2))
-    trainer.begin()
-    try:
-        epoch_ended = run_epoch(trainer)
-        assert epoch_ended is not None and trainer.state.step == STEPS_PER_EPOCH
-        trainer.end_epoch(epoch_ended)
-        assert trainer.state.epoch == 1 and trainer.checkpoints.last_saved_step == STEPS_PER_EPOCH
-        assert (in_tmp / "run" / f"checkpoint-{STEPS_PER_EPOCH}" / "COMPLETE.json").is_file()
-        trainer.total_steps = STEPS_PER_EPOCH + 3  # the budget now ends inside the second epoch
-        epoch_ended = run_epoch(trainer)
-        assert epoch_ended is None and trainer.state.step == STEPS_PER_EPOCH + 3 and not trainer.running
-    finally:
-        trainer.end()
+    # Two epochs of 12 steps, and a step budget that ends 3 steps into the second.
+    seen = EpochsSeen()
+    trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2, max_steps=STEPS_PER_EPOCH + 3),
+                      callbacks=[seen])
+    summary = trainer.fit()
+    # The rows ran out after the first epoch's 12 steps: the epoch ended there (the 8 rows of the short step not
+    # taken are counted), validated and saved, before the second epoch's first step.
+    assert seen.epoch_of_step == {step: int(step > STEPS_PER_EPOCH) for step in range(1, STEPS_PER_EPOCH + 4)}
+    assert summary["rows_not_trained"] == BATCH
+    assert seen.saves[0] == (STEPS_PER_EPOCH, 1)
+    assert seen.found_in_second_epoch == (STEPS_PER_EPOCH, True)
+    # The budget ended the run inside the second epoch: that epoch is not ended.
+    assert trainer.state.step == summary["steps"] == STEPS_PER_EPOCH + 3 and trainer.state.epoch == 1
+    assert seen.saves[1:] == [(STEPS_PER_EPOCH + 3, 1)] and not trainer.running
 
 
 @pytest.mark.parametrize("batch,pack,not_trained", [(BATCH, True, BATCH), (BATCH, False, BATCH), (10, True, 0)])
@@ -200,21 +182,16 @@ def test_the_rows_of_a_short_last_accumulation_step_are_reported_at_the_epoch_en
     # 200 rows in batches of 8: 25 batches, so 12 steps of 2 and one batch of 8 rows that is not trained (a step
     # of fewer micro-batches is not taken). In batches of 10: 20 batches, 10 whole steps, nothing left.
     trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir, epochs=2, batch_size_per_gpu=batch,
-                                  pack_rows=pack))
+                                  pack_rows=pack), callbacks=[StopAtFirstEpochEnd()])
     steps = ROWS // (batch * ACCUMULATION)
-    trainer.begin()
-    try:
-        with caplog.at_level("INFO"):
-            epoch_ended = run_epoch(trainer)
-            assert epoch_ended is not None and trainer.state.step == steps
-            trainer.end_epoch(epoch_ended)
-    finally:
-        trainer.end()
+    with caplog.at_level("INFO"):
+        summary = trainer.fit()
+    assert trainer.state.epoch == 1 and trainer.state.step == steps
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("Epoch ")]
     said = (f": {not_trained} rows of a last, short accumulation step (fewer than {ACCUMULATION} micro-batches on "
             "some process) were not trained in this epoch." if not_trained else ".")
     assert lines == [f"Epoch 1 done at step {steps}{said}"]
-    assert trainer.summary()["rows_not_trained"] == not_trained
+    assert summary["rows_not_trained"] == not_trained
     state = json.loads((in_tmp / "run" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
     assert state["train"]["rows_not_trained"] == not_trained
 
@@ -386,7 +363,7 @@ def _count_reads(monkeypatch, name: str) -> dict[str, int]:
 
 
 def test_the_start_up_reads_the_saved_run_once(in_tmp, chat_data, tokenizer_dir, monkeypatch):
-    from lowmem.train.trainer import run_training
+    from lowmem.train.run import run_training
 
     config = tiny_config(in_tmp, chat_data, tokenizer_dir, max_steps=6, save_steps=3, keep_latest_n_ckp=2,
                          keep_optimizer_n_ckp=2)

@@ -86,6 +86,39 @@ def test_the_schedule_is_a_stateful_part_that_stretches_without_a_jump():
     assert unrecorded.total_steps == 77 and not unrecorded.stretched
 
 
+def test_the_schedule_is_built_from_the_config_and_restored_from_its_own_state():
+    optim = TrainConfig(learn_rate=1e-3, warmup_steps=50, min_lr_ratio=0.2)
+    schedule = LearningRateSchedule.from_config(optim, 120, warmup_kept_by=None)
+    assert (schedule.peak_lr, schedule.configured_warmup, schedule.min_lr_ratio) == (1e-3, 50, 0.2)
+    assert schedule.warmup_steps == 12  # 50 is over a quarter of 120 steps: fitted to a tenth
+    kept = LearningRateSchedule.from_config(optim, 120, warmup_kept_by="--warmup_steps")
+    assert kept.warmup_steps == 50 and kept.warmup_kept_by == "--warmup_steps"
+
+    def restored_from(original: LearningRateSchedule) -> LearningRateSchedule:
+        # As a resume builds it: from the config, for this run's length (another one here), then its own state.
+        restored = LearningRateSchedule.from_config(optim, 1000, warmup_kept_by=None)
+        restored.load_state_dict(copy.deepcopy(original.state_dict()))
+        return restored
+
+    steps = range(200)
+    assert [restored_from(schedule).lr(step) for step in steps] == [schedule.lr(step) for step in steps]
+    schedule.stretch(60, 170)  # a resume on another number of processes at step 60
+    again = restored_from(schedule)
+    assert again.stretched and again.state_dict() == schedule.state_dict()
+    assert [again.lr(step) for step in steps] == [schedule.lr(step) for step in steps]
+    again.stretch(100, 150)  # stretched again, restored or not: the same rates, and once more restored
+    schedule.stretch(100, 150)
+    assert [again.lr(step) for step in steps] == [schedule.lr(step) for step in steps]
+    assert [restored_from(schedule).lr(step) for step in steps] == [schedule.lr(step) for step in steps]
+    # A checkpoint that recorded no warmup warmed up over --warmup_steps as configured.
+    older = LearningRateSchedule.from_config(optim, 120, warmup_kept_by=None)
+    older.load_state_dict({"total_steps": 120})
+    assert older.warmup_steps == 50
+    assert older.lr(49) == get_lr(49, 1e-3, 50, 120, 0.2)
+    # The first steps' rates under the old and a new run length, as a resume's check compares them.
+    assert older.same_rates(40, 120, 240) and not older.same_rates(60, 120, 240)
+
+
 def test_overrides_are_typed():
     config = apply_overrides(TrainConfig(), {"epochs": 5, "learn_rate": 2e-4, "batch_size_per_gpu": 24,
                                              "gradient_accumulation_steps": 4, "max_seq_len": 128,
@@ -218,17 +251,16 @@ def test_packed_rows_compute_exactly_as_rows_alone(architecture):
 
 
 def _run_folder_with_a_checkpoint(folder, saved_config: dict) -> None:
-    """A run folder whose checkpoint-7 holds a trainer state with `saved_config` (nothing else is read)."""
-    import json
+    """A run folder whose (complete) checkpoint-7 holds a trainer state with `saved_config` (nothing else is read)."""
+    from saved_runs import write_saved_run
 
-    (folder / "checkpoint-7").mkdir(parents=True)
-    (folder / "checkpoint-7" / "trainer_state.json").write_text(json.dumps({"config": saved_config}))
+    write_saved_run(folder, 7, {"config": saved_config})
 
 
 def test_the_architecture_of_a_new_run_and_of_a_resumed_one(tmp_path):
     from lowmem.train.resume import resume_differences
-    from lowmem.train.setup import NEW_RUN_ARCHITECTURE
-    from lowmem.train.startup import read_saved_run, settle_architecture
+    from lowmem.config.settle import NEW_RUN_ARCHITECTURE, settle_architecture
+    from lowmem.train.startup import read_saved_run
 
     def resumed(config: TrainConfig) -> TrainConfig:  # what a resume settles: from the run folder's saved run
         return settle_architecture(config, read_saved_run(config.output_dir).config)

@@ -1,0 +1,63 @@
+"""The end of a finished run, on the main process: final/ and best/ exported from the trained model and the
+checkpoints, and a sampled answer logged beside its reference (`Trainer.finish` calls both)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from lowmem.checkpoint.export import export_checkpoint, export_model
+from lowmem.config import TrainConfig
+from lowmem.config.columns import data_columns
+from lowmem.data import ParquetStream
+from lowmem.data.text_tokenizer import TextTokenizer
+from lowmem.disk_errors import writing
+from lowmem.eval.commands import answer
+from lowmem.model.weights import WEIGHTS_FILE
+from lowmem.program import command_line
+
+logger = logging.getLogger(__name__)
+
+
+def export_models(final_model: Any, config: TrainConfig, manifest: dict[str, Any]) -> None:
+    """final/: the model as trained; best/: the best checkpoint's model by `best_metric`, as the checkpoints'
+    `manifest` ranks them."""
+    output_dir = Path(config.output_dir)
+    # The checkpoints hold the trained weights: a failed export loses nothing, and can be made again.
+    latest = output_dir / str(manifest.get("latest"))
+    weights = latest / WEIGHTS_FILE
+    needed = weights.stat().st_size if weights.is_file() else None
+    kept = f"The checkpoints in {output_dir} are complete; the partial folder was removed."
+
+    def then(checkpoint: Path) -> str:
+        return f"then export it with `{command_line(f'export --out=FOLDER --checkpoint={checkpoint}')}`"
+
+    with writing("the final model", output_dir / "final", needed=needed, then=then(latest), kept=kept):
+        out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir)
+    logger.info("Model saved to %s", out_dir)
+    best = manifest.get("best") or []
+    if best:
+        with writing("the best model", output_dir / "best", needed=needed, then=then(output_dir / best[0]),
+                     kept=kept):
+            best_dir = export_checkpoint(output_dir / best[0], config, output_dir / "best",
+                                         tokenizer_dir=config.tokenizer_dir)
+        logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
+
+
+def sample_answer(final_model: Any, tokenizer: TextTokenizer, config: TrainConfig) -> dict[str, str]:
+    """The model's answer to the first validation prompt, logged beside the reference; with one text column,
+    its continuation of the first third of the first validation text, beside the rest."""
+    first = next(iter(ParquetStream(config.validation_file, columns=data_columns(config), shuffle=False,
+                                    bad_text=config.bad_text)))
+    if config.text_column:
+        text = first[config.text_column]
+        prompt, reference = text[: len(text) // 3], text[len(text) // 3:]
+    else:
+        prompt, reference = first[config.prompt_column], first[config.response_column]
+    # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
+    sampled = answer(final_model, tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
+                     seed=config.seed, bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu,
+                     continue_text=bool(config.text_column))
+    logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", prompt, sampled, reference)
+    return {"prompt": prompt, "answer": sampled}
