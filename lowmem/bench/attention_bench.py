@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lowmem.model.flex import document_block_mask, flex_attend
-from lowmem.model.gpt import segment_mask, sdpa_context
+from lowmem.model.attention import sdpa_context, segment_mask
 
 
 def packed_segments(batch: int, seq_len: int, rows_per_sequence: int) -> torch.Tensor:

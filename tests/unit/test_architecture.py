@@ -23,8 +23,6 @@ MAX_LOOP_LINES = 40
 MAX_FILE_LINES = 500
 # Files over MAX_FILE_LINES, each with the most lines it may grow to and why it is one file.
 LONG_FILES = {
-    "lowmem/model/gpt.py": (630, "the model in one file, as its readers know it from nanoGPT and transformers: "
-                                 "attention, MLP, block and the forward pass read together"),
     "lowmem/data/stream.py": (570, "ParquetStream's iteration and its exact-resume state change together; split, "
                                    "each half would need the other's private state"),
     "lowmem/data/mixture.py": (560, "MixedStream: the same reason as stream.py, for several sources"),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, IGNORE_INDEX, GPTConfig, KVCache
 from lowmem.model import MODEL_PRESETS
+from lowmem.model import attention as attention_module
 from lowmem.model import gpt as gpt_module
 
 # The behaviour both architectures must share: causality, the loss, the cache, padding and windows.
@@ -730,25 +731,25 @@ def packed_batch(cfg: GPTConfig,
 def recording_sdpa_kernel(monkeypatch) -> list[list]:
     """Replace the model's `sdpa_kernel` with one that records each list of backends it is entered with."""
     entered: list[list] = []
-    real = gpt_module.sdpa_kernel
+    real = attention_module.sdpa_kernel
 
     def recording(backends, *args, **kwargs):
         entered.append(list(backends))
         return real(backends, *args, **kwargs)
 
-    monkeypatch.setattr(gpt_module, "sdpa_kernel", recording)
+    monkeypatch.setattr(attention_module, "sdpa_kernel", recording)
     return entered
 
 
 def test_masked_attention_on_cuda_never_uses_cudnn():
     from torch.nn.attention import SDPBackend
 
-    backends = gpt_module.sdpa_backends(torch.device("cuda", 0), masked=True)
+    backends = attention_module.sdpa_backends(torch.device("cuda", 0), masked=True)
     assert SDPBackend.CUDNN_ATTENTION not in backends  # its masked backward has a NaN bug (pytorch#196678)
     # Flash attention takes no mask: the memory-efficient kernel does, and the math kernel takes anything.
     assert backends == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    assert gpt_module.sdpa_backends(torch.device("cuda"), masked=False) is None  # plain causal: SDPA's choice
-    assert gpt_module.sdpa_backends(torch.device("cpu"), masked=True) is None
+    assert attention_module.sdpa_backends(torch.device("cuda"), masked=False) is None  # plain causal: SDPA's choice
+    assert attention_module.sdpa_backends(torch.device("cpu"), masked=True) is None
 
 
 def test_cpu_attention_path_is_unchanged(monkeypatch):
@@ -773,11 +774,11 @@ def test_masked_attention_runs_with_the_cuda_backend_list(monkeypatch):
     model.zero_grad(set_to_none=True)
 
     entered = recording_sdpa_kernel(monkeypatch)
-    monkeypatch.setattr(gpt_module, "sdpa_backends",
-                        lambda device, masked: gpt_module.MASKED_SDPA_BACKENDS if masked else None)
+    monkeypatch.setattr(attention_module, "sdpa_backends",
+                        lambda device, masked: attention_module.MASKED_SDPA_BACKENDS if masked else None)
     _, loss = model(idx, targets, segment_ids=segments)
     loss.backward()
-    assert entered == [gpt_module.MASKED_SDPA_BACKENDS] * model.config.n_layer
+    assert entered == [attention_module.MASKED_SDPA_BACKENDS] * model.config.n_layer
     torch.testing.assert_close(loss, reference)
     for param, expected in zip(model.parameters(), reference_grads):
         assert torch.isfinite(param.grad).all()
