@@ -293,14 +293,12 @@ class _LoopTimer(Callback):
             self._start()
 
     def on_step_end(self, trainer: Any, result: Any) -> None:
-        from lowmem.train.step import attention_pairs
-
         step = trainer.state.step
         if step == self.skip_steps:
             self._start()
         elif self.skip_steps < step <= self.last:
             self.result.tokens += result.input_tokens
-            self.result.attention_pairs += attention_pairs(result.micro_batches, self.pad_id)
+            self.result.attention_pairs += result.attention_pairs
             self.result.steps += 1
             self.sampler.sample()
             if step == self.last and self.started is not None:

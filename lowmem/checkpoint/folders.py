@@ -303,7 +303,6 @@ class CheckpointManager:
         if step in self._folders.damaged and final.exists():  # saved again after a fallback: the new one
             self._set_aside(Found(step, final, None, True))  # must not delete the damaged one
         tmp.mkdir()
-        self._folders.changed()
 
     def _finish(self, step: int, tmp: Path, final: Path, score: float | None, info: dict[str, Any] | None) -> None:
         """Main process: marker last, rename into place, then retention (only now may anything be deleted)."""

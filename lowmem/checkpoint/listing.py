@@ -52,8 +52,7 @@ class CheckpointFolders:
         if self._listed is not None:
             return list(self._listed)
         found = []
-        self._entries = sorted(path for path in self.run_dir.iterdir() if path.is_dir() and not path.is_symlink()) \
-            if self.run_dir.is_dir() else []
+        self._entries = self._list_folders()
         for path in self._entries:
             if FINAL.fullmatch(path.name):
                 found.append(Found(step_of(path), path, read_marker(path), (path / MARKER_NAME).exists()))
@@ -61,9 +60,14 @@ class CheckpointFolders:
         return list(self._listed)
 
     def folders(self) -> list[Path]:
-        """Every folder in the run folder (not through a link), sorted by name, from the same listing as `scan`."""
-        self.scan()
-        return list(self._entries)
+        """Every folder in the run folder (not through a link), sorted by name: from `scan`'s listing while it holds,
+        else listed now (no marker is read)."""
+        return list(self._entries) if self._listed is not None else self._list_folders()
+
+    def _list_folders(self) -> list[Path]:
+        if not self.run_dir.is_dir():
+            return []
+        return sorted(path for path in self.run_dir.iterdir() if path.is_dir() and not path.is_symlink())
 
     def changed(self) -> None:
         """Say that a checkpoint was added, removed or rewritten here: the next `scan` lists the folder again."""

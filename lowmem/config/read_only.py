@@ -24,12 +24,11 @@ class SettledConfigError(AttributeError):
 
 def read_only(config: ConfigT) -> ConfigT:
     """A read-only copy of the dataclass `config` (itself when it is one already)."""
-    cls = type(config)
-    if getattr(cls, "_read_only_of", None) is not None:
+    if is_read_only(config):
         return config
     values = {item.name: getattr(config, item.name) for item in dataclasses.fields(config)  # type: ignore[arg-type]
               if item.init}
-    return _read_only_class(cls)(**values)
+    return _read_only_class(type(config))(**values)
 
 
 def is_read_only(config: Any) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem.checkpoint.export import trained_config
 from lowmem.checkpoint.layout import FINAL
 from lowmem.checkpoint.listing import CheckpointFolders
 from lowmem.data.tokenizer import TOKENIZER_FILE
@@ -33,7 +34,6 @@ LOWMEM, TRANSFORMERS = "lowmem", "transformers"
 TRANSFORMERS_CONFIG = "config.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 RUN_TOKENIZER_DIR = "tokenizer"  # `<run>/tokenizer/`: where a run started from a model keeps the model's tokenizer
-TRAIN_CONFIG_FILE = "train_config.json"  # beside an exported model: the settings it was trained with
 
 
 @dataclass(frozen=True)
@@ -126,23 +126,9 @@ def _lowmem_source(given: str, folder: Path, chosen: str) -> ModelSource:
         model_config = load_model_config(folder)
     except (OSError, ValueError, TypeError) as error:
         raise ConfigError(f"--init_from={given}: '{folder / MODEL_CONFIG_FILE}' cannot be read ({error}).") from error
-    trained = _trained_config(folder)
+    trained = trained_config(folder) or {}
     return ModelSource(given, folder, chosen, LOWMEM, model_config, index_entries(folder, [folder / WEIGHTS_FILE]),
                        _lowmem_tokenizer(folder, trained), trained)
-
-
-def _trained_config(folder: Path) -> dict[str, Any]:
-    """The settings a lowmem model was trained with: train_config.json beside an exported model, or a checkpoint's
-    trainer_state.json (empty when neither is readable)."""
-    for name, key in ((TRAIN_CONFIG_FILE, None), ("trainer_state.json", "config")):
-        try:
-            data = json.loads((folder / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        data = data.get(key) if key else data
-        if isinstance(data, dict):
-            return data
-    return {}
 
 
 def _lowmem_tokenizer(folder: Path, trained: dict[str, Any]) -> Path | None:

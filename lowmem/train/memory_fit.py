@@ -90,17 +90,17 @@ def existing_tokenizer(config: TokenizerConfig, start: StartingPoint | None = No
 class Measured:
     """What rank 0 read to plan, which the run goes on with rather than reading it again: the tokenizer (and its
     folder; None when none existed yet), the training data's row-group index, and the sample of its row lengths
-    (`tokenized`: counted in the tokenizer's tokens, not estimated from characters). Never sent to other ranks."""
+    (counted in the tokenizer's tokens when there was one, else estimated from characters). Never sent to other
+    ranks."""
 
     tokenizer: TextTokenizer | None = None
     tokenizer_folder: Path | None = None
     index: RowGroupIndex | None = None
     sizes: BatchSizes | None = None
-    tokenized: bool = False
 
     def sample_if_tokenized(self) -> BatchSizes | None:
         """The sample of row lengths when it was counted in tokens (fixed shapes need real lengths)."""
-        return self.sizes if self.tokenized else None
+        return self.sizes if self.tokenizer is not None else None
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         load_chunk_bytes=load_slice_bytes(start.source) if start is not None and start.source is not None else 0,
         static_shapes=speed.static_shapes,
     )
-    measured = Measured(tokenizer=tokenizer, index=index, sizes=sizes, tokenized=tokenizer is not None)
+    measured = Measured(tokenizer=tokenizer, index=index, sizes=sizes)
     return Planned(inputs, positions_for_rows, speed, settings, measured)
 
 
