@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowmem.model import GPT, GPTConfig
-from lowmem.model import gpt as gpt_module
+from lowmem.model import attention as attention_module
 
 
 @pytest.mark.parametrize("architecture", ["gpt2", "llama"])
@@ -17,8 +17,8 @@ def test_masked_attention_compiles_in_one_graph(monkeypatch, cuda_backends, arch
     """Packed rows under torch.compile: the backend choice (a no-op on the CPU, `sdpa_kernel` on a GPU,
     simulated here) traces into the graph without a break and computes what the eager model does."""
     if cuda_backends:
-        monkeypatch.setattr(gpt_module, "sdpa_backends",
-                            lambda device, masked: gpt_module.MASKED_SDPA_BACKENDS if masked else None)
+        monkeypatch.setattr(attention_module, "sdpa_backends",
+                            lambda device, masked: attention_module.MASKED_SDPA_BACKENDS if masked else None)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, max_seq_len=16, n_layer=2, n_head=2, n_embd=16, architecture=architecture))
     idx = torch.randint(0, 50, (2, 16))
