@@ -198,13 +198,13 @@ class Trainer:
                 batches = None  # the reader ends before the last validation, save and export
                 if not self.stopped:  # agreed by every rank: a signal during the last step changes nothing here
                     self.validate_and_save_when_due(final=True)
+                return self.finish()  # a rank that dies during the export is named too
             except Exception as error:
                 # Still inside the signal handlers: the launcher's SIGTERM to the survivors cannot cut this short.
                 self.peers.check(error)  # a rank of this machine died: one line instead of a traceback
                 raise
             finally:
                 self.end()
-            return self.finish()
         finally:
             self.tracking.end()  # stopped or failed too: the curves so far are flushed and closed
 
@@ -448,7 +448,8 @@ class Trainer:
         self.step_log.reset()  # the first line's tokens/s counts from here, not from the set-up and step 0's validation
 
     def end(self) -> None:
-        """After the last step, or a failure: signal handlers back, progress bar closed, last memory record."""
+        """After the last step and the export, or a failure: signal handlers back, progress bar closed, last memory
+        record."""
         self.stopper.uninstall()
         if self.progress is not None:
             self.progress.close()
