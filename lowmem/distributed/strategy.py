@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -47,18 +47,9 @@ from lowmem.distributed.collectives import broadcast_from_main
 from lowmem.distributed.safe_load import deepspeed_loads_as_data, load_distributed_checkpoint, load_torch_file
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
-from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, model_state_dict,
-                                  save_model_config, save_weights, strip_prefixes, tied_names, uncompiled, unwrap_gpt)
-
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
-_DTensor: type[DTensor] | None
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # a torch build without distributed support has no DTensor either
-    _DTensor = None
+from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, loaded_dtensor_type,
+                                  model_state_dict, save_model_config, save_weights, strip_prefixes, tied_names,
+                                  uncompiled, unwrap_gpt)
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +101,8 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
     still pending its reduction would give this rank's part through `to_local()`. `full_tensor()` is right in
     every case (a collective when a reduction is pending: every rank calls it together, as the step does).
     """
-    return value.full_tensor() if _DTensor is not None and isinstance(value, _DTensor) else value
+    dtensor = loaded_dtensor_type()
+    return value.full_tensor() if dtensor is not None and isinstance(value, dtensor) else value
 
 
 # ----- preparing --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -17,11 +18,23 @@ import torch
 from lowmem.model.config import GPTConfig
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from lowmem.model.gpt import GPT
 
 WEIGHTS_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"  # the GPT's sizes, beside its weights: together they rebuild the model
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP / DataParallel / DeepSpeedEngine
+
+def loaded_dtensor_type() -> type[DTensor] | None:
+    """DTensor's class once its module is loaded, else None (then no tensor can be one: FSDP2 loads it).
+
+    Importing torch.distributed.tensor costs about a second of every command's start-up (it brings sympy): only
+    a run that shards pays it.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside torch.compile, DDP, DataParallel, DeepSpeed and FSDP1's outer wrappers.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
@@ -24,17 +24,9 @@ from lowmem.errors import ConfigError
 from lowmem.hf.weight_map import NOT_WEIGHTS, WeightSource, transformers_weight_map
 from lowmem.model import GPT, GPTConfig
 from lowmem.model.safetensors_files import SafetensorsFiles, row_chunks
-from lowmem.model.weights import tied_names, uncompiled, unwrap
+from lowmem.model.weights import loaded_dtensor_type, tied_names, uncompiled, unwrap
 from lowmem.source.locate import LOWMEM, ModelSource
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
-_DTensor: type[DTensor] | None
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # a torch build without distributed support has no DTensor either
-    _DTensor = None
 
 # The most bytes of a file read and cast at once: what loading adds to a process beyond the model itself.
 LOAD_CHUNK_BYTES = 64 * 2**20
@@ -146,7 +138,8 @@ def fill_model(model: torch.nn.Module, source: ModelSource, plan: dict[str, Weig
 def _local_part(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
     """This process's part of a parameter and the global index of its first row: the whole parameter (row 0), or
     under FSDP2 the local shard of dim 0 (rank r holds rows r x ceil(n / world) onward, as torch.chunk splits)."""
-    if _DTensor is None or not isinstance(parameter, _DTensor):
+    dtensor = loaded_dtensor_type()
+    if dtensor is None or not isinstance(parameter, dtensor):
         return parameter.data, 0
     local = parameter.to_local()
     # The mesh dimension that shards rows (FSDP's one; HSDP replicates over another dimension first).
