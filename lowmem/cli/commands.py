@@ -37,6 +37,7 @@ import fire
 from lowmem.cli.common import ConfigPrinted, strict_flags
 from lowmem.cli.evaluation import evaluate, export, generate
 from lowmem.cli.gpu import gpu_bundle, gpu_check
+from lowmem.cli.help_text import join_args_of
 from lowmem.cli.planning import plan
 from lowmem.cli.tools import (bench_attention, bench_data, bench_memory, bench_mixing, bench_train, convert, memlog,
                               repack)
@@ -62,6 +63,7 @@ def document_options(preset: type | None = None) -> None:
         assert text is not None  # every command in _HELP_TEXTS has a docstring
         head, args = text.split("    Args:", 1)
         command.__doc__ = f"{head}    Options ({preset.__name__} defaults):\n        {options}\n\n    Args:{args}"
+    join_args_of(_HELP_TEXTS)
 
 
 def _preset_asked(argv: list[str]) -> type | None:
@@ -98,6 +100,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "gpu_check": gpu_check,
     "gpu_bundle": gpu_bundle,
 }
+join_args_of(COMMANDS.values())  # fire prints each option's help whole
 
 
 def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
@@ -110,7 +113,9 @@ def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
     from lowmem.log_format import console_handler  # one format of log lines, before training and during it
     logging.basicConfig(level=logging.INFO, handlers=[console_handler()])
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and any(arg in ("--help", "-h") for arg in argv[1:]):
+    if argv[:1] in (["--help"], ["-h"]):
+        argv = ["--", "--help"]  # the list of commands, without fire's note on how it reads a help flag
+    elif argv and any(arg in ("--help", "-h") for arg in argv[1:]):
         document_options(_preset_asked(argv[1:]))  # `train --preset=large --help` shows the preset's values
         # Commands that take **overrides would read --help as an option: ask fire for the help itself.
         argv = [argv[0], "--", "--help"]

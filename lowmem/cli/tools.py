@@ -12,6 +12,9 @@ def memlog(path: str | None = None, plot: str | None = None, json: bool = False,
            use_large_config: bool = False, **overrides: Any) -> None:
     """Summarise a run's memory logs: per rank start/peak/end RSS, growth per 1,000 steps, and a leak verdict.
 
+    Usage: `lowmem memlog PATH` (PATH as a word or --path=PATH), e.g. `lowmem memlog model_save/demo`: a run
+    writes its memory logs into <output_dir>/logs.
+
     For each rank: start, peak and end RSS, the growth in MB per 1,000 steps after warm-up (a least-squares
     slope), peak GPU memory, the lowest system available memory and what the cleanups freed; then FLAT, or
     GROWING with the step at which the budget would run out. Partly written logs are read up to the damage.
@@ -23,7 +26,8 @@ def memlog(path: str | None = None, plot: str | None = None, json: bool = False,
         plot: also draw RSS (and GPU memory) per rank against the step, with the budget line, into this PNG
             (needs matplotlib: pip install "matplotlib>=3.6").
         json: print the same data as JSON instead of a table.
-        log_dir: where the memory logs are when no run folder holds them (the launch folder's logs/).
+        log_dir: where to look when neither PATH nor train's flags name a run: the logs/ of the folder `train`
+            was started from, which links every run's memory logs (each run keeps its own in <output_dir>/logs).
         use_large_config: the run of `train --use_large_config=True` (with the same flags).
         overrides: train's flags that choose its run folder (--output_dir, --train_file, --init_from, ...).
     """

@@ -134,7 +134,8 @@ class OptimConfig:
 
     seed: int = option(42, "seed for the model initialisation, data order and sampling", resume=EXACT)
     epochs: int = option(2, "passes over the training data", minimum=1, resume=EXACT)
-    max_steps: int = option(0, "stop after this many optimizer steps in total (0 = no limit)", minimum=0,
+    max_steps: int = option(0, "stop after this many optimizer steps in total (0 = no limit); it also sets the "
+                            "schedule's length: the cosine decays to its floor by this step", minimum=0,
                             resume=EXACT)
     batch_size_per_gpu: int = option(32, "rows per micro-batch on each process", minimum=1, resume=EXACT)
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", minimum=1, resume=EXACT)
@@ -157,7 +158,8 @@ class OptimConfig:
     # Speed settings: none changes what a step computes (the losses stay equal to float rounding), so a resume
     # may change any of them. None means "decide from the device" (`lowmem.distributed.performance.speed_settings`).
     compile: Optional[bool] = option(None, "torch.compile the training model (faster steps after the first few "
-                                     "compile; checkpoints load either way); None: on with CUDA, off on the CPU",
+                                     "compile; checkpoints load either way); None: on with CUDA, off on the CPU "
+                                     "and under FSDP or DeepSpeed (their hooks split the graph: True asks anyway)",
                                      hint="leave it unset to compile on a GPU only")
     compile_backend: str = option("inductor", 'torch.compile backend ("eager" only traces the model: for debugging)')
     compile_mode: str = option("default", "torch.compile mode: default; reduce-overhead also replays each step's "
