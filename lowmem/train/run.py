@@ -15,6 +15,7 @@ from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.run_files import LAUNCH_LOG_DIR, run_training_log
 from lowmem.source.settle import write_source_record
 from lowmem.train.callbacks import Callback
+from lowmem.train.gpu_oom import is_out_of_memory, said_as_paragraph
 from lowmem.train.log import attach_run_log, setup_training_log
 from lowmem.config.overrides import explicit_fields
 from lowmem.train.memory_fit import log_decision, settle_memory
@@ -64,7 +65,12 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
                           start=start)
         if is_keep_training:
             trainer.resume(allow_config_change, resume_from=resume_from)
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        except Exception as error:
+            if is_out_of_memory(error):  # one paragraph and exit code 2 instead of CUDA's traceback
+                raise said_as_paragraph(error, config, memory.plan, is_keep_training) from error
+            raise
         # This run made the process group: it ends it while every rank is still there (fit's last step is a
         # barrier), rather than leaving gloo's connections to the exit of processes that end one after another.
         end_process_group()
