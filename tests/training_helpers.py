@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -188,3 +191,24 @@ def assert_losses_match(resumed: dict[int, float], reference: dict[int, float], 
     assert min(resumed) == after_step + 1 and max(resumed) == max(reference)
     for step, loss in resumed.items():
         assert loss == pytest.approx(reference[step], rel=1e-6), step
+
+
+@contextlib.contextmanager
+def commands_run_in(folder: Path) -> Iterator[None]:
+    """Commands run in-process from `folder` (their launch logs go there), the logging they set up taken down after:
+    the console handler a command installs must not print the next tests' log lines."""
+    root, cwd = logging.getLogger(), os.getcwd()
+    handlers, level = list(root.handlers), root.level
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)

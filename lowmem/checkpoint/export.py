@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +19,8 @@ from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_co
                                   save_weights, unwrap_gpt)
 from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer, tokenizer_files
 from lowmem.program import command_line
+
+logger = logging.getLogger(__name__)
 
 TRAIN_CONFIG_FILE = "train_config.json"  # the training settings the exported model was trained with
 
@@ -65,17 +68,52 @@ def trained_config(folder: Path) -> dict[str, Any] | None:
     return None
 
 
+def _is_model_folder(folder: Path) -> bool:
+    return (folder / WEIGHTS_FILE).is_file() and (folder / MODEL_CONFIG_FILE).is_file()
+
+
+def best_saved_checkpoint(run_dir: Path) -> tuple[Path, str] | None:
+    """The checkpoint to use when a run has no best/ or final/ (it stopped before its end), with the reason: the
+    best-scored complete checkpoint that checkpoints.json ranks, else the newest complete one; None when none.
+    A checkpoint is complete by its own marker, whatever the manifest lists."""
+    from lowmem.checkpoint.listing import CheckpointFolders
+    from lowmem.checkpoint.manifest import read_manifest
+
+    complete = {found.path.name: found for found in CheckpointFolders(run_dir).complete()
+                if _is_model_folder(found.path)}
+    if not complete:
+        return None
+    manifest = read_manifest(run_dir)
+    scores = {entry.get("name"): entry.get("score") for entry in manifest.get("checkpoints", [])
+              if isinstance(entry, dict)}
+    for name in manifest.get("best", []):
+        if name in complete:
+            score = scores.get(name)
+            shown = f"{score:.4f}" if isinstance(score, (int, float)) else "unscored"
+            return complete[name].path, f"the best-scored so far ({manifest.get('metric')} {shown})"
+    newest = max(complete.values(), key=lambda found: found.step)
+    return newest.path, "the newest (no checkpoint has a score)"
+
+
 def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> Path:
-    """The folder to load: `checkpoint` if given, else `<output_dir>/best`, else `<output_dir>/final`."""
+    """The folder to load: `checkpoint` if given, else `<output_dir>/best`, else `<output_dir>/final`, else (a run
+    stopped before its end) the best-scored complete checkpoint (`best_saved_checkpoint`), which is logged."""
     candidates = [Path(checkpoint)] if checkpoint else [Path(output_dir) / "best", Path(output_dir) / "final"]
     for folder in candidates:
-        if (folder / WEIGHTS_FILE).is_file() and (folder / MODEL_CONFIG_FILE).is_file():
+        if _is_model_folder(folder):
             return folder
     if checkpoint:
         raise ConfigError(f"No model in '{checkpoint}': pass a checkpoint-<step> folder, or a run's best/ or final/ "
                           f"folder (they hold {WEIGHTS_FILE} and {MODEL_CONFIG_FILE}).")
-    raise ConfigError(f"No trained model in '{output_dir}' (looked for best/ and final/). Train one first with "
-                      f"`{command_line('train')}`, or pass --checkpoint=PATH or --output_dir=RUN_FOLDER.")
+    saved = best_saved_checkpoint(Path(output_dir))
+    if saved is not None:
+        folder, why = saved
+        logger.info("No best/ or final/ in %s (the run stopped before its end): using %s, %s; --checkpoint=PATH "
+                    "chooses another.", output_dir, folder.name, why)
+        return folder
+    raise ConfigError(f"No trained model in '{output_dir}' (looked for best/, final/ and complete checkpoints). "
+                      f"Train one first with `{command_line('train')}`, or pass --checkpoint=PATH or "
+                      "--output_dir=RUN_FOLDER.")
 
 
 def tokenizer_folder(folder: Path, tokenizer_dir: str | Path) -> Path:

@@ -13,9 +13,10 @@ def evaluate(use_large_config: bool = False, checkpoint: str | None = None, test
              bleu_samples: int = -1, **overrides: Any) -> None:
     """Score a trained model on the test file: loss, perplexity and BLEU-4 (sacrebleu), with a baseline.
 
-    Loads the run's best/ model (else final/), or --checkpoint. Writes <output_dir>/eval/test_summary.json
-    and test_generations.jsonl (prompt, reference, generation per line). Works under `accelerate launch`
-    too: each process scores its share, every sample once.
+    Loads the run's best/ model (else final/; a run stopped before its end: its best-scored complete
+    checkpoint), or --checkpoint. Writes <output_dir>/eval/test_summary.json and test_generations.jsonl (prompt,
+    reference, generation per line). Works under `accelerate launch` too: each process scores its share, every
+    sample once.
 
     Args:
         use_large_config: take output_dir and the other settings from TrainConfigPretrainLarge.
@@ -36,7 +37,8 @@ def generate(prompt: str | None = None, use_large_config: bool = False, checkpoi
              seed: int | None = None, **overrides: Any) -> None:
     """Answer a prompt with a trained model; without --prompt, answer each line typed (empty line or Ctrl+D ends).
 
-    Loads the run's best/ model (else final/), or --checkpoint.
+    Loads the run's best/ model (else final/; a run stopped before its end: its best-scored complete
+    checkpoint), or --checkpoint.
 
     Args:
         prompt: the prompt; leave it out for an interactive loop.
@@ -59,9 +61,9 @@ def export(out: str, use_large_config: bool = False, checkpoint: str | None = No
     """Write a trained model as a folder that transformers loads offline: AutoModelForCausalLM.from_pretrained(OUT)
     and AutoTokenizer.from_pretrained(OUT), with a chat template that lays a prompt out as in training.
 
-    Exports the run's best/ model (else final/), or --checkpoint: a gpt2 model as GPT2LMHeadModel, a llama model
-    as LlamaForCausalLM. OUT must not exist (or be empty); it is written aside and renamed into place. Needs
-    transformers 4.46 or later: pip install "transformers>=4.46".
+    Exports the run's best/ model (else final/, else the best-scored complete checkpoint), or --checkpoint: a
+    gpt2 model as GPT2LMHeadModel, a llama model as LlamaForCausalLM. OUT must not exist (or be empty); it is
+    written aside and renamed into place. Needs transformers 4.46 or later: pip install "transformers>=4.46".
 
     Args:
         out: the folder to create.

@@ -141,10 +141,12 @@ def answer(model: GPT, tokenizer: TextTokenizer, prompt: str, max_new_tokens: in
 
 def generate_command(config: TrainConfig, prompt: str | None = None, checkpoint: str | None = None,
                      max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
-                     top_p: float | None = None, seed: int | None = None, stdin: TextIO = sys.stdin,
-                     stdout: TextIO = sys.stdout) -> None:
+                     top_p: float | None = None, seed: int | None = None, stdin: TextIO | None = None,
+                     stdout: TextIO | None = None) -> None:
     """Print the answer to `prompt`; without one, answer each line typed until an empty line or end of input.
-    With `config.text_column` set (a model pretrained on one text column), the prompt is a beginning to continue."""
+    With `config.text_column` set (a model pretrained on one text column), the prompt is a beginning to continue.
+    `stdin` and `stdout` default to the process's streams as they are when it is called (a redirection holds)."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = find_model_folder(config.output_dir, checkpoint)
     config = settled_for_model(config, trained_config(folder), folder)

@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 
 import torch
-from training_helpers import resume_chat_data, tiny_overrides
+from training_helpers import commands_run_in, resume_chat_data, tiny_overrides
 
 from lowmem.cli import main
 from lowmem.train.trainer import Trainer
@@ -37,7 +37,8 @@ def test_an_out_of_memory_step_is_one_paragraph_and_leaves_the_checkpoints(tmp_p
         return step(trainer, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "optimizer_step", fifth_step_out_of_memory)
-    assert main(["train", *flags]) == 2
+    with commands_run_in(tmp_path):
+        assert main(["train", *flags]) == 2
     run = tmp_path / "run"
     saved = checkpoint_files(run)
     assert any(name.startswith("checkpoint-4/") for name in saved)
@@ -48,7 +49,8 @@ def test_an_out_of_memory_step_is_one_paragraph_and_leaves_the_checkpoints(tmp_p
     assert "--activation_checkpointing=True" in stderr and "--allow_config_change" not in stderr
 
     monkeypatch.setattr(Trainer, "optimizer_step", out_of_memory)  # the resume's first step
-    assert main(["train", *flags, "--is_keep_training=True"]) == 2
+    with commands_run_in(tmp_path):
+        assert main(["train", *flags, "--is_keep_training=True"]) == 2
     stderr = capsys.readouterr().err
     assert "Resumed from" in stderr and "The GPU ran out of memory in a training step" in stderr
     assert "On a resume add --allow_config_change=True" in stderr
@@ -58,7 +60,8 @@ def test_an_out_of_memory_step_is_one_paragraph_and_leaves_the_checkpoints(tmp_p
 def test_an_out_of_memory_validation_is_named_as_such(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("lowmem.eval.validator.evaluate", out_of_memory)
     flags = [*tiny_overrides(tmp_path, *resume_chat_data(tmp_path)), "--max_steps=2", "--activation_checkpointing=True"]
-    assert main(["train", *flags]) == 2
+    with commands_run_in(tmp_path):
+        assert main(["train", *flags]) == 2
     stderr = capsys.readouterr().err
     assert "The GPU ran out of memory in a validation batch" in stderr and "Traceback" not in stderr
     assert "--activation_checkpointing=True" not in stderr.split("The GPU ran out of memory")[1]  # already on

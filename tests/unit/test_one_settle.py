@@ -4,42 +4,19 @@ and reads its checkpoint's marker once, and nothing below the start-up decides a
 from __future__ import annotations
 
 import builtins
-import contextlib
 import io
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from training_helpers import resume_chat_data, tiny_overrides
+from training_helpers import commands_run_in, resume_chat_data, tiny_overrides
 
 import lowmem.train.memory_fit as memory_fit
 from lowmem.checkpoint.layout import MARKER_NAME
 from lowmem.cli import main
 from lowmem.train.trainer import Trainer
-
-
-@contextlib.contextmanager
-def commands_run_in(folder: Path) -> Iterator[None]:
-    """Commands run in-process from `folder` (their launch logs go there), the logging they set up taken down after:
-    the console handler a command installs must not print the next tests' log lines."""
-    root, cwd = logging.getLogger(), os.getcwd()
-    handlers, level = list(root.handlers), root.level
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(cwd)
-        for handler in list(root.handlers):
-            if handler not in handlers:
-                root.removeHandler(handler)
-                handler.close()
-        for handler in handlers:
-            if handler not in root.handlers:
-                root.addHandler(handler)
-        root.setLevel(level)
 
 
 @pytest.fixture(scope="module")
