@@ -60,5 +60,10 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
                       start=start)
     for line in decision.lines + decision.warnings:
         print(line)
+    index = decision.measured.index
+    if index is not None:  # one training source (a mixture's length is planned per source at the start)
+        from lowmem.train.schedule import planned_run_line
+
+        print(planned_run_line(config, given, index.num_rows // max(num_processes, 1)))
     if decision.error is not None:
         raise ConfigError(decision.error)

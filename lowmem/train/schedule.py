@@ -194,3 +194,19 @@ def warmup_kept_by(config: OptimConfig, given: Collection[str] | None, planned_s
     if "warmup_steps" in explicit:
         return "--warmup_steps"
     return "--max_steps" if "max_steps" in explicit and planned_steps == config.max_steps else None
+
+
+def planned_run_line(config: OptimConfig, given: Collection[str] | None, rows_per_process: int) -> str:
+    """One line of a run's length before it starts (for `plan`): optimizer steps per epoch and in all, and the
+    warmup the schedule will use. `rows_per_process`: the training rows each process reads per epoch; rows with
+    empty values (skipped) and packing (several rows per sequence) make the true count a little different."""
+    per_step = config.batch_size_per_gpu * config.gradient_accumulation_steps
+    per_epoch = rows_per_process // config.batch_size_per_gpu // config.gradient_accumulation_steps
+    planned = total_steps(per_epoch, config.epochs, config.max_steps)
+    schedule = LearningRateSchedule.from_config(config, planned, warmup_kept_by(config, given, planned))
+    cut_short = planned == config.max_steps < per_epoch * config.epochs
+    cut = f", cut to --max_steps={config.max_steps:,}" if cut_short else ""
+    warmup = schedule.warmup_line() or f"Warmup {schedule.warmup_steps:,} steps."
+    return (f"Run length: about {per_epoch:,} optimizer steps per epoch ({rows_per_process:,} rows per process, "
+            f"{per_step:,} per step), {planned:,} in all over {config.epochs} epoch(s){cut}; the cosine decays "
+            f"to {config.min_lr_ratio:g} x --learn_rate by the last. {warmup}")
