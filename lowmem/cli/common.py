@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import sys
 from typing import Any, Callable
 
 from lowmem.cli.run_folder import with_run_folders
@@ -15,12 +16,17 @@ from lowmem.config.overrides import parse_bool
 from lowmem.config.sources import choose_preset, read_config_file
 
 
+# Settles a resolved config and the fields given into what `--print_config` prints: the values, and the lines
+# that say where they come from.
+SettleForPrint = Callable[[TrainConfig, frozenset[str]], tuple[dict[str, Any], list[str]]]
+
+
 class ConfigPrinted(Exception):
     """`--print_config` printed the resolved config: the command stops there, successfully."""
 
 
-def resolve_config(use_large_config: bool, overrides: dict[str, Any],
-                   demo_data: bool = True) -> tuple[TrainConfig, frozenset[str]]:
+def resolve_config(use_large_config: bool, overrides: dict[str, Any], demo_data: bool = True,
+                   settle_for_print: SettleForPrint | None = None) -> tuple[TrainConfig, frozenset[str]]:
     """The config a command runs with, and the fields the user set (in a file or as flags).
 
     From lowest to highest: the preset (`--preset`, or `--use_large_config=True`), the `--config` file, the
@@ -28,7 +34,8 @@ def resolve_config(use_large_config: bool, overrides: dict[str, Any],
     one line with `demo_data`; commands that read no data pass False); data of the user's own, or a model to start
     from, with the default run folder gets a run folder and tokenizer of its own (`with_run_folders`), for every
     command alike: `generate`, `evaluate`, `export` and `memlog` find the run `train` wrote with the same flags.
-    `--print_config` prints the result as JSON and raises ConfigPrinted.
+    `--print_config` prints the result as JSON and raises ConfigPrinted: as `settle_for_print` settles it (the
+    config the run will use, with lines on stderr that say where its values come from) where a command gives one.
     """
     flags = dict(overrides)
     preset = flags.pop("preset", None)
@@ -41,7 +48,10 @@ def resolve_config(use_large_config: bool, overrides: dict[str, Any],
     given = given_fields(config, file_values) | given_fields(config, flags)
     config = with_run_folders(with_demo_data(config, announce=demo_data), given)
     if print_config:
-        print(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
+        values, notes = settle_for_print(config, given) if settle_for_print else (dataclasses.asdict(config), [])
+        print(json.dumps(values, indent=2, ensure_ascii=False))
+        for note in notes:
+            print(note, file=sys.stderr)
         raise ConfigPrinted()
     return config, given
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from lowmem.cli.common import resolve_config
+from lowmem.cli.print_config import settle_and_plan, settled_printout
+from lowmem.config import TrainConfig
 
 
 def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str = "", device: str = "",
@@ -26,16 +28,37 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
         overrides: any config field, as for `train`.
     """
     import accelerate  # noqa: F401 - measured with the interpreter, as a training process has it
+
+    from lowmem.errors import ConfigError
+
+    config, given = resolve_config(use_large_config, overrides, settle_for_print=lambda config, given: (
+        settled_printout(config, given, is_keep_training,
+                         planned_layout(config, num_processes, strategy, device, gpu_memory_gb))))
+    layout = planned_layout(config, num_processes, strategy, device, gpu_memory_gb)
+    # The run as `train` would settle it: a resume's architecture and savers, a source model's shape and load.
+    config, decision, _ = settle_and_plan(config, given, is_keep_training, layout)
+    for line in decision.lines + decision.warnings:
+        print(line)
+    index = decision.measured.index
+    if index is not None:  # one training source (a mixture's length is planned per source at the start)
+        from lowmem.train.schedule import planned_run_line
+
+        print(planned_run_line(config, given, index.num_rows // max(num_processes, 1)))
+    if decision.error is not None:
+        raise ConfigError(decision.error)
+
+
+def planned_layout(config: TrainConfig, num_processes: int = 1, strategy: str = "", device: str = "",
+                   gpu_memory_gb: float = 0.0) -> Any:
+    """The `RunLayout` a plan is made for: `num_processes` on this machine, the strategy (ddp for several, single
+    for one), the device (cuda when a GPU is visible) and one GPU's memory (read from the GPU when not given)."""
     import torch
 
     from lowmem.config import validate_config
     from lowmem.errors import ConfigError
     from lowmem.memory.plan import DDP, DEEPSPEED, FSDP, SINGLE, STRATEGIES
-    from lowmem.config.overrides import explicit_fields
-    from lowmem.train.memory_fit import RunLayout, decide
-    from lowmem.train.startup import SavedRun, read_saved_run, settle_run
+    from lowmem.train.memory_fit import RunLayout
 
-    config, given = resolve_config(use_large_config, overrides)
     validate_config(config)
     if num_processes < 1:
         raise ConfigError(f"--num_processes must be at least 1 (it is {num_processes}).")
@@ -50,20 +73,6 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     gpu_bytes = int(gpu_memory_gb * 2**30)
     if on_gpu and not gpu_bytes and torch.cuda.is_available():
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    layout = RunLayout(strategy=strategy, processes=num_processes, world_size=num_processes,
-                       device="cuda" if on_gpu else "cpu", bf16=config.bf16 and (on_gpu or config.bf16_on_cpu),
-                       deepspeed_offload=strategy == DEEPSPEED, launcher=num_processes > 1, gpu_bytes=gpu_bytes)
-    # The run as `train` would settle it: a resume's architecture and savers, a source model's shape and load.
-    saved = read_saved_run(config.output_dir) if is_keep_training else SavedRun()
-    config, start = settle_run(config, given, saved)
-    decision = decide(config, layout, explicit_fields(config, given), saved.memory_choice(allow_config_change=False),
-                      start=start)
-    for line in decision.lines + decision.warnings:
-        print(line)
-    index = decision.measured.index
-    if index is not None:  # one training source (a mixture's length is planned per source at the start)
-        from lowmem.train.schedule import planned_run_line
-
-        print(planned_run_line(config, given, index.num_rows // max(num_processes, 1)))
-    if decision.error is not None:
-        raise ConfigError(decision.error)
+    return RunLayout(strategy=strategy, processes=num_processes, world_size=num_processes,
+                     device="cuda" if on_gpu else "cpu", bf16=config.bf16 and (on_gpu or config.bf16_on_cpu),
+                     deepspeed_offload=strategy == DEEPSPEED, launcher=num_processes > 1, gpu_bytes=gpu_bytes)

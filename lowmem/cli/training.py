@@ -61,12 +61,23 @@ def _train(use_large_config: bool, is_keep_training: bool, allow_config_change: 
            callbacks: Sequence[Any], overwrite: bool = False, resume_from_checkpoint: str | None = None) -> None:
     from lowmem.train.run import run_training
 
-    config, given = resolve_config(use_large_config, overrides)
+    config, given = resolve_config(use_large_config, overrides, settle_for_print=lambda config, given: (
+        _settled_printout(config, given, is_keep_training or bool(resume_from_checkpoint))))
     if resume_from_checkpoint:
         config, is_keep_training = resume_target(config, given, resume_from_checkpoint), True
     run_training(config, is_keep_training=is_keep_training, allow_config_change=allow_config_change,
                  callbacks=callbacks, given=given, overwrite=overwrite,
                  resume_from=str(resume_from_checkpoint) if resume_from_checkpoint else None)
+
+
+def _settled_printout(config: TrainConfig, given: frozenset[str], is_keep_training: bool
+                      ) -> tuple[dict[str, Any], list[str]]:
+    """`--print_config`: the config the run will use, planned for the processes and strategy it was launched with."""
+    from lowmem.cli.planning import planned_layout
+    from lowmem.cli.print_config import launched_layout, settled_printout
+
+    processes, strategy = launched_layout()
+    return settled_printout(config, given, is_keep_training, planned_layout(config, processes, strategy))
 
 
 def train_with(callbacks: Sequence[Any]) -> Callable[..., None]:

@@ -26,7 +26,8 @@ PRESET_CLASSES: dict[str, type[TrainConfig]] = {DEFAULT_PRESET: TrainConfig, "la
 SOURCE_FLAGS = {
     "preset": f"start from a named set of defaults: {', '.join(PRESET_CLASSES)} (large = --use_large_config=True)",
     "config": "a YAML, TOML or JSON file of config fields (the flags' names); flags given as well win over it",
-    "print_config": "print the resolved config (preset, file and flags applied) as JSON, and exit",
+    "print_config": "print the config the run will use (train and plan: settled from the saved run, the data and "
+                    "the memory plan; stderr says where each value comes from) as JSON, and exit",
 }
 assert set(PRESETS) <= set(PRESET_CLASSES), "every preset has its class"
 

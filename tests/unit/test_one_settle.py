@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import json
 import os
 import sys
 from pathlib import Path
@@ -166,3 +167,28 @@ def test_the_trainer_and_its_parts_get_the_settled_config_read_only(stopped_run,
     monkeypatch.setattr(Trainer, "begin", first_step)
     assert main(["train", *stopped_run, "--architecture=gpt2", "--max_steps=4", "--is_keep_training=True"]) == 0
     assert seen and all(is_read_only(config) for config in seen[0])
+
+
+def printed_config(capsys, *argv: str) -> tuple[dict, str]:
+    capsys.readouterr()
+    assert main(list(argv)) == 0
+    captured = capsys.readouterr()
+    return json.loads(captured.out), captured.err
+
+
+def test_print_config_shows_the_config_the_run_uses_and_where_each_value_comes_from(stopped_run, capsys):
+    from lowmem.cli.print_config import DECIDED_AT_START
+
+    fresh, said = printed_config(capsys, "train", *stopped_run, "--compile=False", "--print_config")
+    assert fresh["architecture"] == "llama"  # a new run of these flags: the default, settled
+    for name in DECIDED_AT_START:
+        assert fresh.get(name, "not a field") is not None, f"{name} printed as null"
+    decided = next(line for line in said.splitlines() if line.startswith("Decided by each process"))
+    assert "static_shapes (on with CUDA, off on the CPU)" in decided and "compile (" not in decided  # given
+    assert "compile" in next(line for line in said.splitlines() if line.startswith("Given"))
+    assert "Run length: about" in said and "Warmup 2 steps." in said
+
+    resumed, said = printed_config(capsys, "train", *stopped_run, "--is_keep_training=True", "--print_config")
+    assert resumed["architecture"] == "gpt2"  # the saved run's
+    assert "architecture" in next(line for line in said.splitlines() if line.startswith("Settled from the saved run"))
+
