@@ -7,12 +7,13 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
 from lowmem.atomic_files import folder_built_aside
 from lowmem.config import TrainConfig
+from lowmem.config.sources import saved_config_record
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
 from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights, save_model_config,
@@ -26,30 +27,37 @@ TRAIN_CONFIG_FILE = "train_config.json"  # the training settings the exported mo
 
 
 def _write_model_folder(out_dir: Path, model_config: GPTConfig, config: TrainConfig, tokenizer_dir: str,
-                        write_weights: Callable[[Path], Any]) -> Path:
-    """Weights, configs and tokenizer in one folder, written aside and renamed into place."""
+                        write_weights: Callable[[Path], Any], given: Collection[str] | None = None) -> Path:
+    """Weights, configs and tokenizer in one folder, written aside and renamed into place. The training config
+    records its preset and, when known, the fields the user `given` (`lowmem.config.sources.saved_config_values`)."""
+    values = dataclasses.asdict(config)
+    if given is not None:
+        values = {**values, **saved_config_record(config, given)}
     with folder_built_aside(out_dir) as folder:
         write_weights(folder / WEIGHTS_FILE)
         save_model_config(model_config, folder)
-        (folder / TRAIN_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2, ensure_ascii=False))
+        (folder / TRAIN_CONFIG_FILE).write_text(json.dumps(values, indent=2, ensure_ascii=False))
         for path in tokenizer_files(tokenizer_dir, essential=True):  # the model's tokenizer beside it, whichever kind
             shutil.copy(path, folder / path.name)
     return out_dir
 
 
-def export_model(model: GPT, config: TrainConfig, out_dir: Path, tokenizer_dir: str) -> Path:
+def export_model(model: GPT, config: TrainConfig, out_dir: Path, tokenizer_dir: str,
+                 given: Collection[str] | None = None) -> Path:
     """Export the model as it is: weights (safetensors), the configs that rebuild it, and its tokenizer.
 
     `model` is a whole GPT (see `lowmem.distributed.strategy.model_for_eval`), plain or wrapped by torch.compile.
     """
     plain = unwrap_gpt(model)
-    return _write_model_folder(out_dir, plain.config, config, tokenizer_dir, lambda path: save_weights(model, path))
+    return _write_model_folder(out_dir, plain.config, config, tokenizer_dir, lambda path: save_weights(model, path),
+                               given)
 
 
-def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, tokenizer_dir: str) -> Path:
+def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, tokenizer_dir: str,
+                      given: Collection[str] | None = None) -> Path:
     """Export a checkpoint's model (for `generate` and `evaluate`) without loading it."""
     return _write_model_folder(out_dir, load_model_config(checkpoint), config, tokenizer_dir,
-                               lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path))
+                               lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path), given)
 
 
 def trained_config(folder: Path) -> dict[str, Any] | None:
@@ -75,24 +83,26 @@ def _is_model_folder(folder: Path) -> bool:
 def best_saved_checkpoint(run_dir: Path) -> tuple[Path, str] | None:
     """The checkpoint to use when a run has no best/ or final/ (it stopped before its end), with the reason: the
     best-scored complete checkpoint that checkpoints.json ranks, else the newest complete one; None when none.
-    A checkpoint is complete by its own marker, whatever the manifest lists."""
+    A checkpoint is complete by its own marker and its files' sizes, whatever the manifest lists."""
     from lowmem.checkpoint.listing import CheckpointFolders
     from lowmem.checkpoint.manifest import read_manifest
+    from lowmem.checkpoint.marker import verify_checkpoint
 
-    complete = {found.path.name: found for found in CheckpointFolders(run_dir).complete()
-                if _is_model_folder(found.path)}
-    if not complete:
-        return None
+    def intact(found: Any) -> bool:
+        return _is_model_folder(found.path) and not verify_checkpoint(
+            found.path, check_hashes=False, marker=found.marker, has_marker_file=found.has_marker_file)
+
+    complete = {found.path.name: found for found in CheckpointFolders(run_dir).complete()}
     manifest = read_manifest(run_dir)
     scores = {entry.get("name"): entry.get("score") for entry in manifest.get("checkpoints", [])
               if isinstance(entry, dict)}
     for name in manifest.get("best", []):
-        if name in complete:
+        if name in complete and intact(complete[name]):
             score = scores.get(name)
             shown = f"{score:.4f}" if isinstance(score, (int, float)) else "unscored"
-            return complete[name].path, f"the best-scored so far ({manifest.get('metric')} {shown})"
-    newest = max(complete.values(), key=lambda found: found.step)
-    return newest.path, "the newest (no checkpoint has a score)"
+            return complete[name].path, f"the best-scored complete checkpoint so far ({manifest.get('metric')} {shown})"
+    newest = next((found for found in sorted(complete.values(), key=lambda found: -found.step) if intact(found)), None)
+    return None if newest is None else (newest.path, "the newest complete checkpoint (none has a score)")
 
 
 def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> Path:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from lowmem.config.overrides import config_aliases, config_fields
 from lowmem.config.train_config import PRESETS, TrainConfig, TrainConfigPretrainLarge
@@ -19,7 +20,12 @@ from lowmem.config.train_sources import sources_text
 from lowmem.errors import ConfigError
 from lowmem.program import command_line
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_PRESET = "default"
+# In a run's saved train_config.json: the fields the user gave, which `--config` applies again (the others were
+# chosen for the host it ran on: the memory plan's savers and micro-batches, the values settled at start).
+GIVEN_KEY = "given_fields"
 # The preset name → its config class; `--use_large_config=True` is `--preset=large`.
 PRESET_CLASSES: dict[str, type[TrainConfig]] = {DEFAULT_PRESET: TrainConfig, "large": TrainConfigPretrainLarge}
 # The flags that choose where the config comes from rather than setting a field (`--help` lists them).
@@ -75,6 +81,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                           '{"n_layer": 8, "output_dir": "model_save/mine"}.')
     if "train_sources" in values:  # a mapping of paths to weights reads best in a file; the field holds text
         values["train_sources"] = sources_text(values["train_sources"])
+    values = _given_values_of_a_saved_run(path, values)
     known = {*config_fields(TrainConfig), *config_aliases(TrainConfig()), "preset"}
     unknown = sorted(name for name in values if str(name).replace("-", "_") not in known)
     if unknown:
@@ -84,3 +91,25 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--config={path} sets {', '.join(unknown)}, which {what}{hint}. "
                           f"`{command_line('train --help')}` lists the fields; rename or remove them.")
     return {str(name): value for name, value in values.items()}
+
+
+def saved_config_record(config: TrainConfig, given: Collection[str]) -> dict[str, Any]:
+    """What a run's saved train_config.json holds besides its fields: its preset and the fields the user gave."""
+    preset = next(name for name, preset in reversed(PRESET_CLASSES.items()) if isinstance(config, preset))
+    return {"preset": preset, GIVEN_KEY: sorted(given)}
+
+
+def _given_values_of_a_saved_run(path: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config (it lists its given fields): the preset and the given values only, said in one line;
+    any other file as it is."""
+    given = values.get(GIVEN_KEY)
+    if GIVEN_KEY not in values:
+        return values
+    if not isinstance(given, list):
+        raise ConfigError(f"--config={path}: {GIVEN_KEY} must list field names; remove it to apply every field.")
+    kept = {name: values[name] for name in given if name in values}
+    chosen = sorted(name for name in values if name not in kept and name not in ("preset", GIVEN_KEY))
+    logger.info("--config=%s is a run's saved config: applying the %d values its run was given (%s) and its preset; "
+                "the other %d were chosen for the host it ran on (memory savers, micro-batches, settled values) "
+                "and are chosen again here.", path, len(kept), ", ".join(sorted(kept)) or "none", len(chosen))
+    return {**kept, **({"preset": values["preset"]} if "preset" in values else {})}

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowmem.checkpoint.export import trained_config
+from lowmem.checkpoint.export import best_saved_checkpoint, trained_config
 from lowmem.checkpoint.layout import FINAL
-from lowmem.checkpoint.listing import CheckpointFolders
 from lowmem.data.tokenizer import TOKENIZER_FILE
 from lowmem.errors import ConfigError
 from lowmem.hf.architectures import gpt_config_from_transformers, supported_text, transformers_class
@@ -110,14 +109,15 @@ def find_source(path: str) -> ModelSource:
 
 
 def _model_folder_of_run(run: Path) -> tuple[Path, str] | None:
-    """The folder of a run to start from: best/, else final/, else the newest complete checkpoint; None when the
-    folder is not a run (or has no model yet)."""
+    """The folder of a run to start from: best/, else final/, else its best-scored complete checkpoint (else the
+    newest: `best_saved_checkpoint`); None when the folder is not a run (or has no model yet)."""
     for name, why in (("best", "the run's best/"), ("final", "the run's final/, as it has no best/")):
         if (run / name / WEIGHTS_FILE).is_file() and (run / name / MODEL_CONFIG_FILE).is_file():
             return run / name, why
-    newest = CheckpointFolders(run).latest_complete(verify_hashes=False)
-    if newest is not None:
-        return newest, f"{newest.name}, the run's newest complete checkpoint, as it has no best/ or final/"
+    saved = best_saved_checkpoint(run)
+    if saved is not None:
+        folder, why = saved
+        return folder, f"{folder.name}, {why}, as the run has no best/ or final/"
     return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.config import TrainConfig
@@ -20,9 +20,10 @@ from lowmem.program import command_line
 logger = logging.getLogger(__name__)
 
 
-def export_models(final_model: Any, config: TrainConfig, manifest: dict[str, Any]) -> None:
+def export_models(final_model: Any, config: TrainConfig, manifest: dict[str, Any],
+                  given: Collection[str] | None = None) -> None:
     """final/: the model as trained; best/: the best checkpoint's model by `best_metric`, as the checkpoints'
-    `manifest` ranks them."""
+    `manifest` ranks them. Each folder's train_config.json records which fields were `given` (None: not known)."""
     output_dir = Path(config.output_dir)
     # The checkpoints hold the trained weights: a failed export loses nothing, and can be made again.
     latest = output_dir / str(manifest.get("latest"))
@@ -34,14 +35,15 @@ def export_models(final_model: Any, config: TrainConfig, manifest: dict[str, Any
         return f"then export it with `{command_line(f'export --out=FOLDER --checkpoint={checkpoint}')}`"
 
     with writing("the final model", output_dir / "final", needed=needed, then=then(latest), kept=kept):
-        out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir)
+        out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir,
+                               given=given)
     logger.info("Model saved to %s", out_dir)
     best = manifest.get("best") or []
     if best:
         with writing("the best model", output_dir / "best", needed=needed, then=then(output_dir / best[0]),
                      kept=kept):
             best_dir = export_checkpoint(output_dir / best[0], config, output_dir / "best",
-                                         tokenizer_dir=config.tokenizer_dir)
+                                         tokenizer_dir=config.tokenizer_dir, given=given)
         logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
 
 

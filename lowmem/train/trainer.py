@@ -105,7 +105,7 @@ class Trainer:
                 config, start = settle_run(config, given, SavedRun())
             config = read_only(settled_config(config, None, given))
         self.saved_run = saved_run or SavedRun()
-        self.config, self.callbacks = config, list(callbacks)
+        self.config, self.callbacks, self.given = config, list(callbacks), given
         self.accelerator = accelerator or create_accelerator(config.gradient_accumulation_steps, config.bf16,
                                                              config.process_group_timeout_minutes,
                                                              bf16_on_cpu=config.bf16_on_cpu, ddp=ddp_settings(config),
@@ -490,7 +490,7 @@ class Trainer:
                         summary["val_loss_start"], summary["val_loss_end"], self.state.step,
                         summary["val_loss_start"] - summary["val_loss_end"], summary["seconds"])
             def export_and_sample() -> None:  # a full disk there stops every rank, not the main process only
-                export_models(final_model, self.config, self.checkpoints.manifest)
+                export_models(final_model, self.config, self.checkpoints.manifest, self.given)
                 summary["sample"] = sample_answer(final_model, self.tokenizer, self.config)
 
             run_on_main(self.accelerator, export_and_sample)

@@ -220,3 +220,32 @@ def test_the_plan_command_for_a_gpu_names_the_split_it_would_train(tmp_path, dat
     small = run_command([*common, "--gpu_memory_gb=4"], cwd=tmp_path, env=ENV)
     assert small.returncode == 0, small.stderr[-3000:]
     assert "micro-batch 32 rows x 2" in small.stdout and "GPU micro-batches" not in small.stdout
+
+
+def test_a_runs_saved_config_applies_its_given_values_and_the_plan_chooses_again(tmp_path, data, halving_budget):
+    copy_data(data, tmp_path)
+    first = run_command(["train", *overrides(tmp_path, f"--memory_budget_gb={halving_budget}", "--max_steps=5")],
+                        cwd=tmp_path, env=ENV)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved_path = tmp_path / "run" / "final" / "train_config.json"
+    saved = json.loads(saved_path.read_text())
+    assert saved["activation_checkpointing"] is True and saved["batch_size_per_gpu"] < 32  # chosen for that budget
+    assert "n_layer" in saved["given_fields"] and "activation_checkpointing" not in saved["given_fields"]
+    assert saved["preset"] == "default"
+
+    def printed(config_file: Path) -> tuple[dict, str]:
+        done = run_command(["train", f"--config={config_file}", "--memory_budget_gb=64",
+                            f"--output_dir={tmp_path / 'again'}", "--print_config"], cwd=tmp_path, env=ENV)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout), done.stderr
+
+    again, said = printed(saved_path)  # another host: a budget the savers are not needed for
+    assert "is a run's saved config: applying the" in said and "are chosen again here" in said
+    assert (again["n_layer"], again["n_embd"], again["max_steps"]) == (4, 128, 5)  # given: applied
+    assert again["activation_checkpointing"] is False and again["batch_size_per_gpu"] == 32  # chosen again
+    # A file without the record of what was given (an earlier version's) still applies every field.
+    every_field = tmp_path / "every_field.json"
+    every_field.write_text(json.dumps({key: value for key, value in saved.items()
+                                       if key not in ("given_fields", "preset")}))
+    kept, _ = printed(every_field)
+    assert kept["activation_checkpointing"] is True and kept["batch_size_per_gpu"] == saved["batch_size_per_gpu"]

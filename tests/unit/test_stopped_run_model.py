@@ -46,8 +46,8 @@ def test_the_best_scored_complete_checkpoint_is_taken_and_named(stopped_run, cap
     assert len(scores) >= 2 and score == min(scores)  # val_loss: the lowest is the best
     with caplog.at_level("INFO"):
         assert find_model_folder(run) == run / best
-    assert f"No best/ or final/ in {run} (the run stopped before its end): using {best}, the best-scored so far " \
-           f"(val_loss {score:.4f})" in caplog.text
+    assert f"No best/ or final/ in {run} (the run stopped before its end): using {best}, the best-scored complete " \
+           f"checkpoint so far (val_loss {score:.4f})" in caplog.text
 
 
 def test_a_damaged_best_checkpoint_gives_way_to_the_next(stopped_run, tmp_path):
@@ -73,3 +73,12 @@ def test_generate_answers_with_the_stopped_runs_checkpoint(stopped_run, capsys, 
 def test_an_empty_run_folder_still_says_there_is_no_model(tmp_path):
     with pytest.raises(ConfigError, match="No trained model in"):
         find_model_folder(tmp_path)
+
+
+def test_a_next_stage_starts_from_the_same_checkpoint(stopped_run):
+    from lowmem.source.locate import find_source
+
+    _folder, _flags, run = stopped_run
+    best = json.loads((run / "checkpoints.json").read_text())["best"][0]
+    chosen = find_source(str(run))
+    assert chosen.folder == run / best and "the best-scored complete checkpoint so far" in chosen.chosen
