@@ -101,7 +101,8 @@ class TokenizerConfig:
     tokenizer_dir: str = option("model_save/tokenizer", "where the SentencePiece model is saved and loaded")
     vocab_size: int = option(8000, "tokenizer vocabulary (the model pads it to a multiple of 64)", minimum=64)
     tokenizer_max_sentences: int = option(1_000_000, "cap on lines sampled to train the tokenizer "
-                                          "(~4 GB of RAM at 1M)", minimum=1)
+                                          "(several GB of RAM at 1M, not in the memory plan: train the tokenizer "
+                                          "beforehand on a small host)", minimum=1)
 
 
 @dataclass

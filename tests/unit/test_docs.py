@@ -43,6 +43,7 @@ OTHER_TOOLS_FLAGS = {
     "scripts/plot_tensorboard.py, scripts/sorted_demo_copy.py": {"out"},
     "every lowmem command (fire)": {"help"},
     "python -m lowmem.bench.convert_bench": {"size_gb"},
+    "spm_train (SentencePiece)": {"pad_id", "bos_id", "eos_id", "unk_id", "user_defined_symbols", "byte_fallback"},
 }
 
 FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1\s*$", re.MULTILINE | re.DOTALL)

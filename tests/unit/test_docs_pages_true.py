@@ -55,10 +55,12 @@ def test_the_memlog_example_has_todays_columns_and_run_id():
 
 
 def test_the_readme_says_what_host_memory_holds_and_what_the_plan_leaves_out():
-    intro = (ROOT / "README.md").read_text(encoding="utf-8").split("## ", 1)[0]
-    assert "one parquet row group" not in intro
-    assert f"{TrainConfig().dataloader_mix_row_groups} at a time" in intro and "--dataloader_mix_row_groups" in intro
-    assert "rank 0 trains the tokenizer" in intro and "--tokenizer_max_sentences" in intro
+    memory = section("README.md", "### Where the memory goes")  # after the quick start: what to type comes first
+    assert "one parquet row group" not in memory
+    assert f"{TrainConfig().dataloader_mix_row_groups} at a time" in memory and "--dataloader_mix_row_groups" in memory
+    assert "rank 0 trains the tokenizer" in memory and "--tokenizer_max_sentences" in memory
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.index("## Quick start") < readme.index("### Where the memory goes")
 
 
 def test_the_quick_start_says_which_torch_a_linux_machine_gets():
