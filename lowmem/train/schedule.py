@@ -201,7 +201,8 @@ def planned_run_line(config: OptimConfig, given: Collection[str] | None, rows_pe
     warmup the schedule will use. `rows_per_process`: the training rows each process reads per epoch; rows with
     empty values (skipped) and packing (several rows per sequence) make the true count a little different."""
     per_step = config.batch_size_per_gpu * config.gradient_accumulation_steps
-    per_epoch = rows_per_process // config.batch_size_per_gpu // config.gradient_accumulation_steps
+    # The training loader keeps a last, shorter micro-batch; a step takes whole groups of micro-batches.
+    per_epoch = -(-rows_per_process // config.batch_size_per_gpu) // config.gradient_accumulation_steps
     planned = total_steps(per_epoch, config.epochs, config.max_steps)
     schedule = LearningRateSchedule.from_config(config, planned, warmup_kept_by(config, given, planned))
     cut_short = planned == config.max_steps < per_epoch * config.epochs

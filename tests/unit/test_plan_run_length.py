@@ -17,7 +17,7 @@ TRAINED = re.compile(r"Training: (\d+) rows per process per epoch, (\d+) optimiz
 
 @pytest.mark.parametrize("extra", [["--epochs=2"], ["--epochs=2", "--max_steps=20", "--warmup_steps=15"]])
 def test_the_plans_run_length_is_the_one_train_counts(tmp_path, capsys, extra):
-    train = write_chat_rows(tmp_path / "train.parquet", 200, seed=1)
+    train = write_chat_rows(tmp_path / "train.parquet", 203, seed=1)
     valid = write_chat_rows(tmp_path / "valid.parquet", 20, seed=2)
     flags = [*tiny_overrides(tmp_path, train, valid), "--eval_bleu_samples=0", "--save_steps=1000", *extra]
     with commands_run_in(tmp_path):
