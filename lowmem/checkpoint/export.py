@@ -92,7 +92,8 @@ def best_saved_checkpoint(run_dir: Path) -> tuple[Path, str] | None:
         return _is_model_folder(found.path) and not verify_checkpoint(
             found.path, check_hashes=False, marker=found.marker, has_marker_file=found.has_marker_file)
 
-    complete = {found.path.name: found for found in CheckpointFolders(run_dir).complete()}
+    folders = CheckpointFolders(run_dir)
+    complete = {found.path.name: found for found in folders.complete()}
     manifest = read_manifest(run_dir)
     scores = {entry.get("name"): entry.get("score") for entry in manifest.get("checkpoints", [])
               if isinstance(entry, dict)}
@@ -101,8 +102,8 @@ def best_saved_checkpoint(run_dir: Path) -> tuple[Path, str] | None:
             score = scores.get(name)
             shown = f"{score:.4f}" if isinstance(score, (int, float)) else "unscored"
             return complete[name].path, f"the best-scored complete checkpoint so far ({manifest.get('metric')} {shown})"
-    newest = next((found for found in sorted(complete.values(), key=lambda found: -found.step) if intact(found)), None)
-    return None if newest is None else (newest.path, "the newest complete checkpoint (none has a score)")
+    newest = folders.latest_complete(verify_hashes=False)  # the checkpoint a resume would continue from
+    return None if newest is None else (newest, "the newest complete checkpoint (none has a score)")
 
 
 def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> Path:

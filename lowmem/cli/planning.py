@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lowmem.cli.common import resolve_config
-from lowmem.cli.print_config import settle_and_plan, settled_printout
+from lowmem.cli.print_config import run_length_line, settle_and_plan, settled_printout
 from lowmem.config import TrainConfig
 
 
@@ -37,13 +37,9 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
     layout = planned_layout(config, num_processes, strategy, device, gpu_memory_gb)
     # The run as `train` would settle it: a resume's architecture and savers, a source model's shape and load.
     config, decision, _ = settle_and_plan(config, given, is_keep_training, layout)
-    for line in decision.lines + decision.warnings:
+    length = run_length_line(config, given, decision, layout)
+    for line in decision.lines + decision.warnings + ([length] if length else []):
         print(line)
-    index = decision.measured.index
-    if index is not None:  # one training source (a mixture's length is planned per source at the start)
-        from lowmem.train.schedule import planned_run_line
-
-        print(planned_run_line(config, given, index.num_rows // max(num_processes, 1)))
     if decision.error is not None:
         raise ConfigError(decision.error)
 

@@ -21,7 +21,6 @@ DECIDED_AT_START = {
     "attention": "flex on CUDA from 1024 tokens per sequence, sdpa otherwise",
     "dataloader_num_workers": "from the memory budget's share per process",
     "ultra_low_mem": "on below --ultra_low_mem_threshold_gb of budget",
-    "pin_memory": "on with CUDA above the budget threshold",
 }
 
 
@@ -63,20 +62,20 @@ def settled_printout(config: TrainConfig, given: Collection[str], is_keep_traini
         layout: the `RunLayout` to plan for (`lowmem.train.memory_fit`).
     """
     settled, decision, from_model = settle_and_plan(config, given, is_keep_training, layout)
-    values = dataclasses.asdict(settled)
-    values.update(decision.changes)
+    settled_values = dataclasses.asdict(settled)
+    values = {**settled_values, **decision.changes}
     at_start: dict[str, Any] = {}
     if decision.speed is not None:
         at_start.update(compile=decision.speed.compile, static_shapes=decision.speed.static_shapes,
                         attention=decision.speed.attention)
     if decision.settings is not None:
         at_start.update(dataloader_num_workers=decision.settings.num_workers,
-                        ultra_low_mem=decision.settings.ultra_low_mem, pin_memory=decision.settings.pin_memory)
+                        ultra_low_mem=decision.settings.ultra_low_mem)
     for name, value in at_start.items():
         if name in values and values[name] is None:
             values[name] = value
     before = dataclasses.asdict(config)
-    from_run = sorted(name for name, value in dataclasses.asdict(settled).items()
+    from_run = sorted(name for name, value in settled_values.items()
                       if value != before[name] and name not in given and name not in decision.changes)
     source = ("the saved run, the source model or the data" if is_keep_training or from_model
               else "the data and tokenizer")
@@ -90,9 +89,17 @@ def settled_printout(config: TrainConfig, given: Collection[str], is_keep_traini
     if decided:
         lines.append(f"Decided by each process when it starts, shown as for {layout.device} x {layout.processes}: "
                      + "; ".join(decided) + ".")
-    index = decision.measured.index
-    if index is not None:  # the warmup the schedule will use, which a run too short for --warmup_steps shortens
-        from lowmem.train.schedule import planned_run_line
+    length = run_length_line(settled, given, decision, layout)
+    return values, lines + ([length] if length else [])
 
-        lines.append(planned_run_line(settled, given, index.num_rows // max(layout.world_size, 1)))
-    return values, lines
+
+def run_length_line(settled: TrainConfig, given: Collection[str], decision: Any, layout: Any) -> str | None:
+    """The run's length and the warmup its schedule will use (`planned_run_line`), from the training rows the
+    plan indexed, shared by `layout`'s processes; None for a mixture, whose length is planned per source at the
+    start."""
+    index = decision.measured.index
+    if index is None:
+        return None
+    from lowmem.train.schedule import planned_run_line
+
+    return planned_run_line(settled, given, index.num_rows // max(layout.world_size, 1))

@@ -102,9 +102,9 @@ def saved_config_record(config: TrainConfig, given: Collection[str]) -> dict[str
 def _given_values_of_a_saved_run(path: Path, values: dict[str, Any]) -> dict[str, Any]:
     """A run's saved config (it lists its given fields): the preset and the given values only, said in one line;
     any other file as it is."""
-    given = values.get(GIVEN_KEY)
     if GIVEN_KEY not in values:
         return values
+    given = values[GIVEN_KEY]
     if not isinstance(given, list):
         raise ConfigError(f"--config={path}: {GIVEN_KEY} must list field names; remove it to apply every field.")
     kept = {name: values[name] for name in given if name in values}

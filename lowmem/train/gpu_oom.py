@@ -47,7 +47,9 @@ def out_of_memory_message(config: TrainConfig, plan: MemoryPlan | None, in_valid
         size = f" of {plan.inputs.gpu_bytes / 2**20:,.0f} MB" if plan.inputs.gpu_bytes else ""
         text += f" The memory plan predicted a GPU peak of {plan.device_peak / 2**20:,.0f} MB{size}."
     if rows > 1:
-        half, double = max(1, rows // 2), steps * 2 if rows % 2 == 0 else steps
+        # The largest smaller micro-batch that divides the rows: as many rows per optimizer step in more passes.
+        smaller = next(size for size in range(rows // 2, 0, -1) if rows % size == 0)
+        half, double = smaller, steps * (rows // smaller)
         text += (f" Lower it with --batch_size_per_gpu={half} --gradient_accumulation_steps={double} (the same rows "
                  "per optimizer step, so the same training)")
     else:
