@@ -36,7 +36,9 @@ LOW_MEMORY_COMPILE_THREADS = 1
 # NVL or PCIe is the SXM part, "NVIDIA H100 80GB HBM3"), and "A100" never matches an "RTX A1000" nor "A40" an
 # "RTX A4000". Sources:
 # - Data-center and workstation cards: the vendor's data sheet, its sparse figure halved where it lists only that.
-#   They run bf16 with float32 accumulation at the full tensor rate.
+#   They run bf16 with float32 accumulation at the full tensor rate. The RTX A4500 (20 GB) and A5000 are their
+#   tensor cores x 256 dense FLOPs per clock x boost clock, the rate that gives the A6000's figure (336 x 256 x
+#   1.8 GHz = 154.8).
 # - GeForce cards: "Peak FP16 Tensor TFLOPS with FP32 Accumulate", dense, from NVIDIA's Ampere GA102 and Ada
 #   whitepapers. GeForce runs float32 accumulation (what bf16 training uses) at half the tensor rate, so this
 #   is half the FP16-accumulate figure the product pages quote (RTX 4090: 165.2, not 330.3). Cards the
@@ -50,6 +52,7 @@ PEAK_BF16_TFLOPS = {
     "H200 NVL": 835.0, "H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0,
     # Ampere, data center and workstation
     "A100": 312.0, "A800": 312.0, "A10G": 70.0, "A10": 125.0, "A30": 165.0, "A40": 149.7, "A6000": 154.8,
+    "A5000": 111.1, "A4500": 94.6,
     # Ada, data center and workstation
     "L40S": 362.0, "L40": 181.0, "L4": 121.0, "RTX 6000 Ada": 364.2,
     # Ada GeForce (FP32 accumulate)

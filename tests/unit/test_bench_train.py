@@ -27,6 +27,7 @@ def test_gpu_peaks_are_looked_up_most_specific_name_first():
     ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100-PCIE-40GB", 312.0), ("NVIDIA A800-SXM4-80GB", 312.0),
     ("NVIDIA A10", 125.0), ("NVIDIA A30", 165.0), ("NVIDIA A40", 149.7), ("NVIDIA RTX A6000", 154.8),
+    ("NVIDIA RTX A5000", 111.1), ("NVIDIA RTX A4500", 94.6),
     ("NVIDIA RTX 6000 Ada Generation", 364.2), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0),
     ("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA GeForce RTX 4080 SUPER", 104.5), ("NVIDIA GeForce RTX 4080", 97.5),
     ("NVIDIA GeForce RTX 4070 Ti SUPER", 88.2), ("NVIDIA GeForce RTX 4070 Ti", 80.2),
