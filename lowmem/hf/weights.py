@@ -49,7 +49,7 @@ def hf_config(config: GPTConfig, special_ids: dict[str, Any] | None = None) -> d
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
     return {"model_type": "llama", **shared, "hidden_size": config.n_embd, "intermediate_size": config.mlp_hidden,
             "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
-            "num_key_value_heads": config.n_head, "head_dim": config.head_dim, "hidden_act": "silu",
+            "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
             "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
             # transformers 5 reads rope_parameters; 4.x reads rope_theta (5 moves it into rope_parameters).
             "rope_theta": config.rope_theta,

@@ -1,0 +1,167 @@
+"""Low-rank adapters on our GPT: the model at step 0 is the base, training moves the adapters only, the optimizer
+holds a sliver of a full run's state, and the merged model and peft's adapter folder compute what ours does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lowmem.adapters import LoRALinear, LoRASpec, add_adapters, adapters_off, merged_state_dict
+from lowmem.adapters.lora import adapter_state_dict, base_state_dict
+from lowmem.adapters.peft_files import ADAPTER_CONFIG, write_peft_adapter
+from lowmem.errors import ConfigError
+from lowmem.hf.weights import hf_config, hf_state_dict
+from lowmem.model import GPT, GPTConfig
+
+VOCAB = 128  # a multiple of 64: our logits and transformers' have the same columns
+
+ARCHITECTURES = {
+    "gpt2": dict(architecture="gpt2", bias=True),
+    "llama-gqa": dict(architecture="llama", n_kv_head=1),  # q, k and v parts of unequal rows
+    "qwen2-like": dict(architecture="llama", qkv_bias=True, tie_embeddings=False),
+}
+
+
+def base_model(kind: str, seed: int = 0, n_embd: int = 32, n_layer: int = 2) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=32, n_layer=n_layer, n_head=2, n_embd=n_embd,
+                         **ARCHITECTURES[kind])).eval()
+
+
+def tokens(seed: int = 1, rows: int = 2, length: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(idx)[0][..., :VOCAB]
+
+
+def with_adapters(kind: str, spec: LoRASpec = LoRASpec(rank=4, alpha=8.0)) -> tuple[GPT, GPT]:
+    """The base model, and a copy of it with adapters whose B is random (so that they change the output)."""
+    base, adapted = base_model(kind), base_model(kind)
+    add_adapters(adapted, spec)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if ".lora_B." in name:
+                parameter.normal_(0.0, 0.2)
+    return base, adapted
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_at_step_0_the_model_with_adapters_computes_the_base(kind):
+    base, adapted = base_model(kind), base_model(kind)
+    add_adapters(adapted, LoRASpec(rank=8, alpha=16.0))
+    idx = tokens()
+    assert torch.equal(logits(adapted, idx), logits(base, idx))  # B starts at zero: the update is exactly zero
+    assert any(isinstance(module, LoRALinear) for module in adapted.modules())
+
+
+def test_training_changes_the_adapters_only_and_the_base_stays_bit_identical():
+    model = base_model("llama-gqa")
+    add_adapters(model, LoRASpec(rank=4, alpha=8.0, dropout=0.1))
+    before = {name: value.clone() for name, value in base_state_dict(model).items()}
+    adapters_before = {name: value.clone() for name, value in adapter_state_dict(model).items()}
+    optimizer = model.configure_optimizer(weight_decay=0.1, learning_rate=1e-2)
+    model.train()
+    idx = tokens(rows=4)
+    losses = []
+    for _ in range(20):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.1  # the adapters learn
+    after = base_state_dict(model)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    changed = [name for name, value in adapter_state_dict(model).items() if not torch.equal(value,
+                                                                                            adapters_before[name])]
+    assert len(changed) == len(adapters_before)  # every A and B moved
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert trained == {id(p) for name, p in model.named_parameters() if ".lora_" in name}
+
+
+def test_the_optimizer_state_of_adapters_is_under_5_percent_of_a_full_runs():
+    def state_bytes(model: GPT) -> int:
+        optimizer = model.configure_optimizer(weight_decay=0.1, learning_rate=1e-3)
+        _, loss = model(tokens()[:, :-1], tokens()[:, 1:])
+        loss.backward()
+        optimizer.step()
+        return sum(value.numel() * value.element_size() for state in optimizer.state.values()
+                   for value in state.values() if torch.is_tensor(value) and value.dim())
+
+    full = state_bytes(base_model("llama-gqa", n_embd=512, n_layer=2))
+    adapted = base_model("llama-gqa", n_embd=512, n_layer=2)
+    add_adapters(adapted, LoRASpec(rank=8, alpha=16.0))
+    lora = state_bytes(adapted)
+    assert 0 < lora < 0.05 * full, (lora, full)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_the_merged_weights_compute_what_the_model_with_adapters_does(kind):
+    base, adapted = with_adapters(kind)
+    plain = base_model(kind, seed=123)  # other weights, all replaced by the merge
+    plain.load_state_dict(merged_state_dict(adapted), strict=True)
+    idx = tokens()
+    assert torch.allclose(logits(plain, idx), logits(adapted, idx), atol=1e-5)
+    assert not torch.allclose(logits(base, idx), logits(adapted, idx), atol=1e-3)  # the adapters matter
+    with adapters_off(adapted):
+        assert torch.equal(logits(adapted, idx), logits(base, idx))
+
+
+def test_a_tied_embedding_stays_tied_and_unchanged_in_the_merge():
+    base, adapted = with_adapters("llama-gqa")
+    merged = merged_state_dict(adapted)
+    assert torch.equal(merged["tok_emb.weight"], base.tok_emb.weight)
+    assert torch.equal(merged["lm_head.weight"], merged["tok_emb.weight"])
+
+
+def transformers_model(model_config: GPTConfig, state: dict[str, torch.Tensor]):
+    transformers = pytest.importorskip("transformers")
+    keys = hf_config(model_config)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**keys)).float().eval()
+    model.load_state_dict(hf_state_dict(state, model_config), strict=True)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa"])
+def test_the_merged_model_in_transformers_computes_what_ours_does(kind):
+    _, adapted = with_adapters(kind)
+    theirs = transformers_model(adapted.config, merged_state_dict(adapted))
+    idx = tokens()
+    with torch.no_grad():
+        expected = theirs(idx).logits
+    assert torch.allclose(logits(adapted, idx), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind, targets", [("gpt2", "all"), ("llama-gqa", "all"), ("llama-gqa", "q_proj,v_proj"),
+                                           ("gpt2", "attn.c_proj,c_fc")])
+def test_peft_loads_the_adapter_folder_and_computes_what_ours_does(tmp_path, kind, targets):
+    peft = pytest.importorskip("peft")
+    spec = LoRASpec(rank=4, alpha=8.0, targets=targets)
+    base, adapted = with_adapters(kind, spec)
+    write_peft_adapter(tmp_path, adapted, spec, adapted.config, base_name="base")
+    assert json.loads((tmp_path / ADAPTER_CONFIG).read_text())["r"] == 4
+    theirs = peft.PeftModel.from_pretrained(transformers_model(base.config, base.state_dict()), str(tmp_path)).eval()
+    idx = tokens()
+    with torch.no_grad():
+        expected = theirs(input_ids=idx).logits
+    assert torch.allclose(logits(adapted, idx), expected, atol=1e-4)
+    assert not torch.allclose(logits(base, idx), expected, atol=1e-3)
+
+
+def test_targets_name_the_projections_that_get_adapters():
+    model = base_model("llama-gqa")
+    add_adapters(model, LoRASpec(rank=2, alpha=2.0, targets="q_proj,v_proj"))
+    names = sorted(adapter_state_dict(model))
+    assert names == sorted(f"blocks.{i}.attn.qkv.lora_{m}.{p}" for i in range(2) for m in "AB"
+                           for p in ("q_proj", "v_proj"))
+    with pytest.raises(ConfigError, match="does not have.*q_proj, k_proj, v_proj, o_proj"):
+        add_adapters(base_model("llama-gqa"), LoRASpec(rank=2, alpha=2.0, targets="c_attn"))
+    with pytest.raises(ConfigError, match="--lora_rank"):
+        LoRASpec(rank=0, alpha=2.0)
