@@ -39,7 +39,10 @@ def logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
         return model(idx)[0][..., :VOCAB]
 
 
-def with_adapters(kind: str, spec: LoRASpec = LoRASpec(rank=4, alpha=8.0)) -> tuple[GPT, GPT]:
+SMALL_ADAPTERS = LoRASpec(rank=4, alpha=8.0)
+
+
+def with_adapters(kind: str, spec: LoRASpec = SMALL_ADAPTERS) -> tuple[GPT, GPT]:
     """The base model, and a copy of it with adapters whose B is random (so that they change the output)."""
     base, adapted = base_model(kind), base_model(kind)
     add_adapters(adapted, spec)
