@@ -23,10 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowmem.adapters.targets import AdapterSite, adapter_sites, chosen_parts
+from lowmem.config import ModelConfig
 from lowmem.errors import ConfigError
 from lowmem.model import GPT
 
 ADAPTER_MARK = ".lora_"  # in the name of every adapter parameter, and of nothing else
+_SPEC_ATTRIBUTE = "adapter_spec"  # the GPT attribute `add_adapters` sets
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,18 @@ class LoRASpec:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> LoRASpec | None:
+        """The adapters a run's config asks for (`--lora_rank` and its companions); None when it trains every
+        weight."""
+        if not config.lora_rank:
+            return None
+        return cls(config.lora_rank, config.lora_alpha, config.lora_dropout, config.lora_targets)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}, alpha {self.alpha:g} (scale {self.scaling:g}), dropout {self.dropout:g}, "
+                f"on {self.targets}")
 
 
 class LoRALinear(nn.Linear):
@@ -134,7 +148,13 @@ def add_adapters(model: GPT, spec: LoRASpec) -> list[AdapterSite]:
         taken.append(site)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(ADAPTER_MARK in name)
+    setattr(model, _SPEC_ATTRIBUTE, spec)  # what its checkpoints record (`adapter_spec`)
     return taken
+
+
+def adapter_spec(model: nn.Module) -> LoRASpec | None:
+    """The adapters `add_adapters` put on `model` (a plain GPT), or None."""
+    return getattr(model, _SPEC_ATTRIBUTE, None)
 
 
 def adapter_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

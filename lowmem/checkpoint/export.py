@@ -11,6 +11,9 @@ from typing import Any, Callable, Collection
 
 import torch
 
+from lowmem.adapters.files import BASE_DIR, adapted_checkpoint_model, base_name, is_adapter_checkpoint, merged_model
+from lowmem.adapters.lora import adapter_spec, merged_state_dict
+from lowmem.adapters.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from lowmem.atomic_files import folder_built_aside
 from lowmem.config import TrainConfig
 from lowmem.config.sources import saved_config_record
@@ -27,14 +30,19 @@ TRAIN_CONFIG_FILE = "train_config.json"  # the training settings the exported mo
 
 
 def _write_model_folder(out_dir: Path, model_config: GPTConfig, config: TrainConfig, tokenizer_dir: str,
-                        write_weights: Callable[[Path], Any], given: Collection[str] | None = None) -> Path:
+                        write_weights: Callable[[Path], Any], given: Collection[str] | None = None,
+                        adapters: GPT | None = None) -> Path:
     """Weights, configs and tokenizer in one folder, written aside and renamed into place. The training config
-    records its preset and, when known, the fields the user `given` (`lowmem.config.sources.saved_config_values`)."""
+    records its preset and, when known, the fields the user `given` (`lowmem.config.sources.saved_config_values`).
+    A model with `adapters` (the weights written are then merged) also leaves them in peft's files."""
     values = dataclasses.asdict(config)
     if given is not None:
         values = {**values, **saved_config_record(config, given)}
     with folder_built_aside(out_dir) as folder:
         write_weights(folder / WEIGHTS_FILE)
+        spec = None if adapters is None else adapter_spec(adapters)
+        if adapters is not None and spec is not None:
+            write_peft_adapter(folder, adapters, spec, adapters.config, base_name(Path(config.output_dir)))
         save_model_config(model_config, folder)
         (folder / TRAIN_CONFIG_FILE).write_text(json.dumps(values, indent=2, ensure_ascii=False))
         for path in tokenizer_files(tokenizer_dir, essential=True):  # the model's tokenizer beside it, whichever kind
@@ -49,13 +57,22 @@ def export_model(model: GPT, config: TrainConfig, out_dir: Path, tokenizer_dir: 
     `model` is a whole GPT (see `lowmem.distributed.strategy.model_for_eval`), plain or wrapped by torch.compile.
     """
     plain = unwrap_gpt(model)
+    if adapter_spec(plain) is not None:  # the adapters merged in, and kept in peft's files beside
+        return _write_model_folder(out_dir, plain.config, config, tokenizer_dir,
+                                   lambda path: save_weights(merged_state_dict(plain), path), given, adapters=plain)
     return _write_model_folder(out_dir, plain.config, config, tokenizer_dir, lambda path: save_weights(model, path),
                                given)
 
 
 def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, tokenizer_dir: str,
                       given: Collection[str] | None = None) -> Path:
-    """Export a checkpoint's model (for `generate` and `evaluate`) without loading it."""
+    """Export a checkpoint's model (for `generate` and `evaluate`) without loading it; a checkpoint of adapters is
+    loaded on the run's base and merged (`lowmem.adapters.files`)."""
+    if is_adapter_checkpoint(checkpoint):
+        adapted = adapted_checkpoint_model(checkpoint)
+        return _write_model_folder(out_dir, adapted.config, config, tokenizer_dir,
+                                   lambda path: save_weights(merged_state_dict(adapted), path), given,
+                                   adapters=adapted)
     return _write_model_folder(out_dir, load_model_config(checkpoint), config, tokenizer_dir,
                                lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path), given)
 
@@ -77,7 +94,20 @@ def trained_config(folder: Path) -> dict[str, Any] | None:
 
 
 def _is_model_folder(folder: Path) -> bool:
-    return (folder / WEIGHTS_FILE).is_file() and (folder / MODEL_CONFIG_FILE).is_file()
+    """The folder holds a model: its weights, or the adapters of a checkpoint whose run keeps their base."""
+    weights = (folder / WEIGHTS_FILE).is_file() or (
+        is_adapter_checkpoint(folder) and (folder.parent / BASE_DIR / WEIGHTS_FILE).is_file())
+    return weights and (folder / MODEL_CONFIG_FILE).is_file()
+
+
+def model_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The plain model's weights of a model folder or checkpoint: its weights file, or for a checkpoint of adapters
+    the run's base with them merged in."""
+    from safetensors.torch import load_file
+
+    if is_adapter_checkpoint(folder):
+        return merged_state_dict(adapted_checkpoint_model(folder))
+    return load_file(str(folder / WEIGHTS_FILE))
 
 
 def best_saved_checkpoint(run_dir: Path) -> tuple[Path, str] | None:
@@ -127,6 +157,27 @@ def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> 
                       "--output_dir=RUN_FOLDER.")
 
 
+def export_adapter(folder: Path, out: Path) -> Path:
+    """Write the adapters of a model folder (best/, final/ or a checkpoint of a run that trained adapters) to the new
+    folder `out` in peft's files, for `PeftModel.from_pretrained(base, out)`."""
+    if (folder / ADAPTER_CONFIG).is_file():
+        files = [folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS]
+    elif not is_adapter_checkpoint(folder):
+        raise ConfigError(f"The model in {folder} was trained without adapters (--lora_rank), so there are none to "
+                          "export: leave --adapter_dir out to export the model itself.")
+    else:
+        files = []
+    with folder_built_aside(out) as staged:
+        for path in files:
+            shutil.copy(path, staged / path.name)
+        if not files:
+            adapted = adapted_checkpoint_model(folder)
+            spec = adapter_spec(adapted)
+            assert spec is not None  # `adapted_checkpoint_model` puts the checkpoint's adapters on
+            write_peft_adapter(staged, adapted, spec, adapted.config, base_name(folder.parent))
+    return out
+
+
 def tokenizer_folder(folder: Path, tokenizer_dir: str | Path) -> Path:
     """Where a model folder's tokenizer is: the one exported with the model when it has one, else `tokenizer_dir`."""
     return folder if has_tokenizer(folder) else Path(tokenizer_dir)
@@ -137,8 +188,11 @@ def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.dev
 
     The tokenizer exported with the model is used when the folder has one, else the one in `tokenizer_dir`.
     """
-    model = GPT(load_model_config(folder))
-    load_weights(model, folder / WEIGHTS_FILE)
+    if is_adapter_checkpoint(folder):
+        model = merged_model(adapted_checkpoint_model(folder))
+    else:
+        model = GPT(load_model_config(folder))
+        load_weights(model, folder / WEIGHTS_FILE)
     model.to(device).eval()
     tokenizer = load_tokenizer(tokenizer_folder(folder, tokenizer_dir))
     return model, tokenizer

@@ -57,7 +57,8 @@ def generate(prompt: str | None = None, use_large_config: bool = False, checkpoi
     generate_command(config, prompt, checkpoint, max_new_tokens, temperature, top_k, top_p, seed)
 
 
-def export(out: str, use_large_config: bool = False, checkpoint: str | None = None, **overrides: Any) -> None:
+def export(out: str, use_large_config: bool = False, checkpoint: str | None = None, adapter_dir: str | None = None,
+           **overrides: Any) -> None:
     """Write a trained model as a folder that transformers loads offline: AutoModelForCausalLM.from_pretrained(OUT)
     and AutoTokenizer.from_pretrained(OUT), with a chat template that lays a prompt out as in training.
 
@@ -69,12 +70,15 @@ def export(out: str, use_large_config: bool = False, checkpoint: str | None = No
         out: the folder to create.
         use_large_config: take output_dir from TrainConfigPretrainLarge.
         checkpoint: a checkpoint-<step>, best/ or final/ folder to export instead.
+        adapter_dir: a run that trained adapters (--lora_rank): also write them to this new folder in peft's files
+            (adapter_config.json, adapter_model.safetensors), which PeftModel.from_pretrained(base, FOLDER) loads.
         overrides: config fields, e.g. --output_dir=model_save/demo, --tokenizer_dir=..., --eval_max_new_tokens=...
             (the max_new_tokens written to generation_config.json).
     """
     from lowmem.hf import export_hf
 
     config = build_config(use_large_config, overrides, demo_data=False)  # export reads no data files
-    folder = export_hf(config, str(out), checkpoint)  # fire reads a name like 123 as a number
+    folder = export_hf(config, str(out), checkpoint,  # fire reads a name like 123 as a number
+                       None if adapter_dir is None else str(adapter_dir))
     print(f"Wrote {folder}: load it with AutoModelForCausalLM.from_pretrained({str(folder)!r}) and "
           f"AutoTokenizer.from_pretrained({str(folder)!r}).")

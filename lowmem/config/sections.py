@@ -116,6 +116,18 @@ class ModelConfig:
                             "shape and tokenizer, with a new optimizer, learning-rate schedule and data position, in "
                             "a run folder of its own", resume=EXACT, hint="empty starts from random weights",
                             before="")
+    # The adapters' shape is the checkpoints' (their tensors): a resume with another cannot load them.
+    lora_rank: int = option(0, "train low-rank adapters (LoRA) of this rank on the model of --init_from, whose own "
+                            "weights stay frozen (no gradients, no optimizer state); checkpoints then hold the "
+                            "adapters only, best/ and final/ the merged model", minimum=0,
+                            resume=(EXACT, MODEL_SHAPE), hint="0 trains every weight; 8 to 64 are usual", before=0)
+    lora_alpha: float = option(16.0, "the adapters' scale: their update is multiplied by lora_alpha / lora_rank",
+                               above=0, resume=EXACT, before=16.0)
+    lora_dropout: float = option(0.05, "dropout on the adapters' input", minimum=0, below=1, resume=EXACT,
+                                 before=0.05)
+    lora_targets: str = option("all", "the projections that get adapters, by transformers' names: all (attention and "
+                               "MLP), attention, mlp, or a comma list such as q_proj,v_proj (llama, Qwen2) or "
+                               "c_attn,c_fc (gpt2)", resume=(EXACT, MODEL_SHAPE), before="all")
     architecture: Optional[str] = option(None, "llama (rotary positions, RMSNorm, SwiGLU) or gpt2 (learned "
                                          "positions, LayerNorm, GELU); unset: llama for a new run, the checkpoint's "
                                          "when resuming", choices=("gpt2", "llama"), resume=MODEL_SHAPE,
@@ -141,7 +153,8 @@ class OptimConfig:
     batch_size_per_gpu: int = option(32, "rows per micro-batch on each process", minimum=1, resume=EXACT)
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", minimum=1, resume=EXACT)
     learn_rate: float = option(2e-3, "peak learning rate, reached after the warmup", above=0,
-                               hint="try 1e-4 to 3e-3", resume=EXACT)
+                               hint="try 1e-4 to 3e-3", resume=EXACT, aliases=("learning_rate",),
+                               alias_notes={"learning_rate": "transformers' name for it"})
     min_lr_ratio: float = option(0.1, "the cosine decay ends at learn_rate * min_lr_ratio", minimum=0, maximum=1,
                                  resume=EXACT)
     warmup_steps: int = option(50, "optimizer steps of linear warmup from 0", minimum=0, resume=EXACT)

@@ -40,6 +40,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from lowmem.adapters.files import ADAPTERS_FILE, is_adapter_checkpoint, load_adapters, save_adapters
+from lowmem.adapters.lora import add_adapters, adapter_spec
 from lowmem.config import OptimConfig
 from lowmem.distributed.accelerator import ddp_settings, offloads_optimizer
 from lowmem.distributed.gradient_hooks import use_bf16_gradients
@@ -227,7 +229,11 @@ def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     state = full_model_state(model, accelerator)
     if accelerator.is_main_process:
         assert state is not None  # full_model_state gives the main process the weights
-        save_weights(state, folder / WEIGHTS_FILE)
+        spec = adapter_spec(unwrap_gpt(model))
+        if spec is not None:  # the base is the run's, written once (`lowmem.adapters.files`)
+            save_adapters(state, folder / ADAPTERS_FILE, spec)
+        else:
+            save_weights(state, folder / WEIGHTS_FILE)
         save_model_config(unwrap_gpt(model).config, folder)
     del state
     if kind == DEEPSPEED:
@@ -293,7 +299,21 @@ def _read_full_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Te
     return state
 
 
-def _load_full_weights_from_main(path: Path, model: torch.nn.Module, accelerator: Accelerator) -> None:
+def _load_weights(folder: Path, model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """The model's trained tensors from a checkpoint folder: its whole weights, or the adapters of a run that trains
+    adapters (whose base the model was filled with when it was built); every rank calls it."""
+    adapters = is_adapter_checkpoint(folder)
+    if strategy(accelerator) == FSDP:
+        _load_full_weights_from_main(folder / (ADAPTERS_FILE if adapters else WEIGHTS_FILE), model, accelerator,
+                                     whole=not adapters)
+    elif adapters:
+        load_adapters(model, folder / ADAPTERS_FILE)
+    else:
+        load_weights(model, folder / WEIGHTS_FILE)
+
+
+def _load_full_weights_from_main(path: Path, model: torch.nn.Module, accelerator: Accelerator,
+                                 whole: bool = True) -> None:
     """Load the whole-model weights file into an FSDP model: the main process reads it, and each parameter is
     broadcast in turn and sharded on arrival, so no other rank holds the whole model (only one parameter at a
     time); every rank calls it.
@@ -314,7 +334,8 @@ def _load_full_weights_from_main(path: Path, model: torch.nn.Module, accelerator
     if problem is not None:
         raise CheckpointError(f"The main process could not read {path}: {problem}")
     # One process (and no process group to broadcast over) loads its own full dict, as a plain model would.
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=accelerator.num_processes > 1)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=accelerator.num_processes > 1,
+                               strict=whole)  # an adapters file sets the adapters only
     # torch types the dict as invariant dict[str, ValueType], where tensors are among the values it takes.
     set_model_state_dict(uncompiled(model), state, options=options)  # type: ignore[arg-type]
 
@@ -336,10 +357,7 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     """
     kind = strategy(accelerator)
     if not with_optimizer and kind != DEEPSPEED:
-        if kind == FSDP:
-            _load_full_weights_from_main(folder / WEIGHTS_FILE, model, accelerator)
-        else:
-            load_weights(model, folder / WEIGHTS_FILE)
+        _load_weights(folder, model, accelerator)
         return
     saved = _saved_strategy(folder)
     if kind != saved:
@@ -359,11 +377,10 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {folder / DEEPSPEED_DIR}.")
         return
+    _load_weights(folder, model, accelerator)
     if kind == FSDP:
-        _load_full_weights_from_main(folder / WEIGHTS_FILE, model, accelerator)
         _load_sharded_optimizer(folder / FSDP_OPTIMIZER_DIR, model, optimizer)
         return
-    load_weights(model, folder / WEIGHTS_FILE)
     # mmap: the file's pages are read on demand and can be dropped again, so several ranks loading at once
     # do not each hold a full copy of the optimizer state in anonymous memory.
     saved_state = load_torch_file(folder / OPTIMIZER_FILE, mmap=True)
@@ -391,6 +408,9 @@ def model_for_eval(model: torch.nn.Module, accelerator: Accelerator) -> Iterator
         # The same memory savers: the validation loss without whole logits here too.
         plain = unwrap_gpt(model)
         replica = GPT(plain.config).use_memory_savers(**plain.memory_savers)
+        spec = adapter_spec(plain)
+        if spec is not None:  # the same adapters, for the validation and for final/'s merge and peft files
+            add_adapters(replica, spec)
     load_model_state_dict(replica, state)
     del state
     replica.eval()

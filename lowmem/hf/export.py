@@ -21,7 +21,8 @@ from types import ModuleType
 from typing import Any
 
 from lowmem.atomic_files import folder_built_aside
-from lowmem.checkpoint.export import find_model_folder, tokenizer_folder, trained_config
+from lowmem.checkpoint.export import (export_adapter, find_model_folder, model_weights, tokenizer_folder,
+                                      trained_config)
 from lowmem.config import EvalConfig, TrainConfig
 from lowmem.config.settle import settled_for_model
 from lowmem.data.text_tokenizer import TextTokenizer, load_tokenizer
@@ -31,7 +32,7 @@ from lowmem.hf.architectures import transformers_class
 from lowmem.hf.tokenizer_files import check_tokenizer, copy_model_tokenizer, save_tokenizer
 from lowmem.hf.weights import TRANSFORMERS_CLASSES, hf_config, hf_state_dict
 from lowmem.model import GPTConfig
-from lowmem.model.weights import WEIGHTS_FILE, load_model_config
+from lowmem.model.weights import load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ MIN_TRANSFORMERS = (4, 46)
 INSTALL_HINT = 'pip install "transformers>=4.46" (or pip install ".[hf]" in lowmem\'s folder)'
 
 
-def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = None) -> Path:
+def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = None,
+              adapter_dir: str | Path | None = None) -> Path:
     """Write the run's best/ model (else final/), or `checkpoint`, to the new folder `out` in transformers' format.
 
     Args:
@@ -47,12 +49,15 @@ def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = Non
             folder has none), eval_max_new_tokens (the generation default).
         out: the folder to create; it must not exist, or be empty.
         checkpoint: a checkpoint-<step>, best/ or final/ folder to export instead.
+        adapter_dir: a run that trained adapters: also write them, in peft's files, to this new folder.
 
     Returns:
         `out`, as a Path.
     """
     out = Path(out)
     _check_out(out)
+    if adapter_dir is not None:
+        _check_out(Path(adapter_dir))
     folder = find_model_folder(config.output_dir, checkpoint)
     config = settled_for_model(config, trained_config(folder), folder)  # as evaluate and generate settle it
     transformers = _import_transformers()
@@ -76,6 +81,8 @@ def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = Non
     written = transformers_class(model_config.transformers_config) if model_config.transformers_config else \
         TRANSFORMERS_CLASSES[model_config.architecture]
     logger.info("Exported %s (%s) to %s as %s.", folder, model_config.architecture, out, written)
+    if adapter_dir is not None:
+        logger.info("Its adapters, in peft's files, written to %s.", export_adapter(folder, Path(adapter_dir)))
     return out
 
 
@@ -129,12 +136,11 @@ def generation_defaults(config: EvalConfig, ids: dict[str, Any] | None = None) -
 def _save_model(transformers: ModuleType, staged: Path, folder: Path, model_config: GPTConfig,
                 generation: dict[str, Any], ids: dict[str, Any]) -> None:
     """config.json, model.safetensors and generation_config.json, written by the transformers model itself."""
-    from safetensors.torch import load_file
 
     keys = hf_config(model_config, ids)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**keys)).float()
     # strict: every parameter of the transformers model is set, and nothing of ours is left over.
-    model.load_state_dict(hf_state_dict(load_file(str(folder / WEIGHTS_FILE)), model_config), strict=True)
+    model.load_state_dict(hf_state_dict(model_weights(folder), model_config), strict=True)
     model.generation_config = transformers.GenerationConfig(**generation)
     bars = transformers.utils.logging
     was_shown = bars.is_progress_bar_enabled()

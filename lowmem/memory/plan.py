@@ -82,6 +82,12 @@ class ModelShape:
     architecture: str  # "llama" or "gpt2"
     params: int  # the tied embedding / head counted once
     block_params: int  # one transformer block
+    adapter_params: int = 0  # low-rank adapters (LoRA): then only they have gradients and optimizer state
+
+    @property
+    def trained_params(self) -> int:
+        """The parameters with gradients and AdamW moments: the adapters', else every one."""
+        return self.adapter_params or self.params
 
     @property
     def root_params(self) -> int:
@@ -228,6 +234,8 @@ def _millions(count: int) -> str:
 
 def _states(inputs: PlanInputs, where: str) -> list[PlanPart]:
     """Weights, gradients and AdamW's moments, as the strategy holds them, in `where` (host or device)."""
+    if inputs.model.adapter_params:
+        return _adapter_states(inputs)
     params, shards = inputs.model.params, inputs.shards
     share = f"/ {shards} shards" if shards > 1 else ""
     parts = []
@@ -261,6 +269,25 @@ def _states(inputs: PlanInputs, where: str) -> list[PlanPart]:
         parts.append(PlanPart("gradients", FLOAT32 * params, f"4 B x {_millions(params)}", STEP))
     if inputs.strategy == DEEPSPEED:
         parts.append(PlanPart("ZeRO partitions", 8 * params // shards, f"8 B x {_millions(params)} {share}"))
+    return parts
+
+
+def _adapter_states(inputs: PlanInputs) -> list[PlanPart]:
+    """A run that trains adapters: the frozen base and the adapters as weights, gradients and AdamW's moments for
+    the adapters only (sharded under FSDP as the weights are)."""
+    model, shards = inputs.model, inputs.shards
+    share = f"/ {shards} shards" if shards > 1 else ""
+    adapters = model.adapter_params
+    parts = [PlanPart("model weights", FLOAT32 * (model.params + adapters) // shards,
+                      f"4 B x {_millions(model.params + adapters)} {share}, the base frozen"),
+             PlanPart("AdamW moments", 2 * FLOAT32 * adapters // shards,
+                      f"8 B x {_millions(adapters)} {share}, the adapters only")]
+    when = RESIDENT if inputs.strategy == DDP else STEP
+    parts.append(PlanPart("gradients", FLOAT32 * adapters // shards, f"4 B x {_millions(adapters)}, the adapters",
+                          when))
+    if inputs.strategy == FSDP:
+        parts.append(PlanPart("gathered weights", FLOAT32 * (model.root_params + 3 * model.block_params),
+                              "the root's weights whole, 3 blocks' worth of weights", STEP))
     return parts
 
 
@@ -398,7 +425,11 @@ def format_plan(plan: MemoryPlan, budget_bytes: int | None = None, budget_source
     """The plan as a table: one line per part (MB per process), the high-waters, the machine total and the verdict."""
     inputs = plan.inputs
     width = max(len(part.name) for part in (*plan.host, *plan.device, *plan.machine)) + 2
-    lines = [f"Memory plan: {inputs.model.architecture}, {_millions(inputs.model.params)} parameters, "
+    model = inputs.model
+    trained = (f" frozen and {_millions(model.adapter_params)} in adapters that train (AdamW moments and gradients "
+               f"of {_mb(3 * FLOAT32 * model.adapter_params)} where training every weight would take "
+               f"{_mb(3 * FLOAT32 * model.params)})") if model.adapter_params else ""
+    lines = [f"Memory plan: {inputs.model.architecture}, {_millions(inputs.model.params)} parameters{trained}, "
              f"{inputs.strategy.upper() if inputs.strategy != SINGLE else 'one process'}, "
              f"{inputs.processes} process(es) on this machine, {inputs.device}"
              f"{', bf16' if inputs.bf16 and inputs.on_gpu else ', float32'}; micro-batch {inputs.micro_batch_rows} "

@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from lowmem.adapters.lora import ADAPTER_MARK
 from lowmem.errors import ConfigError
 from lowmem.hf.weight_map import NOT_WEIGHTS, WeightSource, transformers_weight_map
 from lowmem.model import GPT, GPTConfig
@@ -126,6 +127,8 @@ def fill_model(model: torch.nn.Module, source: ModelSource, plan: dict[str, Weig
     parameters, written = 0, 0
     with SafetensorsFiles(source.tensors) as files, torch.no_grad():
         for name, parameter in uncompiled(unwrap(model)).named_parameters():
+            if ADAPTER_MARK in name:  # adapters start as `add_adapters` made them: the source has none
+                continue
             local, first_row = _local_part(parameter)
             for start, stop, part in _local_slices(files, plan[name], first_row, local.shape[0]):
                 local[start:stop].copy_(part)  # cast to the parameter's dtype on the way

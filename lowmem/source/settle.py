@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection
 
+from lowmem.adapters.files import checked_base
 from lowmem.atomic_files import write_json_atomic
 from lowmem.config import ModelConfig, TrainConfig
 from lowmem.data.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
@@ -58,6 +59,9 @@ class StartingPoint:
     source: ModelSource | None = None
     tokenizer_folder: Path | None = None
     weights: dict[str, WeightSource] = field(default_factory=dict, repr=False)  # `weight_plan`, for a new run
+    # True for the resume of a run that trains adapters: `source` is then the run's own base (`<run>/base`), filled
+    # in before the checkpoint's adapters are loaded; nothing of a new start (its line, its record) is repeated.
+    resumed: bool = False
 
 
 def settle_source(config: TrainConfig, given: Collection[str], saved_config: dict[str, Any] | None,
@@ -74,6 +78,11 @@ def settle_source(config: TrainConfig, given: Collection[str], saved_config: dic
             return config, None
         return _resumed(config, given, saved_config, checkpoint)
     if not config.init_from:
+        if config.lora_rank:
+            raise ConfigError(
+                f"--lora_rank={config.lora_rank} trains adapters on a model that exists: name it with "
+                "--init_from=PATH (a lowmem run or model folder, or a transformers Llama, Qwen2 or Mistral folder). "
+                "Adapters on random weights learn little; to train every weight, leave --lora_rank out.")
         return config, None
     source = find_source(config.init_from)
     config = _with_source_shape(config, source, given)
@@ -117,7 +126,11 @@ def _resumed(config: TrainConfig, given: Collection[str], saved: dict[str, Any],
     assert checkpoint is not None  # a saved config comes from a checkpoint
     model_config = dataclasses.replace(load_model_config(checkpoint), max_seq_len=config.max_seq_len,
                                        dropout=config.dropout)
-    return config, StartingPoint(model_config)
+    if not saved.get("lora_rank"):
+        return config, StartingPoint(model_config)
+    # Adapters: the checkpoint holds them alone, and the base is the run's copy, unchanged since the start.
+    base = find_source(str(checked_base(Path(config.output_dir))))
+    return config, StartingPoint(model_config, base, None, weight_plan(base, model_config), resumed=True)
 
 
 def _with_source_shape(config: TrainConfig, source: ModelSource, given: Collection[str]) -> TrainConfig:

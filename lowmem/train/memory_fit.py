@@ -56,12 +56,19 @@ def model_shape(config: TrainConfig, vocab_size: int, start: StartingPoint | Non
     from lowmem.model import GPT
     from lowmem.train.setup import model_config_for
 
+    from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters
+
     with torch.device("meta"):
         model = GPT(model_config_for(config, vocab_size, start))
+    params, block_params = model.num_params(), sum(p.numel() for p in model.blocks[0].parameters())
+    spec = LoRASpec.of(config)
+    if spec is not None:
+        add_adapters(model, spec)  # on the meta device too: only the counts are read
+    adapters = sum(p.numel() for name, p in model.named_parameters() if ADAPTER_MARK in name)
     gpt = model.config
     return ModelShape(n_layer=gpt.n_layer, n_embd=gpt.n_embd, n_head=gpt.n_head, mlp_hidden=gpt.mlp_hidden,
                       padded_vocab=gpt.padded_vocab_size, max_seq_len=gpt.max_seq_len, architecture=gpt.architecture,
-                      params=model.num_params(), block_params=sum(p.numel() for p in model.blocks[0].parameters()))
+                      params=params, block_params=block_params, adapter_params=adapters)
 
 
 def measure_base_bytes() -> int:

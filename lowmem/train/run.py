@@ -59,7 +59,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
         if not is_keep_training:
             start_fresh_run(accelerator, config.output_dir, overwrite)
         attach_run_log(run_training_log(config.output_dir))  # the folder is this run's now
-        if start is not None and start.source is not None:
+        if start is not None and start.source is not None and not start.resumed:
             run_on_main(accelerator, lambda: write_source_record(start, config))
         trainer = Trainer(config, accelerator, callbacks, memory=memory, given=given, saved_run=saved_run,
                           start=start)

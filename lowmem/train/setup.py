@@ -29,7 +29,8 @@ from lowmem.data.tokenizer_identity import (describe_files, describe_identity, r
 from lowmem.distributed.accelerator import log_launcher_precision_note
 from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main
 from lowmem.eval.validation import METRIC_MODES
-from lowmem.distributed.strategy import FSDP, describe, prepare_model_and_optimizer, strategy
+from lowmem.distributed.strategy import (DEEPSPEED, FSDP, describe, full_model_state, prepare_model_and_optimizer,
+                                         strategy)
 from lowmem.errors import ConfigError
 from lowmem.memory.cleanup import set_malloc_mmap_threshold
 from lowmem.memory.data_settings import MemorySettings, decide_memory_settings
@@ -38,8 +39,11 @@ from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
 from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
+from lowmem.model.weights import unwrap_gpt
 from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
+from lowmem.adapters.files import BASE_DIR, write_base
+from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters
 from lowmem.source.load import LoadedWeights, empty_model, fill_model
 from lowmem.source.settle import StartingPoint
 from lowmem.train.log import StepLog
@@ -199,10 +203,41 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
     loaded = None
     if start is not None and source is not None and not sharded:
         loaded = fill_model(model, source, start.weights)
+    spec = LoRASpec.of(config)
+    if spec is not None:  # before the strategy wraps the model: DDP and FSDP see the adapters and the frozen base
+        if strategy(accelerator) == DEEPSPEED:
+            raise ConfigError("Adapters (--lora_rank) train with one process, DDP or FSDP2, not under DeepSpeed, "
+                              "whose engine keeps optimizer state for every weight: launch without the DeepSpeed "
+                              "config (the adapters' optimizer state is small enough that no offload is needed).")
+        add_adapters(model, spec)
     prepared, optimizer = prepare_for_training(model, config, accelerator, settings, speed)
     if start is not None and source is not None and sharded:
         loaded = fill_model(prepared, source, start.weights)
     return prepared, optimizer, loaded
+
+
+def keep_adapters_base(model: torch.nn.Module, config: TrainConfig, accelerator: Accelerator,
+                       start: StartingPoint | None) -> None:
+    """A run that trains adapters: say what trains, and when it starts, write its base once into `<run>/base`
+    (`lowmem.adapters.files`; every rank calls it, FSDP gathers the weights for the main process)."""
+    spec = LoRASpec.of(config)
+    if spec is None:
+        return
+    plain = unwrap_gpt(model)
+    trainable = sum(parameter.numel() for name, parameter in plain.named_parameters() if ADAPTER_MARK in name)
+    total = sum(parameter.numel() for parameter in plain.parameters())
+    base = Path(config.output_dir) / BASE_DIR
+    if start is not None and start.source is not None and not start.resumed:
+        state = full_model_state(model, accelerator)
+        source = start.source
+        with writing("the adapters' base model", base):
+            run_on_main(accelerator, lambda: write_base(Path(config.output_dir), state or {}, plain,
+                                                        source.description, source.folder))
+        del state
+    logger.info("Adapters (LoRA): %s; %s parameters train (%.2f%% of %s), the base's are frozen (no gradients, "
+                "no optimizer state). The base is kept once in %s; checkpoints hold the adapters only, best/ and "
+                "final/ the merged model and the adapters in peft's files.", spec.describe(), f"{trainable:,}",
+                100 * trainable / max(total, 1), f"{total:,}", base)
 
 
 def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: Accelerator,

@@ -59,9 +59,9 @@ from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, log_decision, set
 from lowmem.train.resume import (ResumeDecision, choose_checkpoint, data_position_to_load, decide_resume,
                                  epoch_may_restart, rescale_line, steps_after_rescale)
 from lowmem.train.schedule import LearningRateSchedule, total_steps, warmup_kept_by
-from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, log_processes,
-                                make_checkpoint_manager, make_loader, make_memory_monitor, make_step_log,
-                                shared_memory_settings, steps_per_epoch)
+from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, keep_adapters_base,
+                                log_processes, make_checkpoint_manager, make_loader, make_memory_monitor,
+                                make_step_log, shared_memory_settings, steps_per_epoch)
 from lowmem.source.settle import StartingPoint, describe_start
 from lowmem.train.startup import SavedRun, settle_run
 from lowmem.train.run_end import export_models, sample_answer
@@ -132,8 +132,9 @@ class Trainer:
         self.model, self.optimizer, loaded = build_model_and_optimizer(config, self.accelerator,
                                                                        self.tokenizer.vocab_size, settings, self.speed,
                                                                        start)
-        if loaded is not None and start is not None:
+        if loaded is not None and start is not None and not start.resumed:
             logger.info(describe_start(start, loaded, unwrap_gpt(self.model).num_params(), self.tokenizer.describe()))
+        keep_adapters_base(self.model, config, self.accelerator, start)
         # The main process samples the rows (the same choice everywhere, and one reading of the sample).
         self.fixed_shapes = None if not self.speed.static_shapes else broadcast_from_main(
             self.accelerator, lambda: decide_fixed_shapes(config, self.tokenizer, measured.sample_if_tokenized(),

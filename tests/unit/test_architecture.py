@@ -143,6 +143,7 @@ LAYERS = (
     ("memory",),
     ("model",),
     ("config",),
+    ("adapters",),
     ("data",),
     ("distributed",),
     ("checkpoint",),

@@ -25,13 +25,14 @@ def test_train_config_is_every_section_with_flat_fields():
 
 
 def test_resume_roles_come_from_the_fields():
-    assert set(MODEL_SHAPE_FIELDS) == {"architecture", "n_layer", "n_head", "n_embd", "max_seq_len"}
+    assert set(MODEL_SHAPE_FIELDS) == {"architecture", "n_layer", "n_head", "n_embd", "max_seq_len", "lora_rank",
+                                       "lora_targets"}
     assert set(RESUME_EXACT_FIELDS) == {
         "train_file", "train_sources", "text_column", "seed", "batch_size_per_gpu", "gradient_accumulation_steps",
         "dataloader_buffer_size", "dataloader_mix_row_groups", "max_seq_len", "epochs", "max_steps", "learn_rate",
         "min_lr_ratio",
         "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "loss_on_response_only", "dropout",
-        "init_from", "ddp_bf16_gradients",
+        "init_from", "ddp_bf16_gradients", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
     }
 
 
@@ -78,7 +79,8 @@ def test_the_values_before_a_field_existed_are_declared_with_it():
     # The table start-up fills old checkpoints from, as it was written by hand before the fields declared it:
     # some differ from today's default (a new run takes llama and mixes 16 row groups; the old runs did not).
     table = {"dataloader_mix_row_groups": 1, "architecture": "gpt2", "text_column": "", "train_sources": "",
-             "init_from": "", "ddp_bf16_gradients": False}
+             "init_from": "", "ddp_bf16_gradients": False, "lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.05,
+             "lora_targets": "all"}
     assert values_before_the_field(TrainConfig) == VALUES_BEFORE_THE_FIELD == table
     assert (TrainConfig().architecture, TrainConfig().dataloader_mix_row_groups) == (None, 16)
     assert values_before_the_field(TrainConfigPretrainLarge) == table
@@ -98,6 +100,13 @@ def test_the_values_before_a_field_existed_are_declared_with_it():
     assert values_before_the_field(Section) == {"added": 1, "unset": None}  # None is a value, unlike no before=
     with pytest.raises(ValueError, match=r"before=0 is not a value the field allows \(at least 1\)"):
         option(8, "x", minimum=1, before=0)
+
+
+def test_learning_rate_is_transformers_name_for_learn_rate():
+    assert apply_overrides(TrainConfig(), {"learning_rate": 5e-4}).learn_rate == 5e-4
+    with pytest.raises(ConfigError, match="set the same option"):
+        apply_overrides(TrainConfig(), {"learn_rate": 1e-3, "learning_rate": 5e-4})
+    assert "(also --learning_rate)" in describe_fields(TrainConfig())
 
 
 def test_keep_best_n_is_an_alias_of_keep_latest_n_ckp():

@@ -168,3 +168,27 @@ def test_targets_name_the_projections_that_get_adapters():
         add_adapters(base_model("llama-gqa"), LoRASpec(rank=2, alpha=2.0, targets="c_attn"))
     with pytest.raises(ConfigError, match="--lora_rank"):
         LoRASpec(rank=0, alpha=2.0)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_plan_gives_gradients_and_moments_to_the_adapters_only(strategy):
+    from dataclasses import replace
+
+    from memory_plan_helpers import LARGE, large_inputs
+
+    from lowmem.memory.plan import format_plan, plan_memory
+
+    adapters = 2_359_296  # rank 16 on the large preset's 12 blocks of llama projections
+    full = plan_memory(large_inputs(strategy=strategy))
+    lora = plan_memory(large_inputs(strategy=strategy, model=replace(LARGE, adapter_params=adapters)))
+
+    def part(plan, name: str) -> int:
+        return sum(p.bytes for p in (*plan.host, *plan.device) if p.name.startswith(name))
+
+    shards = 3 if strategy == "fsdp" else 1
+    assert part(lora, "AdamW moments") == 8 * adapters // shards
+    assert part(lora, "gradients") == 4 * adapters // shards
+    assert part(lora, "model weights") == 4 * (LARGE.params + adapters) // shards
+    assert part(full, "AdamW moments") == 8 * LARGE.params // shards
+    assert lora.high_water(True) < full.high_water(True)
+    assert "2.4 M in adapters that train" in format_plan(lora)

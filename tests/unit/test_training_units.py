@@ -136,7 +136,7 @@ def test_overrides_are_typed():
     ({"epochs": 2.5}, "epochs takes a whole number"),
     ({"learn_rate": "fast"}, "learn_rate takes a number"),
     ({"bf16": "maybe"}, "bf16 takes True or False"),
-    ({"learning_rate": 0.1}, "Did you mean --learn_rate"),
+    ({"learn_rat": 0.1}, "Did you mean --learn_rate"),
     ({"nonsense": 1}, "Valid options: --train_file"),
 ])
 def test_bad_overrides_say_what_is_expected(overrides, message):
