@@ -276,15 +276,15 @@ def _adapter_states(inputs: PlanInputs) -> list[PlanPart]:
     """A run that trains adapters: the frozen base and the adapters as weights, gradients and AdamW's moments for
     the adapters only (sharded under FSDP as the weights are)."""
     model, shards = inputs.model, inputs.shards
-    share = f"/ {shards} shards" if shards > 1 else ""
+    share = f" / {shards} shards" if shards > 1 else ""
     adapters = model.adapter_params
     parts = [PlanPart("model weights", FLOAT32 * (model.params + adapters) // shards,
-                      f"4 B x {_millions(model.params + adapters)} {share}, the base frozen"),
+                      f"4 B x {_millions(model.params + adapters)}{share}, the base frozen"),
              PlanPart("AdamW moments", 2 * FLOAT32 * adapters // shards,
-                      f"8 B x {_millions(adapters)} {share}, the adapters only")]
+                      f"8 B x {_millions(adapters)}{share}, the adapters only")]
     when = RESIDENT if inputs.strategy == DDP else STEP
-    parts.append(PlanPart("gradients", FLOAT32 * adapters // shards, f"4 B x {_millions(adapters)}, the adapters",
-                          when))
+    parts.append(PlanPart("gradients", FLOAT32 * adapters // shards, f"4 B x {_millions(adapters)}{share}, the "
+                          "adapters", when))
     if inputs.strategy == FSDP:
         parts.append(PlanPart("gathered weights", FLOAT32 * (model.root_params + 3 * model.block_params),
                               "the root's weights whole, 3 blocks' worth of weights", STEP))
