@@ -1,0 +1,104 @@
+"""Direct preference optimisation (DPO): the loss over pairs of answers, computed in the model's low memory.
+
+For a prompt x with a chosen answer c and a rejected one r, the policy π and a frozen reference π_ref,
+
+    z = β · [(log π(c|x) − log π_ref(c|x)) − (log π(r|x) − log π_ref(r|x))],    loss = −log σ(z) = softplus(−z)
+
+with log π(a|x) the sum of the answer's token log-probabilities (the tokens the SFT loss counts for the same row).
+What TRL's users read is computed beside it: rewards/chosen = β(log π(c) − log π_ref(c)), rewards/rejected alike,
+rewards/accuracy (chosen above rejected) and rewards/margin (their difference).
+
+The answers' log-probabilities need the language-model head over every answer token. Without the whole logits
+(`lowmem.model.loss`), the loss is taken in two passes over the final hidden states: the per-row sums once without
+gradients (`row_token_loss_sums`), which give the loss and dL/d(row sum) for each row; then the weighted token loss
+Σ_i dL/dS_row(i) · CE_i through `chunked_token_loss_sum`, whose gradient is the DPO loss's exactly (the weights are
+the derivative at this point, constants for autograd). The transformer runs once; the head twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
+
+LN2 = math.log(2.0)  # the loss where policy and reference agree: z = 0
+
+
+@dataclass(frozen=True)
+class DPOTerms:
+    """The DPO loss of a batch of pairs and what the log shows of it, each a tensor (no host read).
+
+    loss: the mean over pairs. chosen_rewards, rejected_rewards: β(log π − log π_ref) per pair. row_weights: for
+    each sequence (chosen rows first, then rejected), dL/dS where S is its summed token cross-entropy (−log π):
+    the weights of the surrogate whose gradient is the loss's.
+    """
+
+    loss: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    row_weights: torch.Tensor
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        return (self.chosen_rewards > self.rejected_rewards).float().mean()
+
+    @property
+    def margin(self) -> torch.Tensor:
+        return (self.chosen_rewards - self.rejected_rewards).mean()
+
+
+def dpo_terms(policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: float) -> DPOTerms:
+    """The DPO loss from per-sequence answer log-probabilities (2P,): the P chosen rows first, then the P rejected
+    ones, in the same order, for the policy and the reference."""
+    pairs = policy_logps.shape[0] // 2
+    ratios = (policy_logps - reference_logps).float()
+    chosen, rejected = beta * ratios[:pairs], beta * ratios[pairs:]
+    z = chosen - rejected
+    loss = F.softplus(-z).mean()
+    # dL/dz = −σ(−z)/P; z grows with log π(c) and falls with log π(r); S = −log π.
+    coefficient = beta * torch.sigmoid(-z) / max(pairs, 1)
+    return DPOTerms(loss, chosen.detach(), rejected.detach(), torch.cat([coefficient, -coefficient]).detach())
+
+
+def token_rows(targets: torch.Tensor) -> torch.Tensor:
+    """(B*T,) the row of each position of a (B, T) batch of unpacked sequences."""
+    batch, width = targets.shape
+    return torch.arange(batch, device=targets.device).repeat_interleave(width)
+
+
+@torch.no_grad()
+def row_token_loss_sums(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+                        row_count: int, chunk_tokens: int) -> torch.Tensor:
+    """Σ CE of each row's counted tokens (row_count,), float32, one chunk of logits at a time, without gradients.
+
+    hidden: (N, C) final hidden states; head: (V, C); targets: (N,) with IGNORE_INDEX where not counted; rows: (N,)
+    the row of each position.
+    """
+    sums = torch.zeros(row_count, dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.size(0), chunk_tokens):
+        stop = start + chunk_tokens
+        losses = plain_token_losses(F.linear(hidden[start:stop], head), targets[start:stop])  # 0 where ignored
+        sums.index_add_(0, rows[start:stop], losses)
+    return sums
+
+
+def dpo_loss(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, reference_logps: torch.Tensor,
+             beta: float, chunk_tokens: int) -> tuple[torch.Tensor, DPOTerms]:
+    """(the surrogate to call backward() on, the batch's DPO terms) for unpacked sequences: 2P rows of (T,) targets,
+    the P chosen answers first. The surrogate's value is the weighted token loss, not the DPO loss: its gradient
+    is the DPO loss's; `DPOTerms.loss` is the loss itself.
+
+    hidden: (2P, T, C) final hidden states with gradients; head: the language-model head (V, C); targets: (2P, T);
+    reference_logps: (2P,) the reference's answer log-probabilities.
+    """
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    rows = token_rows(targets)
+    sums = row_token_loss_sums(flat_hidden.detach(), head.detach(), flat_targets, rows, targets.shape[0],
+                               chunk_tokens)
+    terms = dpo_terms(-sums, reference_logps, beta)
+    weights = terms.row_weights[rows] * (flat_targets != IGNORE_INDEX).float()
+    return chunked_token_loss_sum(flat_hidden, head, flat_targets, weights, chunk_tokens), terms
