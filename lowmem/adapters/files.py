@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters, merged_state_dict
+from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters, merge_in_place
 from lowmem.errors import ConfigError
 from lowmem.model import GPT
-from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights,
-                                  save_model_config, strip_prefixes, uncompiled, unwrap)
+from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, save_model_config,
+                                  strip_prefixes, tied_names, uncompiled, unwrap)
 
 BASE_DIR = "base"
 BASE_RECORD = "base.json"
@@ -50,15 +50,12 @@ def write_base(run_dir: Path, state: dict[str, torch.Tensor], model: GPT, came_f
 
     folder = run_dir / BASE_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    base = {strip_prefixes(name): tensor.detach().float().contiguous().cpu() for name, tensor in state.items()
-            if ADAPTER_MARK not in name}
-    kept, seen = {}, set()
-    for name in sorted(base):  # one name per tied tensor, as every weights file of ours
-        key = base[name].untyped_storage().data_ptr(), base[name].shape
-        if key not in seen:
-            seen.add(key)
-            kept[name] = base[name]
-    save_file(kept, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    base = {strip_prefixes(name): tensor for name, tensor in state.items() if ADAPTER_MARK not in name}
+    for group in tied_names(model):  # one name per tied tensor, as every weights file of ours: dropped before the
+        for name in sorted(group)[1:]:  # copy to the host, which would give each name a tensor of its own
+            base.pop(name, None)
+    save_file({name: tensor.detach().float().contiguous().cpu() for name, tensor in base.items()},
+              str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     save_model_config(model.config, folder)
     record = {"sha256": file_sha256(folder / WEIGHTS_FILE), "came_from": came_from,
               "folder": str(source_folder.resolve())}
@@ -132,19 +129,37 @@ def base_name(run_dir: Path) -> str:
         return ""
 
 
+def _base_model(folder: Path) -> GPT:
+    """The GPT of a base folder, its weights read a tensor at a time through a memory map into storage nothing
+    initialised: one copy of the model in memory, as it will stay."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = GPT(load_model_config(folder))
+    model.to_empty(device=torch.device("cpu"))
+    model.tie_weights()
+    groups = tied_names(model)
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as file, torch.no_grad():
+        stored = set(file.keys())
+        for name, parameter in model.named_parameters():
+            group = next((group for group in groups if name in group), [name])
+            found = [candidate for candidate in sorted(group) if candidate in stored]
+            if not found:
+                raise ConfigError(f"{folder / WEIGHTS_FILE} has no tensor for {name}: the run's base is incomplete. "
+                                  "Restore the run folder from a copy, or start a new run.")
+            parameter.copy_(file.get_tensor(found[0]))
+    return model
+
+
 def adapted_checkpoint_model(folder: Path) -> GPT:
     """The GPT of an adapter checkpoint, with its adapters: the run's base (`checked_base`) and the checkpoint's
     adapters on it."""
-    base_folder = checked_base(folder.parent)
-    adapted = GPT(load_model_config(base_folder))
-    load_weights(adapted, base_folder / WEIGHTS_FILE)
+    adapted = _base_model(checked_base(folder.parent))
     add_adapters(adapted, saved_spec(folder / ADAPTERS_FILE))
     load_adapters(adapted, folder / ADAPTERS_FILE)
     return adapted
 
 
 def merged_model(adapted: GPT) -> GPT:
-    """A plain GPT (no adapter layers) whose weights are `adapted`'s with the adapters folded in."""
-    merged = GPT(adapted.config)
-    merged.load_state_dict(merged_state_dict(adapted), strict=True)
-    return merged
+    """`adapted` made a plain GPT, each adapter folded into its weight in place (`merge_in_place`)."""
+    return merge_in_place(adapted)

@@ -87,7 +87,7 @@ class LoRALinear(nn.Linear):
         for name, rows in parts:
             if name not in adapted:
                 continue
-            key = _key(name)
+            key = part_key(name)
             a = torch.empty(spec.rank, base.in_features, device=device, dtype=torch.float32)
             if device.type != "meta":
                 nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as peft (and nn.Linear) start A
@@ -101,12 +101,11 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)
         if not self.adapters_on or not len(self.lora_A):
             return y
-        h = self.lora_dropout(x)
         updates = []
         for name, rows in self.parts:
-            key = _key(name)
-            if key in self.lora_A:
-                updates.append(F.linear(F.linear(h, self.lora_A[key]), self.lora_B[key]))
+            key = part_key(name)
+            if key in self.lora_A:  # a dropout mask of its own per part, as peft's one module per projection
+                updates.append(F.linear(F.linear(self.lora_dropout(x), self.lora_A[key]), self.lora_B[key]))
             else:
                 updates.append(y.new_zeros(*y.shape[:-1], rows))
         update = updates[0] if len(updates) == 1 else torch.cat(updates, dim=-1)
@@ -116,7 +115,7 @@ class LoRALinear(nn.Linear):
         """The update the adapters make to `weight`, (out, in) in float32: scaling x B A, part by part."""
         blocks = []
         for name, rows in self.parts:
-            key = _key(name)
+            key = part_key(name)
             if key in self.lora_A:
                 blocks.append(self.lora_B[key].float() @ self.lora_A[key].float())
             else:
@@ -124,12 +123,12 @@ class LoRALinear(nn.Linear):
         return torch.cat(blocks, dim=0) * self.scaling
 
     def extra_repr(self) -> str:
-        adapted = [name for name, _ in self.parts if _key(name) in self.lora_A]
+        adapted = [name for name, _ in self.parts if part_key(name) in self.lora_A]
         return f"{super().extra_repr()}, adapters on {', '.join(adapted)}, scaling={self.scaling:g}"
 
 
-def _key(part: str) -> str:
-    """A part's name as a ParameterDict key (no dots in keys)."""
+def part_key(part: str) -> str:
+    """A part's name as the key of its adapter's tensors (`lora_A.<key>`): no dots in keys."""
     return part.replace(".", "_")
 
 
@@ -188,6 +187,20 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         key = f"{name}.weight"
         merged[key] = layer.weight.float() + layer.delta_weight()
     return merged
+
+
+@torch.no_grad()
+def merge_in_place(model: GPT) -> GPT:
+    """Fold every adapter into its base weight and put a plain Linear back in its place (sharing the weight): the
+    model becomes a plain GPT, with no second copy of its weights made. Returns it."""
+    for name, layer in list(adapter_layers(model)):
+        layer.weight.add_(layer.delta_weight().to(layer.weight.dtype))
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        plain.weight, plain.bias = layer.weight, layer.bias
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, plain)
+    setattr(model, _SPEC_ATTRIBUTE, None)
+    return model
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lowmem.adapters.lora import LoRALinear, LoRASpec, _key, adapter_layers
+from lowmem.adapters.lora import LoRALinear, LoRASpec, adapter_layers, part_key
 from lowmem.adapters.targets import adapter_sites, chosen_parts, peft_module_names
 from lowmem.model import GPTConfig
 
@@ -43,7 +43,7 @@ def peft_adapter_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str,
         assert isinstance(layer, LoRALinear)
         site = sites[name]
         for part, _rows in site.parts:
-            key = _key(part)
+            key = part_key(part)
             if key not in layer.lora_A:
                 continue
             where = PEFT_PREFIX + site.transformers_name(part)

@@ -2,7 +2,8 @@
 
 A checkpoint folder (made atomic and complete by `lowmem.checkpoint.folders.CheckpointManager`):
 
-    model.safetensors      the whole model's weights (main process), under every strategy
+    model.safetensors      the whole model's weights (main process), under every strategy, or
+    adapters.safetensors   for a run that trains adapters: them alone (the base is the run's `base/`)
     model_config.json      the GPT's sizes
     optimizer.pt           AdamW's state (main process; identical on every rank under DDP), or
     deepspeed/state/       under DeepSpeed: the engine's checkpoint, one optimizer shard per rank, or

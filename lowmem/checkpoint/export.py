@@ -11,7 +11,7 @@ from typing import Any, Callable, Collection
 
 import torch
 
-from lowmem.adapters.files import BASE_DIR, adapted_checkpoint_model, base_name, is_adapter_checkpoint, merged_model
+from lowmem.adapters.files import adapted_checkpoint_model, base_name, is_adapter_checkpoint, merged_model
 from lowmem.adapters.lora import adapter_spec, merged_state_dict
 from lowmem.adapters.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from lowmem.atomic_files import folder_built_aside
@@ -19,8 +19,8 @@ from lowmem.config import TrainConfig
 from lowmem.config.sources import saved_config_record
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
-from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights, save_model_config,
-                                  save_weights, unwrap_gpt)
+from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights, model_state_dict,
+                                  save_model_config, save_weights, unwrap_gpt)
 from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer, tokenizer_files
 from lowmem.program import command_line
 
@@ -34,15 +34,16 @@ def _write_model_folder(out_dir: Path, model_config: GPTConfig, config: TrainCon
                         adapters: GPT | None = None) -> Path:
     """Weights, configs and tokenizer in one folder, written aside and renamed into place. The training config
     records its preset and, when known, the fields the user `given` (`lowmem.config.sources.saved_config_values`).
-    A model with `adapters` (the weights written are then merged) also leaves them in peft's files."""
+    A model with `adapters` leaves them in peft's files too, written before `write_weights` (which may merge them
+    into the model)."""
     values = dataclasses.asdict(config)
     if given is not None:
         values = {**values, **saved_config_record(config, given)}
     with folder_built_aside(out_dir) as folder:
-        write_weights(folder / WEIGHTS_FILE)
         spec = None if adapters is None else adapter_spec(adapters)
         if adapters is not None and spec is not None:
             write_peft_adapter(folder, adapters, spec, adapters.config, base_name(Path(config.output_dir)))
+        write_weights(folder / WEIGHTS_FILE)
         save_model_config(model_config, folder)
         (folder / TRAIN_CONFIG_FILE).write_text(json.dumps(values, indent=2, ensure_ascii=False))
         for path in tokenizer_files(tokenizer_dir, essential=True):  # the model's tokenizer beside it, whichever kind
@@ -71,8 +72,7 @@ def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, toke
     if is_adapter_checkpoint(checkpoint):
         adapted = adapted_checkpoint_model(checkpoint)
         return _write_model_folder(out_dir, adapted.config, config, tokenizer_dir,
-                                   lambda path: save_weights(merged_state_dict(adapted), path), given,
-                                   adapters=adapted)
+                                   lambda path: save_weights(merged_model(adapted), path), given, adapters=adapted)
     return _write_model_folder(out_dir, load_model_config(checkpoint), config, tokenizer_dir,
                                lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path), given)
 
@@ -94,9 +94,9 @@ def trained_config(folder: Path) -> dict[str, Any] | None:
 
 
 def _is_model_folder(folder: Path) -> bool:
-    """The folder holds a model: its weights, or the adapters of a checkpoint whose run keeps their base."""
-    weights = (folder / WEIGHTS_FILE).is_file() or (
-        is_adapter_checkpoint(folder) and (folder.parent / BASE_DIR / WEIGHTS_FILE).is_file())
+    """The folder holds a model: its weights, or the adapters of a checkpoint (whose run's base `checked_base`
+    checks when it is loaded, with its own message)."""
+    weights = (folder / WEIGHTS_FILE).is_file() or is_adapter_checkpoint(folder)
     return weights and (folder / MODEL_CONFIG_FILE).is_file()
 
 
@@ -106,7 +106,7 @@ def model_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if is_adapter_checkpoint(folder):
-        return merged_state_dict(adapted_checkpoint_model(folder))
+        return model_state_dict(merged_model(adapted_checkpoint_model(folder)))
     return load_file(str(folder / WEIGHTS_FILE))
 
 
@@ -157,16 +157,18 @@ def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> 
                       "--output_dir=RUN_FOLDER.")
 
 
+def check_has_adapters(folder: Path) -> None:
+    """Refuse a model folder that holds no adapters (`--adapter_dir` of a run trained without `--lora_rank`)."""
+    if not ((folder / ADAPTER_CONFIG).is_file() or is_adapter_checkpoint(folder)):
+        raise ConfigError(f"The model in {folder} was trained without adapters (--lora_rank), so there are none to "
+                          "export: leave --adapter_dir out to export the model itself.")
+
+
 def export_adapter(folder: Path, out: Path) -> Path:
     """Write the adapters of a model folder (best/, final/ or a checkpoint of a run that trained adapters) to the new
     folder `out` in peft's files, for `PeftModel.from_pretrained(base, out)`."""
-    if (folder / ADAPTER_CONFIG).is_file():
-        files = [folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS]
-    elif not is_adapter_checkpoint(folder):
-        raise ConfigError(f"The model in {folder} was trained without adapters (--lora_rank), so there are none to "
-                          "export: leave --adapter_dir out to export the model itself.")
-    else:
-        files = []
+    check_has_adapters(folder)
+    files = [folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS] if (folder / ADAPTER_CONFIG).is_file() else []
     with folder_built_aside(out) as staged:
         for path in files:
             shutil.copy(path, staged / path.name)

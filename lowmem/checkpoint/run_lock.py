@@ -63,7 +63,7 @@ def check_output_dir(folder: str | Path, option: str = "--output_dir") -> None:
 
 
 # What a run leaves in its folder that a new run would mix with: checkpoints, their manifest, the exported models.
-RUN_CONTENTS = ("checkpoint-*", "checkpoints.json", "final", "best")
+RUN_CONTENTS = ("checkpoint-*", "checkpoints.json", "final", "best", "base")  # base/: a run of adapters
 
 
 def previous_run(folder: str | Path) -> list[Path]:
@@ -81,13 +81,15 @@ def start_fresh_run(accelerator: Accelerator, folder: str, overwrite: bool) -> N
     Every rank raises the same error; the main process alone touches the folder."""
     def check_or_clear() -> str:
         found = previous_run(folder)
-        if found and not overwrite:
+        # A base/ alone (a run of adapters stopped before its first checkpoint) is no run to continue: a new run of
+        # adapters writes its own over it, and --overwrite deletes it with the rest.
+        if found and not overwrite and any(path.name != "base" for path in found):
             names = ", ".join(path.name for path in found[:4]) + (f" and {len(found) - 4} more"
                                                                   if len(found) > 4 else "")
             return (f"{folder} holds an earlier run ({names}). `{command_line('train ... --is_keep_training=True')}` "
                     "(your flags, and that one) continues it; --overwrite=True instead starts a new run there and "
                     "deletes those first; or choose another --output_dir.")
-        if found:
+        if found and overwrite:
             _delete(found)
             logger.info("--overwrite=True: the earlier run's %s deleted from %s.",
                         ", ".join(path.name for path in found), folder)

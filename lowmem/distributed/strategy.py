@@ -26,7 +26,9 @@ The strategy comes from how `accelerate launch` was configured (see configs/acce
                   number of processes changes.
 
 Every function accepts a model wrapped by `torch.compile` (its state-dict keys start with `_orig_mod.`) or
-by DDP (`module.`): weights are always written with the plain model's names and load into either.
+by DDP (`module.`): weights are always written with the plain model's names and load into either. A model with
+adapters (`lowmem.adapters`, one process, DDP or FSDP) writes `adapters.safetensors` instead of `model.safetensors`:
+its frozen base is the run's own `base/`, filled in before a resume loads the adapters.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from types import ModuleType
 from typing import Any
 
 from lowmem.atomic_files import folder_built_aside
-from lowmem.checkpoint.export import (export_adapter, find_model_folder, model_weights, tokenizer_folder,
-                                      trained_config)
+from lowmem.checkpoint.export import (check_has_adapters, export_adapter, find_model_folder, model_weights,
+                                      tokenizer_folder, trained_config)
 from lowmem.config import EvalConfig, TrainConfig
 from lowmem.config.settle import settled_for_model
 from lowmem.data.text_tokenizer import TextTokenizer, load_tokenizer
@@ -59,6 +59,8 @@ def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = Non
     if adapter_dir is not None:
         _check_out(Path(adapter_dir))
     folder = find_model_folder(config.output_dir, checkpoint)
+    if adapter_dir is not None:
+        check_has_adapters(folder)  # before anything is written
     config = settled_for_model(config, trained_config(folder), folder)  # as evaluate and generate settle it
     transformers = _import_transformers()
     model_config = load_model_config(folder)

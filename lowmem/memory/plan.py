@@ -83,11 +83,7 @@ class ModelShape:
     params: int  # the tied embedding / head counted once
     block_params: int  # one transformer block
     adapter_params: int = 0  # low-rank adapters (LoRA): then only they have gradients and optimizer state
-
-    @property
-    def trained_params(self) -> int:
-        """The parameters with gradients and AdamW moments: the adapters', else every one."""
-        return self.adapter_params or self.params
+    adapter_dropout_bytes: int = 0  # per position, over every block: the adapters' dropped-out inputs and masks
 
     @property
     def root_params(self) -> int:
@@ -302,19 +298,24 @@ def _step(inputs: PlanInputs, share: float) -> list[PlanPart]:
     else:
         kept = positions * model.n_layer * per_block
         basis = f"{positions:,} positions x {model.n_layer} blocks x {per_block / 1e3:,.1f} kB"
+    if model.adapter_dropout_bytes:  # each adapter's input, dropped out: a copy and its mask kept for backward
+        kept += positions * model.adapter_dropout_bytes
+        basis += f", and the adapters' dropped-out inputs ({model.adapter_dropout_bytes / 1e3:,.1f} kB a position)"
     parts = [PlanPart("activations", int(kept), basis, STEP)]
     V, C = model.padded_vocab, model.n_embd
     around = positions * (3 * C * FLOAT32 + (model.max_seq_len if inputs.masked_attention else 0))
+    # The head's gradient, twice (its buffer in the chunked loss and the parameter's): none for a frozen head.
+    head_grads, head_text = (0, "") if model.adapter_params else (2 * V * C * FLOAT32, ", the head's gradient")
     if inputs.loss_chunk_tokens and inputs.on_gpu and inputs.bf16:
         # Under bf16 autocast a chunk's logits come out of the matmul in bf16 and are read again in float32 with
         # their softmax's gradient (about 8 B a logit), and the head's weight is cast to a bf16 copy for it.
         chunk = min(inputs.loss_chunk_tokens, positions)
-        loss = 2 * V * C * FLOAT32 + V * C * 2 + chunk * V * 8 + around
-        basis = f"chunks of {chunk:,} tokens x {V:,} x 8 B, the head's gradient and its bf16 copy"
+        loss = head_grads + V * C * 2 + chunk * V * 8 + around
+        basis = f"chunks of {chunk:,} tokens x {V:,} x 8 B{head_text} and its bf16 copy"
     elif inputs.loss_chunk_tokens:
         chunk = min(inputs.loss_chunk_tokens, positions)
-        loss = 2 * V * C * FLOAT32 + chunk * V * FLOAT32 + around
-        basis = f"chunks of {chunk:,} tokens x {V:,} x 4 B, and the head's gradient"
+        loss = head_grads + chunk * V * FLOAT32 + around
+        basis = f"chunks of {chunk:,} tokens x {V:,} x 4 B{head_text.replace(',', ', and')}"
     else:
         loss = 3 * positions * V * FLOAT32 + around
         basis = f"3 copies of {positions:,} x {V:,} x 4 B (whole logits)"
@@ -427,8 +428,8 @@ def format_plan(plan: MemoryPlan, budget_bytes: int | None = None, budget_source
     width = max(len(part.name) for part in (*plan.host, *plan.device, *plan.machine)) + 2
     model = inputs.model
     trained = (f" frozen and {_millions(model.adapter_params)} in adapters that train (AdamW moments and gradients "
-               f"of {_mb(3 * FLOAT32 * model.adapter_params)} where training every weight would take "
-               f"{_mb(3 * FLOAT32 * model.params)})") if model.adapter_params else ""
+               f"of {_mb(3 * FLOAT32 * model.adapter_params // inputs.shards)} per process where training every "
+               f"weight would take {_mb(3 * FLOAT32 * model.params // inputs.shards)})") if model.adapter_params else ""
     lines = [f"Memory plan: {inputs.model.architecture}, {_millions(inputs.model.params)} parameters{trained}, "
              f"{inputs.strategy.upper() if inputs.strategy != SINGLE else 'one process'}, "
              f"{inputs.processes} process(es) on this machine, {inputs.device}"

@@ -70,7 +70,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             head = weight.to(dtype)  # (V, C): a cast copy only under autocast, as F.linear would make
             grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)  # (N, C)
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, C)
+            # A frozen head (adapters train, the output layer does not) needs no gradient: neither its buffer
+            # nor the third of the head's matmuls that would fill it.
+            weight_grad_wanted = ctx.needs_input_grad[1]
+            grad_weight = torch.zeros(weight.shape if weight_grad_wanted else (0,), dtype=torch.float32,
+                                      device=weight.device)  # (V, C)
             loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.size(0), chunk_tokens):
                 end = start + chunk_tokens
@@ -80,8 +84,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 loss_sum += chunk_loss
                 grad_logits = grad_logits.to(dtype)  # (n, V), a no-op in float32
                 grad_hidden[start:end] = grad_logits @ head  # (n, C)
-                # In the compute dtype, as the plain path's matmul; summed over the chunks in float32.
-                grad_weight.add_(grad_logits.t() @ chunk)  # (V, C) += (V, n) @ (n, C)
+                if weight_grad_wanted:  # in the compute dtype, as the plain path's matmul; summed in float32
+                    grad_weight.add_(grad_logits.t() @ chunk)  # (V, C) += (V, n) @ (n, C)
                 del grad_logits, chunk
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -92,8 +96,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         # The loss is a scalar: the chain rule only scales the gradients computed in the forward pass.
-        return ((grad_hidden * grad_output).to(ctx.hidden_dtype), (grad_weight * grad_output).to(ctx.weight_dtype),
-                None, None, None)
+        weight_grad = (grad_weight * grad_output).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return (grad_hidden * grad_output).to(ctx.hidden_dtype), weight_grad, None, None, None
 
 
 def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

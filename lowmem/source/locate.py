@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowmem.adapters.files import is_adapter_checkpoint
 from lowmem.checkpoint.export import best_saved_checkpoint, trained_config
 from lowmem.checkpoint.layout import FINAL
 from lowmem.data.tokenizer import TOKENIZER_FILE
@@ -27,6 +28,7 @@ from lowmem.hf.architectures import gpt_config_from_transformers, supported_text
 from lowmem.model import GPTConfig
 from lowmem.model.safetensors_files import INDEX_FILE, TensorEntry, index_entries
 from lowmem.model.weights import MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config
+from lowmem.program import command_line
 from lowmem.run_files import TOKENIZER_RECORD_NAME
 
 LOWMEM, TRANSFORMERS = "lowmem", "transformers"
@@ -97,6 +99,8 @@ def find_source(path: str) -> ModelSource:
         raise ConfigError(f"--init_from={path} is a file: pass the folder that holds the model.")
     if (folder / MODEL_CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file():
         return _lowmem_source(str(path), folder, "the folder given")
+    if is_adapter_checkpoint(folder):
+        _refuse_adapter_checkpoint(folder)
     if (folder / TRANSFORMERS_CONFIG).is_file():
         return _transformers_source(str(path), folder)
     chosen = _model_folder_of_run(folder)
@@ -117,8 +121,19 @@ def _model_folder_of_run(run: Path) -> tuple[Path, str] | None:
     saved = best_saved_checkpoint(run)
     if saved is not None:
         folder, why = saved
+        if is_adapter_checkpoint(folder):
+            _refuse_adapter_checkpoint(folder)
         return folder, f"{folder.name}, {why}, as the run has no best/ or final/"
     return None
+
+
+def _refuse_adapter_checkpoint(folder: Path) -> None:
+    """A checkpoint of adapters is no model to start from by itself: say how to get its merged model."""
+    raise ConfigError(
+        f"{folder} is a checkpoint of a run that trains adapters (--lora_rank): it holds the adapters alone, not a "
+        f"model to start from. Write its merged model first with `{command_line(f'export OUT --checkpoint={folder}')}`"
+        " (a transformers folder, which --init_from=OUT takes), or start from the run's best/ or final/ once it has "
+        "them.")
 
 
 def _lowmem_source(given: str, folder: Path, chosen: str) -> ModelSource:

@@ -56,7 +56,7 @@ def model_shape(config: TrainConfig, vocab_size: int, start: StartingPoint | Non
     from lowmem.model import GPT
     from lowmem.train.setup import model_config_for
 
-    from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters
+    from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, adapter_layers, add_adapters
 
     with torch.device("meta"):
         model = GPT(model_config_for(config, vocab_size, start))
@@ -65,10 +65,14 @@ def model_shape(config: TrainConfig, vocab_size: int, start: StartingPoint | Non
     if spec is not None:
         add_adapters(model, spec)  # on the meta device too: only the counts are read
     adapters = sum(p.numel() for name, p in model.named_parameters() if ADAPTER_MARK in name)
+    # With dropout, each adapted Linear keeps its input's dropped-out copy (float32) and mask (1 B) per part.
+    dropout_bytes = 0 if spec is None or not spec.dropout else sum(
+        5 * layer.in_features * len(layer.lora_A) for _, layer in adapter_layers(model))
     gpt = model.config
     return ModelShape(n_layer=gpt.n_layer, n_embd=gpt.n_embd, n_head=gpt.n_head, mlp_hidden=gpt.mlp_hidden,
                       padded_vocab=gpt.padded_vocab_size, max_seq_len=gpt.max_seq_len, architecture=gpt.architecture,
-                      params=params, block_params=block_params, adapter_params=adapters)
+                      params=params, block_params=block_params, adapter_params=adapters,
+                      adapter_dropout_bytes=dropout_bytes)
 
 
 def measure_base_bytes() -> int:

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any, Collection
 
+from lowmem.adapters.files import BASE_DIR
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns
@@ -28,6 +29,8 @@ def export_models(final_model: Any, config: TrainConfig, manifest: dict[str, Any
     # The checkpoints hold the trained weights: a failed export loses nothing, and can be made again.
     latest = output_dir / str(manifest.get("latest"))
     weights = latest / WEIGHTS_FILE
+    if not weights.is_file():  # a run of adapters: final/ holds the merged model, the size of its base
+        weights = output_dir / BASE_DIR / WEIGHTS_FILE
     needed = weights.stat().st_size if weights.is_file() else None
     kept = f"The checkpoints in {output_dir} are complete; the partial folder was removed."
 

@@ -205,15 +205,21 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
         loaded = fill_model(model, source, start.weights)
     spec = LoRASpec.of(config)
     if spec is not None:  # before the strategy wraps the model: DDP and FSDP see the adapters and the frozen base
-        if strategy(accelerator) == DEEPSPEED:
-            raise ConfigError("Adapters (--lora_rank) train with one process, DDP or FSDP2, not under DeepSpeed, "
-                              "whose engine keeps optimizer state for every weight: launch without the DeepSpeed "
-                              "config (the adapters' optimizer state is small enough that no offload is needed).")
+        check_adapters_strategy(config, accelerator)
         add_adapters(model, spec)
     prepared, optimizer = prepare_for_training(model, config, accelerator, settings, speed)
     if start is not None and source is not None and sharded:
         loaded = fill_model(prepared, source, start.weights)
     return prepared, optimizer, loaded
+
+
+def check_adapters_strategy(config: ModelConfig, accelerator: Accelerator) -> None:
+    """Adapters train with one process, DDP or FSDP2: a DeepSpeed launch is refused (before the run folder is
+    touched, by `run_training`)."""
+    if config.lora_rank and strategy(accelerator) == DEEPSPEED:
+        raise ConfigError("Adapters (--lora_rank) train with one process, DDP or FSDP2, not under DeepSpeed, whose "
+                          "engine keeps optimizer state for every weight: launch without the DeepSpeed config (the "
+                          "adapters' optimizer state is small enough that no offload is needed).")
 
 
 def keep_adapters_base(model: torch.nn.Module, config: TrainConfig, accelerator: Accelerator,

@@ -86,6 +86,10 @@ def test_a_resume_of_adapters_is_exact_from_the_run_folder_and_refuses_a_changed
     assert first.returncode == 0 and "at step 4" in first.stderr, first.stderr[-3000:]
     source.rename(source.with_name("moved-away"))  # the resume reads only the run folder
     run = stopped / "model_save" / "train_from_qwen2-tiny"
+    # A next stage cannot start from a checkpoint of adapters alone (the run has no best/ yet): it is told how.
+    next_stage = run_command(["train", f"--init_from={run}", "--max_steps=2", "--output_dir=next"], cwd=stopped,
+                             env=ENV)
+    assert next_stage.returncode == 2 and "holds the adapters alone" in next_stage.stderr, next_stage.stderr[-3000:]
     base_file = run / BASE_DIR / "model.safetensors"
     original = base_file.read_bytes()
     changed = bytearray(original)

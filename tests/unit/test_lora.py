@@ -192,3 +192,38 @@ def test_the_plan_gives_gradients_and_moments_to_the_adapters_only(strategy):
     assert part(full, "AdamW moments") == 8 * LARGE.params // shards
     assert lora.high_water(True) < full.high_water(True)
     assert "2.4 M in adapters that train" in format_plan(lora)
+
+
+def test_the_runs_base_holds_one_tensor_per_tied_weight_even_from_copies_of_it(tmp_path):
+    """On a GPU the weights reach the host as copies, one per name of the tied embedding and head: the base keeps
+    one, so that the resume's strict check of the base's tensors accepts it."""
+    from lowmem.adapters.files import BASE_DIR, adapted_checkpoint_model, checked_base, write_base
+    from lowmem.source.load import weight_plan
+    from lowmem.source.locate import find_source
+
+    model = base_model("llama-gqa")
+    copies = {name: value.clone() for name, value in model.state_dict().items()}  # what .cpu() of GPU tensors gives
+    assert "lm_head.weight" in copies and "tok_emb.weight" in copies
+    write_base(tmp_path, copies, model, "a test model", tmp_path)
+    base = find_source(str(checked_base(tmp_path)))
+    assert weight_plan(base, model.config)  # every tensor used, none left over
+    assert (tmp_path / BASE_DIR / "base.json").is_file()
+
+    # A checkpoint of adapters on that base loads as the plain model with them merged.
+    from lowmem.adapters.files import ADAPTERS_FILE, save_adapters
+
+    _, adapted = with_adapters("llama-gqa")
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    save_adapters(adapted.state_dict(), checkpoint / ADAPTERS_FILE, SMALL_ADAPTERS)
+    loaded = adapted_checkpoint_model(checkpoint)
+    idx = tokens()
+    assert torch.allclose(logits(loaded, idx), logits(adapted, idx), atol=1e-6)
+
+
+def test_a_model_without_adapters_has_none_to_export(tmp_path):
+    from lowmem.checkpoint.export import check_has_adapters
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="trained without adapters"):
+        check_has_adapters(tmp_path)
