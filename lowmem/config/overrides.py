@@ -95,6 +95,9 @@ def _coerce(name: str, value: Any, declared: Any) -> Any:
     elif base is str:
         if isinstance(value, (str, numbers.Number)) and not isinstance(value, bool):
             return str(value)  # fire turns `--train_file=2024` into an int
+        if isinstance(value, (tuple, list)) and value and all(
+                isinstance(item, (str, numbers.Number)) and not isinstance(item, bool) for item in value):
+            return ",".join(str(item) for item in value)  # fire splits `--lora_targets=q_proj,v_proj` at the comma
         expected = "a text value"
     else:
         return value

@@ -268,8 +268,12 @@ class GPT(nn.Module):
 
     def matmul_flops_per_token(self) -> int:
         """The training FLOPs per token of the matmuls with weights: 6 x the parameters that take part in one (all
-        but a learned position table; see `estimate_flops_per_token`)."""
-        return 6 * (self.num_params() - self._position_table_size())
+        but a learned position table; see `estimate_flops_per_token`), 4 x a frozen one's (adapters train, the base
+        does not: its weights get no gradient, only their inputs do)."""
+        flops = sum((6 if parameter.requires_grad else 4) * parameter.numel() for parameter in self.parameters())
+        if self.pos_emb is not None:
+            flops -= (6 if self.pos_emb.weight.requires_grad else 4) * self._position_table_size()
+        return flops
 
     def attention_flops_per_pair(self) -> int:
         """The training FLOPs of attention per (query, key) pair of a sequence, all layers: q @ k^T and att @ v are

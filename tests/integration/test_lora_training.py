@@ -112,6 +112,7 @@ def test_a_resume_of_adapters_is_exact_from_the_run_folder_and_refuses_a_changed
     (["--lora_rank=4"], "--init_from=PATH"),
     (["--lora_rank=4", "--lora_targets=c_attn", "INIT"], "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                                         "down_proj"),
+    (["--lora_targets=q_proj,v_proj", "INIT"], "no --lora_rank was given"),
 ])
 def test_adapters_asked_wrongly_are_refused_in_one_paragraph(tmp_path, qwen, flags, says):
     project = _project(tmp_path)

@@ -227,3 +227,13 @@ def test_a_model_without_adapters_has_none_to_export(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="trained without adapters"):
         check_has_adapters(tmp_path)
+
+
+def test_the_mfu_counts_no_weight_gradient_for_the_frozen_base():
+    base = base_model("gpt2")
+    adapted = base_model("gpt2")
+    add_adapters(adapted, SMALL_ADAPTERS)
+    adapters = sum(p.numel() for name, p in adapted.named_parameters() if ".lora_" in name)
+    positions = base.pos_emb.weight.numel()
+    assert base.matmul_flops_per_token() == 6 * (base.num_params() - positions)
+    assert adapted.matmul_flops_per_token() == 4 * (base.num_params() - positions) + 6 * adapters

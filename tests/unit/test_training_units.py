@@ -129,6 +129,8 @@ def test_overrides_are_typed():
     assert config.bf16 is False and config.train_file == "2024" and config.ultra_low_mem is None
     assert apply_overrides(TrainConfig(), {"ultra_low_mem": True}).ultra_low_mem is True
     assert apply_overrides(TrainConfig(), {"learn_rate": 1}).learn_rate == 1.0
+    # fire splits `--lora_targets=q_proj,v_proj` at the comma: the text comes back as typed
+    assert apply_overrides(TrainConfig(), {"lora_targets": ("q_proj", "v_proj")}).lora_targets == "q_proj,v_proj"
 
 
 @pytest.mark.parametrize("overrides, message", [
