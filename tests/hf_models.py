@@ -12,6 +12,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # before transformers is imported
 
 # ChatML written with block tags on lines of their own, as Qwen's templates are: it renders right only with
@@ -125,6 +127,12 @@ def qwen2_folder(folder: Path, seed: int = 0, extra_rows: int = 13, **sizes: Any
                                       **shape)
     _perturbed(transformers.Qwen2ForCausalLM(config), seed).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> Path:
+    """A tiny Qwen2 folder (`qwen2_folder`), made once per module that imports this fixture as itself."""
+    return qwen2_folder(tmp_path_factory.mktemp("models") / "qwen2-tiny")
 
 
 def mistral_folder(folder: Path, seed: int = 2, **sizes: Any) -> Path:

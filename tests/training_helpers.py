@@ -53,6 +53,14 @@ def workspace(tmp_path_factory):
     return folder, resume_chat_data(folder)
 
 
+def chat_project(folder: Path) -> Path:
+    """A folder with data of one's own: data/train.parquet (300 rows), valid (40) and test (40)."""
+    (folder / "data").mkdir(parents=True)
+    for name, rows, seed in (("train", 300, 1), ("valid", 40, 2), ("test", 40, 3)):
+        write_chat_rows(folder / "data" / f"{name}.parquet", rows, seed=seed)
+    return folder
+
+
 def tiny_overrides(tmp_path: Path, train_file: Path, valid_file: Path) -> list[str]:
     """Command-line overrides for a model that trains in seconds."""
     return [

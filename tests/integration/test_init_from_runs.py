@@ -16,9 +16,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import qwen25_half_billion_folder, qwen2_folder  # noqa: E402
-from training_helpers import (FSDP_CPU_ENV, FSDP_LAUNCHER, assert_losses_match, resumed_from,  # noqa: E402
-                              run_command, traced_losses, write_chat_rows)
+from hf_models import qwen as qwen  # noqa: E402  (the fixture)
+from hf_models import qwen25_half_billion_folder  # noqa: E402
+from training_helpers import (FSDP_CPU_ENV, FSDP_LAUNCHER, assert_losses_match, chat_project,  # noqa: E402
+                              resumed_from, run_command, traced_losses, write_chat_rows)
 
 from lowmem.checkpoint.export import load_model_folder  # noqa: E402
 from lowmem.eval.commands import answer  # noqa: E402
@@ -30,25 +31,12 @@ SHORT = ["--max_steps=4", "--batch_size_per_gpu=8", "--eval_bleu_samples=4", "--
 VALIDATION_LINE = re.compile(r"Validation at step (\d+): loss ([\d.]+)")
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return qwen2_folder(tmp_path_factory.mktemp("models") / "qwen2-tiny")
-
-
-def _project(folder: Path) -> Path:
-    """A folder with data of one's own: data/train.parquet (300 rows), valid (40) and test (40)."""
-    (folder / "data").mkdir(parents=True)
-    for name, rows, seed in (("train", 300, 1), ("valid", 40, 2), ("test", 40, 3)):
-        write_chat_rows(folder / "data" / f"{name}.parquet", rows, seed=seed)
-    return folder
-
-
 def _validation_losses(stderr: str) -> dict[int, str]:
     return {int(step): loss for step, loss in VALIDATION_LINE.findall(stderr)}
 
 
 def test_a_qwen2_fine_tuned_and_exported_answers_in_transformers_as_in_lowmem(tmp_path, qwen):
-    project = _project(tmp_path)
+    project = chat_project(tmp_path)
     trained = run_command(["train", f"--init_from={qwen}", *SHORT], cwd=project)
     assert trained.returncode == 0, trained.stderr[-3000:]
     run = project / "model_save" / "train_from_qwen2-tiny"
@@ -90,11 +78,11 @@ def test_the_resume_of_a_run_started_from_a_model_is_exact_without_the_model(tmp
     source = shutil.copytree(qwen, tmp_path / "models" / "qwen2-tiny")
     flags = [f"--init_from={source}", "--max_steps=8", "--batch_size_per_gpu=8", "--dropout=0.1",
              "--gradient_accumulation_steps=2", "--save_steps=4", "--eval_bleu_samples=0", "--logging_steps=1"]
-    reference = _project(tmp_path / "reference")
+    reference = chat_project(tmp_path / "reference")
     done = run_command(["train", *flags], cwd=reference, env={"LOWMEM_TRACE_DIR": str(reference / "trace")})
     assert done.returncode == 0, done.stderr[-3000:]
 
-    stopped = _project(tmp_path / "stopped")
+    stopped = chat_project(tmp_path / "stopped")
     first = run_command(["train", *flags], cwd=stopped, env={"LOWMEM_STOP_AFTER_STEP": "4"})
     assert first.returncode == 0 and "at step 4" in first.stderr, first.stderr[-3000:]
     source.rename(source.with_name("moved-away"))  # the resume reads only the run folder
@@ -155,7 +143,7 @@ def test_a_second_stage_starts_from_the_first_with_its_tokenizer_and_a_new_sched
 
 
 def test_three_fsdp_processes_load_the_model_the_single_process_loads(tmp_path, qwen):
-    project = _project(tmp_path)
+    project = chat_project(tmp_path)
     flags = [f"--init_from={qwen}", "--max_steps=1", "--batch_size_per_gpu=8", "--eval_bleu_samples=0",
              "--sample_max_new_tokens=4"]
     single = run_command(["train", *flags, "--output_dir=model_save/single"], cwd=project)
@@ -171,7 +159,7 @@ def test_three_fsdp_processes_load_the_model_the_single_process_loads(tmp_path, 
 
 @pytest.mark.slow
 def test_every_command_finds_a_run_of_ones_own_data_with_trains_flags(tmp_path):
-    project = _project(tmp_path / "project")
+    project = chat_project(tmp_path / "project")
     tiny = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=400", "--max_steps=2", "--batch_size_per_gpu=8",
             "--gradient_accumulation_steps=1", "--eval_bleu_samples=2", "--eval_max_new_tokens=4",
             "--sample_max_new_tokens=4", "--save_steps=2", "--eval_batches=1", "--dataloader_buffer_size=50"]
@@ -201,7 +189,7 @@ def test_three_fsdp_processes_start_from_a_half_billion_model_within_the_plan(tm
     """Three processes (FSDP2 on gloo) start from a model of Qwen2.5-0.5B's shapes in bf16: the RSS high-water of
     the three once it is loaded stays below three float32 copies of its weights, and each rank's whole run within
     the plan's prediction (15%)."""
-    project = _project(tmp_path)
+    project = chat_project(tmp_path)
     model = qwen25_half_billion_folder(tmp_path / "qwen2.5-0.5b-shapes")
     flags = [f"--init_from={model}", "--max_steps=1", "--max_seq_len=64", "--batch_size_per_gpu=2", "--eval_batches=1",
              "--eval_bleu_samples=0", "--sample_max_new_tokens=2", "--output_dir=model_save/half"]

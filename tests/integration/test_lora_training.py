@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import qwen2_folder  # noqa: E402
-from training_helpers import (FSDP_CPU_ENV, FSDP_LAUNCHER, assert_losses_match, resumed_from,  # noqa: E402
-                              run_command, traced_losses, write_chat_rows)
+from hf_models import qwen as qwen  # noqa: E402  (the fixture)
+from training_helpers import (FSDP_CPU_ENV, FSDP_LAUNCHER, assert_losses_match, chat_project,  # noqa: E402
+                              resumed_from, run_command, traced_losses)
 
 from lowmem.adapters.files import ADAPTERS_FILE, BASE_DIR  # noqa: E402
 from lowmem.checkpoint.export import load_model_folder  # noqa: E402
@@ -26,20 +25,8 @@ LORA = ["--lora_rank=4", "--lora_alpha=8", "--max_steps=8", "--batch_size_per_gp
         "--sample_max_new_tokens=8"]
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return qwen2_folder(tmp_path_factory.mktemp("models") / "qwen2-tiny")
-
-
-def _project(folder: Path) -> Path:
-    (folder / "data").mkdir(parents=True)
-    for name, rows, seed in (("train", 300, 1), ("valid", 40, 2), ("test", 40, 3)):
-        write_chat_rows(folder / "data" / f"{name}.parquet", rows, seed=seed)
-    return folder
-
-
 def test_adapters_train_alone_and_leave_a_merged_model_peft_and_transformers_compute(tmp_path, qwen):
-    project = _project(tmp_path)
+    project = chat_project(tmp_path)
     done = run_command(["train", f"--init_from={qwen}", *LORA], cwd=project, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     run = project / "model_save" / "train_from_qwen2-tiny"
@@ -77,11 +64,11 @@ def test_adapters_train_alone_and_leave_a_merged_model_peft_and_transformers_com
 def test_a_resume_of_adapters_is_exact_from_the_run_folder_and_refuses_a_changed_base(tmp_path, qwen):
     source = shutil.copytree(qwen, tmp_path / "models" / "qwen2-tiny")
     flags = [f"--init_from={source}", *LORA, "--gradient_accumulation_steps=2", "--dropout=0.1"]
-    reference = _project(tmp_path / "reference")
+    reference = chat_project(tmp_path / "reference")
     done = run_command(["train", *flags], cwd=reference, env={**ENV, "LOWMEM_TRACE_DIR": str(reference / "trace")})
     assert done.returncode == 0, done.stderr[-3000:]
 
-    stopped = _project(tmp_path / "stopped")
+    stopped = chat_project(tmp_path / "stopped")
     first = run_command(["train", *flags], cwd=stopped, env={**ENV, "LOWMEM_STOP_AFTER_STEP": "4"})
     assert first.returncode == 0 and "at step 4" in first.stderr, first.stderr[-3000:]
     source.rename(source.with_name("moved-away"))  # the resume reads only the run folder
@@ -115,7 +102,7 @@ def test_a_resume_of_adapters_is_exact_from_the_run_folder_and_refuses_a_changed
     (["--lora_targets=q_proj,v_proj", "INIT"], "no --lora_rank was given"),
 ])
 def test_adapters_asked_wrongly_are_refused_in_one_paragraph(tmp_path, qwen, flags, says):
-    project = _project(tmp_path)
+    project = chat_project(tmp_path)
     flags = [f"--init_from={qwen}" if flag == "INIT" else flag for flag in flags]
     done = run_command(["train", *flags, "--max_steps=2"], cwd=project, env=ENV)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -128,7 +115,7 @@ def test_adapters_under_fsdp2_on_three_processes_train_and_resume_exactly(tmp_pa
     adapters (gathered) and the sharded optimizer state of the adapters, and a stopped run resumes exactly."""
     env = dict(FSDP_CPU_ENV)
     flags = [f"--init_from={qwen}", *LORA, "--batch_size_per_gpu=4"]
-    reference = _project(tmp_path / "reference")
+    reference = chat_project(tmp_path / "reference")
     done = run_command(["train", *flags], cwd=reference, launcher=FSDP_LAUNCHER,
                        env={**env, "LOWMEM_TRACE_DIR": str(reference / "trace")})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -137,7 +124,7 @@ def test_adapters_under_fsdp2_on_three_processes_train_and_resume_exactly(tmp_pa
     last = run / "checkpoint-8"
     assert (last / ADAPTERS_FILE).is_file() and not (last / "model.safetensors").exists()
 
-    stopped = _project(tmp_path / "stopped")
+    stopped = chat_project(tmp_path / "stopped")
     first = run_command(["train", *flags], cwd=stopped, launcher=FSDP_LAUNCHER,
                         env={**env, "LOWMEM_STOP_AFTER_STEP": "4"})
     assert first.returncode == 0, first.stderr[-3000:]
