@@ -96,6 +96,13 @@ def chosen_parts(targets: str, config: GPTConfig) -> frozenset[str]:
     return frozenset(wanted)
 
 
+def canonical_targets(targets: str, config: GPTConfig) -> str:
+    """`targets` in one spelling per set of projections: "all", else their names in the model's order (so that a
+    resume given `v_proj,q_proj` or `attention` finds the run's `q_proj,v_proj` or `q_proj,k_proj,v_proj,o_proj`)."""
+    parts, known = chosen_parts(targets, config), part_names(config)
+    return ALL_TARGETS if parts == set(known) else ",".join(name for name in known if name in parts)
+
+
 def peft_module_names(parts: frozenset[str]) -> list[str]:
     """The `target_modules` of peft's adapter_config.json for `parts`: peft matches each as a suffix of a module's
     name after a dot, so "attn.c_proj" names GPT-2's attention projection and not its MLP's."""

@@ -54,6 +54,7 @@ def planned_layout(config: TrainConfig, num_processes: int = 1, strategy: str = 
     from lowmem.errors import ConfigError
     from lowmem.memory.plan import DDP, DEEPSPEED, FSDP, SINGLE, STRATEGIES
     from lowmem.train.memory_fit import RunLayout
+    from lowmem.train.setup import refuse_adapters_under_deepspeed
 
     validate_config(config)
     if num_processes < 1:
@@ -63,6 +64,7 @@ def planned_layout(config: TrainConfig, num_processes: int = 1, strategy: str = 
         raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)} (it is {strategy!r}).")
     if strategy in (FSDP, DEEPSPEED, DDP) and num_processes == 1:
         strategy = SINGLE if strategy == DDP else strategy
+    refuse_adapters_under_deepspeed(config, strategy == DEEPSPEED)
     on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if device not in ("", "cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda (it is {device!r}).")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Collection
 
 from lowmem.adapters.files import checked_base
+from lowmem.adapters.targets import canonical_targets
 from lowmem.atomic_files import write_json_atomic
 from lowmem.config import ModelConfig, TrainConfig
 from lowmem.data.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
@@ -92,6 +93,8 @@ def settle_source(config: TrainConfig, given: Collection[str], saved_config: dic
     source = find_source(config.init_from)
     config = _with_source_shape(config, source, given)
     model_config = dataclasses.replace(source.model_config, max_seq_len=config.max_seq_len, dropout=config.dropout)
+    if config.lora_rank:  # named once for the checkpoints, and a wrong name refused before anything is read
+        config = dataclasses.replace(config, lora_targets=canonical_targets(config.lora_targets, model_config))
     weights = weight_plan(source, model_config)  # every tensor checked before anything is built or written
     tokenizer_folder = None if "tokenizer_dir" in given else source.tokenizer_folder
     _check_tokenizer(config, source, tokenizer_folder, model_config)
@@ -133,6 +136,8 @@ def _resumed(config: TrainConfig, given: Collection[str], saved: dict[str, Any],
                                        dropout=config.dropout)
     if not saved.get("lora_rank"):
         return config, StartingPoint(model_config)
+    if config.lora_rank:  # in the spelling the run saved (`canonical_targets`): the same set is no change
+        config = dataclasses.replace(config, lora_targets=canonical_targets(config.lora_targets, model_config))
     # Adapters: the checkpoint holds them alone, and the base is the run's copy, unchanged since the start.
     base = find_source(str(checked_base(Path(config.output_dir))))
     return config, StartingPoint(model_config, base, None, weight_plan(base, model_config), resumed=True)

@@ -216,7 +216,12 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
 def check_adapters_strategy(config: ModelConfig, accelerator: Accelerator) -> None:
     """Adapters train with one process, DDP or FSDP2: a DeepSpeed launch is refused (before the run folder is
     touched, by `run_training`)."""
-    if config.lora_rank and strategy(accelerator) == DEEPSPEED:
+    refuse_adapters_under_deepspeed(config, strategy(accelerator) == DEEPSPEED)
+
+
+def refuse_adapters_under_deepspeed(config: ModelConfig, deepspeed: bool) -> None:
+    """The refusal of `check_adapters_strategy`, also for `plan --strategy=deepspeed`."""
+    if config.lora_rank and deepspeed:
         raise ConfigError("Adapters (--lora_rank) train with one process, DDP or FSDP2, not under DeepSpeed, whose "
                           "engine keeps optimizer state for every weight: launch without the DeepSpeed config (the "
                           "adapters' optimizer state is small enough that no offload is needed).")

@@ -237,3 +237,22 @@ def test_the_mfu_counts_no_weight_gradient_for_the_frozen_base():
     positions = base.pos_emb.weight.numel()
     assert base.matmul_flops_per_token() == 6 * (base.num_params() - positions)
     assert adapted.matmul_flops_per_token() == 4 * (base.num_params() - positions) + 6 * adapters
+
+
+def test_targets_have_one_spelling_per_set_of_projections():
+    from lowmem.adapters.targets import canonical_targets
+
+    llama, gpt2 = base_model("llama-gqa").config, base_model("gpt2").config
+    assert canonical_targets("v_proj, q_proj", llama) == "q_proj,v_proj"
+    assert canonical_targets("attention", llama) == "q_proj,k_proj,v_proj,o_proj"
+    assert canonical_targets("mlp,attention", llama) == canonical_targets("all", llama) == "all"
+    assert canonical_targets("c_proj", gpt2) == "attn.c_proj,mlp.c_proj"
+
+
+def test_plan_refuses_adapters_under_deepspeed_as_train_does():
+    from lowmem.cli.planning import planned_layout
+    from lowmem.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="not under DeepSpeed"):
+        planned_layout(TrainConfig(lora_rank=8), num_processes=3, strategy="deepspeed", device="cpu")
+    assert planned_layout(TrainConfig(lora_rank=8), num_processes=3, strategy="fsdp", device="cpu").strategy == "fsdp"
