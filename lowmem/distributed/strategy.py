@@ -43,7 +43,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from lowmem.adapters.files import ADAPTERS_FILE, is_adapter_checkpoint, load_adapters, save_adapters
-from lowmem.adapters.lora import add_adapters, adapter_spec
+from lowmem.adapters.lora import ADAPTER_MARK, add_adapters, adapter_spec
 from lowmem.config import OptimConfig
 from lowmem.distributed.accelerator import ddp_settings, offloads_optimizer
 from lowmem.distributed.gradient_hooks import use_bf16_gradients
@@ -53,7 +53,7 @@ from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import (WEIGHTS_FILE, load_model_state_dict, load_weights, loaded_dtensor_type,
                                   model_state_dict, save_model_config, save_weights, strip_prefixes, tied_names,
-                                  uncompiled, unwrap_gpt)
+                                  uncompiled, unwrap, unwrap_gpt)
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +220,20 @@ def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_
     return None
 
 
+def _adapter_state(model: torch.nn.Module, accelerator: Accelerator) -> dict[str, torch.Tensor] | None:
+    """The adapters' tensors whole, under plain names, on the main process (None elsewhere); every rank calls it:
+    under FSDP each sharded adapter is gathered in turn, the same order on every rank."""
+    dtensor = loaded_dtensor_type()
+    state = {}
+    for name, parameter in uncompiled(unwrap(model)).named_parameters():
+        if ADAPTER_MARK in name:
+            whole = parameter.full_tensor() if dtensor is not None and isinstance(parameter, dtensor) else parameter
+            state[strip_prefixes(name)] = whole.detach()
+    if not state:  # FSDP1 flattens the parameters under names of its own: gather the whole state instead
+        return full_model_state(model, accelerator)
+    return state if accelerator.is_main_process else None
+
+
 def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              accelerator: Accelerator) -> None:
     """Write this rank's part of the weights and the optimizer state into a checkpoint folder.
@@ -228,11 +242,13 @@ def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     The main process writes `model.safetensors` and `model_config.json` under every strategy.
     """
     kind = strategy(accelerator)
-    state = full_model_state(model, accelerator)
+    spec = adapter_spec(unwrap_gpt(model))
+    # The base of a run of adapters is the run's, written once (`lowmem.adapters.files`): only the adapters are
+    # gathered and written.
+    state = full_model_state(model, accelerator) if spec is None else _adapter_state(model, accelerator)
     if accelerator.is_main_process:
         assert state is not None  # full_model_state gives the main process the weights
-        spec = adapter_spec(unwrap_gpt(model))
-        if spec is not None:  # the base is the run's, written once (`lowmem.adapters.files`)
+        if spec is not None:
             save_adapters(state, folder / ADAPTERS_FILE, spec)
         else:
             save_weights(state, folder / WEIGHTS_FILE)

@@ -73,7 +73,10 @@ def settle_source(config: TrainConfig, given: Collection[str], saved_config: dic
     folder is not read again. `--init_from` with `--is_keep_training` and no checkpoint is refused: the two ask
     for different things.
     """
-    ignored = [f"--{name}" for name in ("lora_alpha", "lora_dropout", "lora_targets") if name in given]
+    # Only a value other than the default is a sign the user meant adapters: a saved config lists every field.
+    defaults = ModelConfig()
+    ignored = [f"--{name}" for name in ("lora_alpha", "lora_dropout", "lora_targets")
+               if name in given and getattr(config, name) != getattr(defaults, name)]
     if ignored and not config.lora_rank:
         raise ConfigError(f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} the adapters that "
                           "--lora_rank=R trains, and no --lora_rank was given: add it (8 to 64 are usual) to train "

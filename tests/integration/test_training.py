@@ -78,9 +78,9 @@ def test_missing_data_file_says_where_to_put_data(tmp_path):
 
 
 def test_unknown_option_lists_the_valid_ones(tmp_path):
-    done = run_command(["train", "--learning_rate=0.1"], cwd=tmp_path)
+    done = run_command(["train", "--learn_rat=0.1"], cwd=tmp_path)  # --learning_rate is transformers' name: valid
     assert done.returncode == 2
-    assert "Unknown option --learning_rate" in done.stderr and "--learn_rate" in done.stderr
+    assert "Unknown option --learn_rat." in done.stderr and "Did you mean --learn_rate" in done.stderr
     assert "Traceback" not in done.stderr
 
 
