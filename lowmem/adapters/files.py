@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters, merge_in_place
+from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters
 from lowmem.errors import ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, save_model_config,
@@ -158,8 +158,3 @@ def adapted_checkpoint_model(folder: Path) -> GPT:
     add_adapters(adapted, saved_spec(folder / ADAPTERS_FILE))
     load_adapters(adapted, folder / ADAPTERS_FILE)
     return adapted
-
-
-def merged_model(adapted: GPT) -> GPT:
-    """`adapted` made a plain GPT, each adapter folded into its weight in place (`merge_in_place`)."""
-    return merge_in_place(adapted)

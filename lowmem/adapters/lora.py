@@ -163,10 +163,6 @@ def adapter_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
             yield name, module
 
 
-def has_adapters(model: nn.Module) -> bool:
-    return any(True for _ in adapter_layers(model))
-
-
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' tensors under our names (`blocks.0.attn.qkv.lora_A.q_proj`), detached."""
     return {name: value.detach() for name, value in model.state_dict().items() if ADAPTER_MARK in name}

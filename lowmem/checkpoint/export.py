@@ -11,8 +11,8 @@ from typing import Any, Callable, Collection
 
 import torch
 
-from lowmem.adapters.files import adapted_checkpoint_model, base_name, is_adapter_checkpoint, merged_model
-from lowmem.adapters.lora import adapter_spec, merged_state_dict
+from lowmem.adapters.files import adapted_checkpoint_model, base_name, is_adapter_checkpoint
+from lowmem.adapters.lora import adapter_spec, merge_in_place, merged_state_dict
 from lowmem.adapters.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from lowmem.atomic_files import folder_built_aside
 from lowmem.config import TrainConfig
@@ -72,7 +72,7 @@ def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, toke
     if is_adapter_checkpoint(checkpoint):
         adapted = adapted_checkpoint_model(checkpoint)
         return _write_model_folder(out_dir, adapted.config, config, tokenizer_dir,
-                                   lambda path: save_weights(merged_model(adapted), path), given, adapters=adapted)
+                                   lambda path: save_weights(merge_in_place(adapted), path), given, adapters=adapted)
     return _write_model_folder(out_dir, load_model_config(checkpoint), config, tokenizer_dir,
                                lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path), given)
 
@@ -106,7 +106,7 @@ def model_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if is_adapter_checkpoint(folder):
-        return model_state_dict(merged_model(adapted_checkpoint_model(folder)))
+        return model_state_dict(merge_in_place(adapted_checkpoint_model(folder)))
     return load_file(str(folder / WEIGHTS_FILE))
 
 
@@ -191,7 +191,7 @@ def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.dev
     The tokenizer exported with the model is used when the folder has one, else the one in `tokenizer_dir`.
     """
     if is_adapter_checkpoint(folder):
-        model = merged_model(adapted_checkpoint_model(folder))
+        model = merge_in_place(adapted_checkpoint_model(folder))
     else:
         model = GPT(load_model_config(folder))
         load_weights(model, folder / WEIGHTS_FILE)
