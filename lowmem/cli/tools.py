@@ -63,8 +63,9 @@ def repack(inputs: str, output: str, row_group_rows: int = 10_000) -> None:
 
 
 def convert(*inputs: str, output: str | None = None, prompt_field: str | None = None,
-            response_field: str | None = None, text_field: str | None = None, text_unit: str = "line",
-            input_format: str | None = None, row_group_rows: int = 10_000, overwrite: bool = False) -> None:
+            response_field: str | None = None, text_field: str | None = None, chosen_field: str | None = None,
+            rejected_field: str | None = None, text_unit: str = "line", input_format: str | None = None,
+            row_group_rows: int = 10_000, overwrite: bool = False) -> None:
     """Convert JSON Lines, JSON arrays, CSV, TSV or plain text into parquet files with small row groups.
 
     Reads .jsonl/.ndjson/.json (one record per line, or one array of records), .csv, .tsv and .txt files, also
@@ -76,7 +77,9 @@ def convert(*inputs: str, output: str | None = None, prompt_field: str | None = 
     Fields: prompt/response by default; when the records do not have them (and no field is named), the first of
     text (one text column), instruction + input/output (Alpaca), question/answer, query/response,
     prompt/completion, input/output, or a conversation (conversations or messages: one row per assistant turn,
-    prompted with the conversation before it). Plain text gives one text column.
+    prompted with the conversation before it). Plain text gives one text column. Preference data (chosen and
+    rejected answers, as text beside a prompt, as lists of turns, or as Human/Assistant text that carries the
+    prompt) gives the columns prompt, chosen and rejected, which DPO training reads.
 
     Args:
         inputs: files, folders (every file below them with a suffix convert reads) or globs.
@@ -86,6 +89,9 @@ def convert(*inputs: str, output: str | None = None, prompt_field: str | None = 
         response_field: the field holding the response.
         text_field: write this one field as a column `text` (pretraining data) instead of prompt/response (JSON
             and CSV inputs; a text file is one column `text` already).
+        chosen_field: the field holding the chosen answer of preference data (written as the column `chosen`).
+        rejected_field: the field holding the rejected answer of preference data (written as the column
+            `rejected`).
         text_unit: for plain text: "line" (a row per line) or "paragraph" (a row per run of lines up to a
             blank line).
         input_format: read every input as jsonl, json, csv, tsv or txt, whatever its suffix.
@@ -97,7 +103,8 @@ def convert(*inputs: str, output: str | None = None, prompt_field: str | None = 
     def text(value: object) -> str | None:  # fire reads --prompt_field=1 as a number
         return None if value is None else str(value)
 
-    names = FieldNames(text(prompt_field), text(response_field), text(text_field))
+    names = FieldNames(text(prompt_field), text(response_field), text(text_field), text(chosen_field),
+                       text(rejected_field))
     for result in convert_files([str(entry) for entry in inputs], text(output), names, str(text_unit),
                                 int(row_group_rows), text(input_format), overwrite):
         print(result.summary())

@@ -31,6 +31,8 @@ class DataConfig:
                                      "beside --validation_file's", hint="empty scores --validation_file alone")
     prompt_column: str = option("prompt", "text column with the prompt")
     response_column: str = option("response", "text column with the response")
+    chosen_column: str = option("chosen", "with --objective=dpo: the text column with the preferred answer")
+    rejected_column: str = option("rejected", "with --objective=dpo: the text column with the answer not preferred")
     # Exact on resume: pairs and one text column make different sequences, and count different tokens in the loss.
     text_column: str = option("", "one text column to pretrain on, every token in the loss, instead of "
                               "prompt/response pairs (empty: the pairs of --prompt_column and --response_column)",
@@ -142,6 +144,25 @@ class ModelConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """What the run optimises: the next token (language modelling) or a preference between two answers (DPO)."""
+
+    # Exact on resume: the two objectives read other rows, count other units and optimise other losses.
+    objective: str = option("lm", "what training optimises: lm (the next token of each row) or dpo (direct preference "
+                            "optimisation on rows of a prompt, a chosen and a rejected answer; needs --init_from)",
+                            choices=("lm", "dpo"), resume=EXACT, before="lm")
+    dpo_beta: float = option(0.1, "with --objective=dpo: how far the policy may move from the reference (the "
+                             "rewards are beta x the log-probability ratios; TRL's default is 0.1)", above=0,
+                             hint="0.01 to 0.5 are usual", resume=EXACT, before=0.1)
+    dpo_reference: str = option("auto", "with --objective=dpo: where the reference model's log-probabilities come "
+                                "from: auto (under --lora_rank the starting model with the adapters off, no second "
+                                "copy; else a frozen copy of it), copy (a frozen copy, counted by the memory plan), "
+                                "precomputed (the reference_chosen and reference_rejected columns `lowmem "
+                                "dpo_reference` wrote beside the rows)", choices=("auto", "copy", "precomputed"),
+                                resume=EXACT, before="auto")
+
+
+@dataclass
 class OptimConfig:
     """How the model is optimised: steps and batches, the learning-rate schedule, AdamW, precision, the loss."""
 
@@ -248,6 +269,8 @@ class EvalConfig:
     eval_max_new_tokens: int = option(128, "longest answer generated for BLEU-4", minimum=1)
     eval_no_repeat_ngram_size: int = option(0, ">0: BLEU answers never repeat an n-gram of their own "
                                             "(0 = plain greedy)", minimum=0)
-    best_metric: str = option("bleu4", "what ranks checkpoints: bleu4 (higher is better) or val_loss "
-                              "(lower is better)", choices=("bleu4", "val_loss"))
+    best_metric: str = option("bleu4", "what ranks checkpoints: bleu4 (higher is better), val_loss (lower is "
+                              "better) or, with --objective=dpo, rewards_accuracy (the share of held-out pairs whose "
+                              "chosen answer the policy prefers, higher is better)",
+                              choices=("bleu4", "val_loss", "rewards_accuracy"))
     sample_max_new_tokens: int = option(96, "tokens generated for the sample printed at the end", minimum=1)

@@ -93,6 +93,10 @@ def settle_best_metric(config: TrainConfig) -> TrainConfig:
     """`config` with a checkpoint ranking it can compute: without BLEU (--eval_bleu_samples=0, or one text
     column, which has no prompts to answer), ranking by bleu4 would keep no best checkpoint and write no best/,
     so the validation loss ranks them instead, said in one line."""
+    if config.objective == "dpo" and config.best_metric == "bleu4":
+        logger.info("Preference training ranks checkpoints by rewards/accuracy on the held-out pairs of "
+                    "--validation_file (--best_metric=val_loss ranks them by the DPO loss there).")
+        return dataclasses.replace(config, best_metric="rewards_accuracy")
     if config.best_metric != "bleu4" or (config.eval_bleu_samples != 0 and not config.text_column):
         return config
     if config.text_column:

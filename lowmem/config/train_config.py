@@ -16,13 +16,14 @@ from typing import Any
 
 from lowmem.config.option import EXACT, MODEL_SHAPE, fields_with_role
 from lowmem.config.sections import (DataConfig, EvalConfig, MemoryConfig, ModelConfig, OptimConfig, OutputConfig,
-                                    TokenizerConfig)
+                                    PreferenceConfig, TokenizerConfig)
 
 
 # The bases are listed last section first: dataclass fields are collected from the most basic class up,
 # which keeps the order of the fields (and of `asdict`, `--help` and the checkpoints) data → eval.
 @dataclass
-class TrainConfig(EvalConfig, OutputConfig, OptimConfig, ModelConfig, TokenizerConfig, MemoryConfig, DataConfig):
+class TrainConfig(EvalConfig, OutputConfig, OptimConfig, PreferenceConfig, ModelConfig, TokenizerConfig, MemoryConfig,
+                  DataConfig):
     """The default configuration: the demo data set, a tiny GPT, CPU-friendly."""
 
 

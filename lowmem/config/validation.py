@@ -39,11 +39,31 @@ def validate_config(config: TrainConfig) -> None:
              "--architecture=gpt2.")
     if config.train_sources:
         _check_train_sources(config)
+    if config.objective == "dpo":
+        _check_preference(config)
+    else:
+        _require(config.best_metric != "rewards_accuracy",
+                 "--best_metric=rewards_accuracy ranks checkpoints of preference training (--objective=dpo); this "
+                 "run trains on the next token: use bleu4 or val_loss.")
+        _require(config.dpo_reference != "precomputed",
+                 "--dpo_reference=precomputed is for preference training: add --objective=dpo, or leave it out.")
     if config.text_column:
         _check_text_column(config)
     else:
         _require(config.prompt_column != config.response_column,
                  "--prompt_column and --response_column must name two different columns.")
+
+
+def _check_preference(config: TrainConfig) -> None:
+    """Preference rows are a prompt and two answers: one text column cannot be, and the three columns differ."""
+    _require(not config.text_column,
+             f"--objective=dpo reads a prompt and two answers per row, and --text_column={config.text_column} reads "
+             "one column of text: leave --text_column out (the columns are --prompt_column, --chosen_column and "
+             "--rejected_column).")
+    columns = (config.prompt_column, config.chosen_column, config.rejected_column)
+    _require(len(set(columns)) == 3,
+             f"--prompt_column={columns[0]}, --chosen_column={columns[1]} and --rejected_column={columns[2]} must name "
+             "three different columns.")
 
 
 def _check_text_column(config: TrainConfig) -> None:

@@ -104,9 +104,16 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 def encode_rows(tokenizer: Any, values: Sequence[Sequence[str]]) -> list[tuple[list[int], int]]:
     """The training layout of each row and where its counted targets start, from its columns' values (one list
     per column): `[bos] text [eos]` for one column of text (every token counted), `[bos] prompt [sep] response
-    [eos]` for prompt/response pairs (the response counted when the loss leaves the prompt out)."""
+    [eos]` for prompt/response pairs (the response counted when the loss leaves the prompt out). Preference rows
+    (prompt, chosen, rejected, and perhaps the reference's values) give the longer of their two answers' layouts:
+    what sizes a batch of them (`lowmem.preference.collate` makes two unpacked sequences of each)."""
     if len(values) == 1:
         return tokenizer.encode_text_batch(values[0])
+    if len(values) >= 3:
+        prompts, chosen, rejected = values[:3]
+        pairs = tokenizer.encode_pair_batch(list(prompts) * 2, [*chosen, *rejected])
+        count = len(prompts)
+        return [max(pairs[row], pairs[count + row], key=lambda layout: len(layout[0])) for row in range(count)]
     prompts, responses = values
     return tokenizer.encode_pair_batch(prompts, responses)
 

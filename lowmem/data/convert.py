@@ -244,7 +244,21 @@ def _write_rows(layout: RecordLayout, writer: _RowGroupWriter, value: object, li
 def _nothing_converted(source: str, skipped: Skipped) -> DataError:
     left_out = f": {skipped.total:,} left out ({skipped.describe()})" if skipped.total else " (it is empty)"
     return DataError(f"No rows could be read from '{source}'{left_out}. Nothing was written. Check the file's format "
-                     "and fields (--input_format, --prompt_field, --response_field, --text_field).")
+                     "and fields (--input_format, --prompt_field, --response_field, --text_field, --chosen_field, "
+                     "--rejected_field).")
+
+
+def check_field_names(names: FieldNames) -> None:
+    """Refuse fields named for different rows: one column of text, prompt/response pairs, preference data."""
+    answers = [f"--{kind}_field" for kind, name in (("chosen", names.chosen), ("rejected", names.rejected))
+               if name is not None]
+    if names.text is not None and (names.prompt is not None or names.response is not None or answers):
+        raise DataError("--text_field writes one column of text, so the prompt, response and answer fields would not "
+                        "be read. Give either --text_field or the fields of the prompt and its answers.")
+    if names.response is not None and answers:
+        raise DataError(f"--response_field names the response of prompt/response pairs, and {' and '.join(answers)} "
+                        "the answers of preference data, which has no single response. Give either --response_field "
+                        "or --chosen_field and --rejected_field.")
 
 
 def check_output_not_given_as_input(inputs: str | list[str], output: str | None) -> None:
@@ -321,9 +335,7 @@ def convert(inputs: str | list[str], output: str | None = None, names: FieldName
     names = names or FieldNames()
     if row_group_rows < 1:
         raise DataError(f"row_group_rows must be at least 1; got {row_group_rows}. 10000 is a good size.")
-    if names.text is not None and (names.prompt is not None or names.response is not None):
-        raise DataError("--text_field writes one column of text, so --prompt_field and --response_field would not "
-                        "be read. Give either --text_field or the prompt and response fields.")
+    check_field_names(names)
     check_output_not_given_as_input(inputs, output)
     pairs = plan_targets(find_inputs(inputs), output)
     for source, _ in pairs:  # each file's format now, so that a refusal comes before anything is written

@@ -132,8 +132,16 @@ def sample_batch_sizes(index: RowGroupIndex, max_seq_len: int, pack: bool, token
         encoded = encode_rows(tokenizer, [list(values) for values in zip(*rows)])
         lengths = tuple(len(ids) for ids, _ in encoded)
     else:
-        lengths = tuple(sum(len(value) for value in row) + _LAYOUT_SPECIALS[len(row)] for row in rows)
+        lengths = tuple(_estimated_length(row) for row in rows)
     return BatchSizes(lengths, max_seq_len, pack, estimated=tokenizer is None, seed=seed)
+
+
+def _estimated_length(row: tuple[str, ...]) -> int:
+    """A row's tokens counted from its characters (an upper bound): a preference row's longer answer with its
+    prompt."""
+    if len(row) >= 3:
+        return len(row[0]) + max(len(row[1]), len(row[2])) + _LAYOUT_SPECIALS[2]
+    return sum(len(value) for value in row) + _LAYOUT_SPECIALS[len(row)]
 
 
 def data_pipeline_bytes(index: RowGroupIndex, groups_at_once: int, buffer_rows: int) -> int:

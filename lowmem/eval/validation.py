@@ -20,7 +20,7 @@ from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.performance import inference_autocast
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
-METRIC_MODES = {"bleu4": "max", "val_loss": "min"}
+METRIC_MODES = {"bleu4": "max", "val_loss": "min", "rewards_accuracy": "max"}
 
 
 @dataclass
@@ -76,18 +76,30 @@ class EvalResult:
     triples: list[dict[str, str]] = field(default_factory=list)  # prompt, reference, generation (all ranks)
     decoding: str = ""  # how the scored answers were generated
     by_source: dict[str, float] = field(default_factory=dict)  # the loss on each of --validation_sources, by name
+    # Preference training: rewards/chosen, rewards/rejected, rewards/accuracy, rewards/margin on the held-out pairs
+    # (`lowmem.preference.evaluation`); the loss is then the DPO loss and loss_rows the pairs.
+    preference: dict[str, float] = field(default_factory=dict)
 
     @property
     def perplexity(self) -> float:
         return math.exp(min(self.loss, 50.0))
 
     def score(self, metric: str) -> float | None:
-        """The value of a retention metric ("bleu4" or "val_loss")."""
+        """The value of a retention metric ("bleu4", "val_loss" or "rewards_accuracy")."""
+        if metric == "rewards_accuracy":
+            return self.preference.get("rewards/accuracy")
         if metric == "bleu4":
             return None if self.bleu is None else self.bleu.score
         return self.loss
 
     def describe(self) -> str:
+        if self.preference:
+            figures = self.preference
+            text = (f"DPO loss {self.loss:.4f}, rewards/accuracy {figures['rewards/accuracy']:.3f}, rewards/margin "
+                    f"{figures['rewards/margin']:.4f} (chosen {figures['rewards/chosen']:.4f}, rejected "
+                    f"{figures['rewards/rejected']:.4f}; {self.loss_rows:,} pairs")
+            skipped = int(figures.get("skipped_pairs", 0))
+            return text + (f", {skipped:,} with the same two answers left out)" if skipped else ")")
         text = f"loss {self.loss:.4f}, perplexity {self.perplexity:.2f} ({self.loss_rows:,} samples)"
         if self.bleu is not None:
             text += (f", BLEU-4 {self.bleu.score:.2f} ({self.bleu.samples:,} samples, {self.decoding}; "

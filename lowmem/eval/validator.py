@@ -13,6 +13,8 @@ from lowmem.config.train_sources import validation_sources
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.validation import EvalResult, evaluate
+from lowmem.preference.evaluation import evaluate_preferences
+from lowmem.preference.reference import Reference
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +23,10 @@ class Validator:
     """Validates the training model every `eval_steps` steps (0: only when the trainer asks, at epoch ends and
     checkpoints) and remembers the last result. Every rank calls `run` together."""
 
-    def __init__(self, config: TrainConfig, tokenizer: TextTokenizer, accelerator: Accelerator) -> None:
+    def __init__(self, config: TrainConfig, tokenizer: TextTokenizer, accelerator: Accelerator,
+                 reference: Reference | None = None) -> None:
         self.config, self.tokenizer, self.accelerator = config, tokenizer, accelerator
+        self.reference = reference  # preference training: held-out pairs scored against it
         self.last: EvalResult | None = None
 
     def due(self, step: int) -> bool:
@@ -36,6 +40,11 @@ class Validator:
         # the blocks training cached, and where none fits the allocator frees cached blocks and tries again by
         # itself; emptying it first would synchronize, and make the next training step allocate every block anew.
         with model_for_eval(model, self.accelerator) as eval_model:
+            if self.reference is not None:
+                result = self._preferences(eval_model)
+                logger.info("Validation at step %d: %s", step, result.describe())
+                self.last = result
+                return result
             result = evaluate(eval_model, self.tokenizer, config.validation_file, self.accelerator,
                               bleu_samples=config.eval_bleu_samples if with_bleu else 0,
                               max_new_tokens=config.eval_max_new_tokens,
@@ -45,6 +54,17 @@ class Validator:
                                  for name, path in validation_sources(config).items()}
         logger.info("Validation at step %d: %s", step, result.describe())
         self.last = result
+        return result
+
+    def _preferences(self, eval_model: torch.nn.Module) -> EvalResult:
+        """The DPO terms on the validation file's pairs, and the DPO loss on each of --validation_sources."""
+        assert self.reference is not None  # preference training
+        config = self.config
+        result = evaluate_preferences(eval_model, self.reference, self.tokenizer, config.validation_file,
+                                      self.accelerator, config)
+        result.by_source = {name: evaluate_preferences(eval_model, self.reference, self.tokenizer, path,
+                                                       self.accelerator, config).loss
+                            for name, path in validation_sources(config).items()}
         return result
 
     def _loss_settings(self) -> dict:

@@ -129,6 +129,7 @@ class PlanInputs:
     generation_prompts: int = 0  # a process's share of the prompts BLEU-4 answers (generation batches hold fewer)
     load_chunk_bytes: int = 0  # a run started from a model: the most bytes of its files mapped at once
     static_shapes: bool = False  # fixed batch shapes: a compiled run compiles them all before its first step
+    reference_bytes: int = 0  # preference training: the frozen copy of the starting model its reference is
 
     @property
     def on_gpu(self) -> bool:
@@ -268,6 +269,16 @@ def _states(inputs: PlanInputs, where: str) -> list[PlanPart]:
     return parts
 
 
+def _reference(inputs: PlanInputs) -> list[PlanPart]:
+    """Preference training against a frozen copy of the starting model: that copy, held all along where the model
+    trains."""
+    if not inputs.reference_bytes:
+        return []
+    per_param = inputs.reference_bytes / max(inputs.model.params, 1)
+    return [PlanPart("DPO reference (frozen copy)", inputs.reference_bytes,
+                     f"{per_param:g} B x {_millions(inputs.model.params)}, no gradients or moments")]
+
+
 def _adapter_states(inputs: PlanInputs) -> list[PlanPart]:
     """A run that trains adapters: the frozen base and the adapters as weights, gradients and AdamW's moments for
     the adapters only (sharded under FSDP as the weights are)."""
@@ -392,14 +403,15 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
         host.append(PlanPart("CUDA runtime", CUDA_HOST_BYTES, "reasoned, not measured"))
         share = BF16_ACTIVATION_SHARE if inputs.bf16 else 1.0
         device = [PlanPart("CUDA context", CUDA_CONTEXT_DEVICE_BYTES, "reasoned, not measured"),
-                  *_states(inputs, "device"), *_step(inputs, share), *_validation(inputs, "device")]
+                  *_states(inputs, "device"), *_reference(inputs), *_step(inputs, share),
+                  *_validation(inputs, "device")]
         allocator = int(CUDA_ALLOCATOR_OVERHEAD * sum(part.bytes for part in device if part.phase != RESIDENT))
         device.append(PlanPart("caching allocator", allocator, f"{CUDA_ALLOCATOR_OVERHEAD:.0%} of what comes and goes",
                                STEP))
         if inputs.strategy == DEEPSPEED and inputs.deepspeed_offload:
             host += _states(inputs, "host")
     else:
-        host += _states(inputs, "host") + _step(inputs, 1.0)
+        host += _states(inputs, "host") + _reference(inputs) + _step(inputs, 1.0)
         host += _heap(host, inputs) + _validation(inputs, "host")
     host += _save_copy(inputs) + _load(inputs)
     return MemoryPlan(inputs, tuple(host), tuple(device), tuple(machine))

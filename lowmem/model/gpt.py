@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lowmem.errors import ConfigError
-from lowmem.model import generation
+from lowmem.model import generation, preference
 # ARCHITECTURES is re-exported: the architectures this module builds, defined with the config that checks them.
 from lowmem.model.config import ARCHITECTURES as ARCHITECTURES
 from lowmem.model.attention import CausalSelfAttention, Rotary, segment_mask, segment_positions
@@ -351,8 +351,13 @@ class GPT(nn.Module):
         segment_ids: torch.Tensor | None = None,
         *,
         return_logits: bool = False,
+        reference_logps: torch.Tensor | None = None,
+        dpo_beta: float = 0.0,
+        pair_weights: torch.Tensor | None = None,
+        answer_logps: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Logits for every position without `targets`; the mean next-token loss with them.
+        """Logits for every position without `targets`; the mean next-token loss with them; in preference training
+        the DPO loss (`reference_logps`) or each answer's log-probability (`answer_logps`).
 
         Args:
             idx: token ids, LongTensor (B, T) with T <= max_seq_len.
@@ -366,16 +371,30 @@ class GPT(nn.Module):
             return_logits: with `targets`, return the logits too. Off by default: under mixed precision
                 accelerate copies every tensor the wrapped model returns to float32, and a (B, T, V) copy
                 the training step throws away would stay alive into the next micro-batch.
+            reference_logps: (2P,) with `targets` of 2P unpacked rows, the P chosen answers first: the DPO loss
+                against these reference log-probabilities (`lowmem.model.preference.dpo_loss`), with `dpo_beta`
+                and `pair_weights` (P,). Computed here, inside the wrapped model's forward, so that DDP's and FSDP's
+                hooks see it as any loss.
+            answer_logps: with `targets`, each row's answer log-probability (B,), without gradients: the
+                reference's side of the DPO loss.
 
         Returns:
             (logits, loss): logits (B, T, padded_vocab_size), or None when `targets` is given without
             `return_logits` (then, with `loss_chunk_tokens` set, no (B, T, V) tensor exists at all); loss is
             a float32 scalar, the weighted mean over counted positions (0.0 when no position counts, so a
             fully masked batch cannot turn the loss or the gradients into NaN), or None without targets.
+            With `reference_logps`: (the DPO terms' sums, `DPOTerms.sums`, the surrogate whose gradient is the
+            loss's); with `answer_logps`: (the rows' log-probabilities, None).
         """
         x = self.hidden_states(idx, segment_ids=segment_ids)  # (B, T, C)
         if targets is None:
             return self.lm_head(x), None  # (B, T, V)
+        if answer_logps:
+            return preference.answer_log_probs(x, self.lm_head.weight, targets, self.loss_chunk_tokens), None
+        if reference_logps is not None:
+            surrogate, terms = preference.dpo_loss(x, self.lm_head.weight, targets, reference_logps, dpo_beta,
+                                                   self.loss_chunk_tokens, pair_weights)
+            return terms.sums(), surrogate
 
         if targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}.")

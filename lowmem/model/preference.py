@@ -32,36 +32,61 @@ LN2 = math.log(2.0)  # the loss where policy and reference agree: z = 0
 class DPOTerms:
     """The DPO loss of a batch of pairs and what the log shows of it, each a tensor (no host read).
 
-    loss: the mean over pairs. chosen_rewards, rejected_rewards: β(log π − log π_ref) per pair. row_weights: for
-    each sequence (chosen rows first, then rejected), dL/dS where S is its summed token cross-entropy (−log π):
-    the weights of the surrogate whose gradient is the loss's.
+    loss: Σ over pairs of weight × loss (the mean with the default weights). chosen_rewards, rejected_rewards:
+    β(log π − log π_ref) per pair. row_weights: for each sequence (chosen rows first, then rejected), dL/dS where S
+    is its summed token cross-entropy (−log π): the weights of the surrogate whose gradient is the loss's.
+    pair_weights: each pair's weight in the loss (0 for a pair of padding).
     """
 
     loss: torch.Tensor
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
     row_weights: torch.Tensor
+    pair_weights: torch.Tensor
 
     @property
     def accuracy(self) -> torch.Tensor:
-        return (self.chosen_rewards > self.rejected_rewards).float().mean()
+        """The weighted share of pairs whose chosen answer gets the higher reward."""
+        correct = (self.chosen_rewards > self.rejected_rewards).float()
+        return (correct * self.pair_weights).sum() / self.pair_weights.sum().clamp_min(1e-12)
 
     @property
     def margin(self) -> torch.Tensor:
-        return (self.chosen_rewards - self.rejected_rewards).mean()
+        """The weighted mean of chosen minus rejected reward."""
+        margins = self.chosen_rewards - self.rejected_rewards
+        return (margins * self.pair_weights).sum() / self.pair_weights.sum().clamp_min(1e-12)
+
+    def sums(self) -> torch.Tensor:
+        """(5,) float32, each summed over the pairs with their weights: the loss, rewards/chosen, rewards/rejected,
+        pairs ranked right (rewards/accuracy) and the pairs' weight. Summed over micro-batches and ranks, and
+        divided by the last, they are the figures TRL's users read."""
+        weights = self.pair_weights
+        correct = (self.chosen_rewards > self.rejected_rewards).float()
+        return torch.stack([self.loss.float(), (self.chosen_rewards * weights).sum(),
+                            (self.rejected_rewards * weights).sum(), (correct * weights).sum(), weights.sum()])
 
 
-def dpo_terms(policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: float) -> DPOTerms:
+# The order of `DPOTerms.sums`, for whoever reads them.
+SUM_FIELDS = ("loss", "chosen", "rejected", "correct", "pairs")
+
+
+def dpo_terms(policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: float,
+              pair_weights: torch.Tensor | None = None) -> DPOTerms:
     """The DPO loss from per-sequence answer log-probabilities (2P,): the P chosen rows first, then the P rejected
-    ones, in the same order, for the policy and the reference."""
+    ones, in the same order, for the policy and the reference. `pair_weights` (P,): each pair's weight in the loss
+    (default 1/P: the mean; training gives 1 for a real pair and 0 for padding, and divides by the step's pairs)."""
     pairs = policy_logps.shape[0] // 2
     ratios = (policy_logps - reference_logps).float()
     chosen, rejected = beta * ratios[:pairs], beta * ratios[pairs:]
+    if pair_weights is None:
+        pair_weights = torch.full_like(chosen, 1.0 / max(pairs, 1))
+    weights = pair_weights.to(chosen).detach()
     z = chosen - rejected
-    loss = F.softplus(-z).mean()
-    # dL/dz = −σ(−z)/P; z grows with log π(c) and falls with log π(r); S = −log π.
-    coefficient = beta * torch.sigmoid(-z) / max(pairs, 1)
-    return DPOTerms(loss, chosen.detach(), rejected.detach(), torch.cat([coefficient, -coefficient]).detach())
+    loss = (F.softplus(-z) * weights).sum()
+    # dL/dz = −σ(−z)·w; z grows with log π(c) and falls with log π(r); S = −log π.
+    coefficient = beta * torch.sigmoid(-z) * weights
+    return DPOTerms(loss, chosen.detach(), rejected.detach(), torch.cat([coefficient, -coefficient]).detach(),
+                    weights)
 
 
 def token_rows(targets: torch.Tensor) -> torch.Tensor:
@@ -79,26 +104,38 @@ def row_token_loss_sums(hidden: torch.Tensor, head: torch.Tensor, targets: torch
     the row of each position.
     """
     sums = torch.zeros(row_count, dtype=torch.float32, device=hidden.device)
+    chunk_tokens = chunk_tokens or hidden.size(0) or 1
     for start in range(0, hidden.size(0), chunk_tokens):
         stop = start + chunk_tokens
         losses = plain_token_losses(F.linear(hidden[start:stop], head), targets[start:stop])  # 0 where ignored
-        sums.index_add_(0, rows[start:stop], losses)
+        sums.index_add_(0, rows[start:stop], losses.float())
     return sums
 
 
+def answer_log_probs(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
+                     chunk_tokens: int) -> torch.Tensor:
+    """(B,) each row's answer log-probability, Σ log p over its counted targets, without gradients: what the
+    reference gives. hidden: (B, T, C); targets: (B, T)."""
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    return -row_token_loss_sums(flat_hidden, head, flat_targets, token_rows(targets), targets.shape[0], chunk_tokens)
+
+
 def dpo_loss(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, reference_logps: torch.Tensor,
-             beta: float, chunk_tokens: int) -> tuple[torch.Tensor, DPOTerms]:
+             beta: float, chunk_tokens: int,
+             pair_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, DPOTerms]:
     """(the surrogate to call backward() on, the batch's DPO terms) for unpacked sequences: 2P rows of (T,) targets,
     the P chosen answers first. The surrogate's value is the weighted token loss, not the DPO loss: its gradient
     is the DPO loss's; `DPOTerms.loss` is the loss itself.
 
     hidden: (2P, T, C) final hidden states with gradients; head: the language-model head (V, C); targets: (2P, T);
-    reference_logps: (2P,) the reference's answer log-probabilities.
+    reference_logps: (2P,) the reference's answer log-probabilities; pair_weights: as `dpo_terms`'s.
     """
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     rows = token_rows(targets)
     sums = row_token_loss_sums(flat_hidden.detach(), head.detach(), flat_targets, rows, targets.shape[0],
                                chunk_tokens)
-    terms = dpo_terms(-sums, reference_logps, beta)
+    terms = dpo_terms(-sums, reference_logps, beta, pair_weights)
     weights = terms.row_weights[rows] * (flat_targets != IGNORE_INDEX).float()
+    chunk_tokens = chunk_tokens or flat_hidden.size(0) or 1
     return chunked_token_loss_sum(flat_hidden, head, flat_targets, weights, chunk_tokens), terms
+

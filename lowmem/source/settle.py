@@ -87,6 +87,12 @@ def settle_source(config: TrainConfig, given: Collection[str], saved_config: dic
             return config, None
         return _resumed(config, given, saved_config, checkpoint)
     if not config.init_from:
+        if config.objective == "dpo":
+            raise ConfigError(
+                "--objective=dpo tunes a trained model towards the chosen answers and away from the rejected ones, "
+                "measured against that same model as it started (the reference): name it with --init_from=PATH (a "
+                "lowmem run or model folder, e.g. your SFT run's, or a transformers Llama, Qwen2 or Mistral "
+                "folder). Preference training from random weights has nothing to start from.")
         if config.lora_rank:
             raise ConfigError(
                 f"--lora_rank={config.lora_rank} trains adapters on a model that exists: name it with "

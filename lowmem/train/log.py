@@ -21,6 +21,7 @@ from tqdm import tqdm
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum
 from lowmem.distributed.performance import mfu, peak_bf16_tflops
 from lowmem.log_format import log_formatter, open_log_file
+from lowmem.preference.log import SkippedPairs, StallAtLn2
 from lowmem.train.step import StepResult
 from lowmem.units import MB
 
@@ -121,6 +122,9 @@ class LineFigures:
     rss_sum_mb: float  # the ranks' RSS added up: on one host, what the training's processes hold together
     mfu: float | None = None  # model FLOPs utilisation over every rank (None: the device's peak is not known)
     gpu_peak_mb: float | None = None  # the most GPU memory a rank's tensors took so far in the run (None: no GPU)
+    # Preference training: rewards/chosen, rewards/rejected, rewards/accuracy and rewards/margin over the window's
+    # pairs on every rank (the loss above is then the mean DPO loss per pair).
+    preference: dict[str, float] | None = None
 
 
 class StepLog:
@@ -155,6 +159,7 @@ class StepLog:
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.attention_flops_per_pair, self.max_seq_len = attention_flops_per_pair, max_seq_len
         self.gpu_peak = 0  # bytes: the highest allocation seen in the run (at log lines and memory records)
+        self.stall, self.skipped = StallAtLn2(), SkippedPairs()  # preference training's two warnings
         self.reset()
 
     def reset(self) -> None:
@@ -164,6 +169,8 @@ class StepLog:
         self.input_tokens = 0
         self.grad_norm_sum: torch.Tensor | float = 0.0  # summed on the device too
         self.attention_pairs = 0
+        self.preference_sums: torch.Tensor | None = None  # on the device, like the loss
+        self.skipped_pairs = 0
         self.steps = 0
         self.started = time.perf_counter()
         self.paused_seconds = 0.0
@@ -183,6 +190,10 @@ class StepLog:
         self.input_tokens += result.input_tokens
         self.grad_norm_sum += result.grad_norm
         self.attention_pairs += result.attention_pairs
+        if result.preference_sums is not None:
+            sums = result.preference_sums
+            self.preference_sums = sums if self.preference_sums is None else self.preference_sums + sums
+        self.skipped_pairs += result.skipped_pairs
         self.steps += 1
 
     def note_gpu_peak(self, peak_bytes: int | None) -> None:
@@ -219,6 +230,7 @@ class StepLog:
         loss_sum, target_tokens, input_tokens, rss_sum, pairs = all_reduce_sum(
             self.accelerator, [loss_sum, self.target_tokens, self.input_tokens, rss, self.attention_pairs])
         [rss_max, gpu_peak_max] = all_reduce_max(self.accelerator, [rss, self.gpu_peak])
+        preference = self._preference_figures()
         elapsed = time.perf_counter() - self.started - self.paused_seconds
         tokens_per_s = float(input_tokens / max(elapsed, 1e-9))
         over_width, over_rows = self._utilisation(tokens_per_s, input_tokens, pairs)
@@ -226,7 +238,8 @@ class StepLog:
                               grad_norm=float(grad_norm_sum / max(self.steps, 1)),
                               tokens_per_s=tokens_per_s, rss_mb=float(rss / MB),
                               rss_max_mb=float(rss_max / MB), rss_sum_mb=float(rss_sum / MB),
-                              mfu=over_rows, gpu_peak_mb=float(gpu_peak_max / MB) if self.on_gpu else None)
+                              mfu=over_rows, gpu_peak_mb=float(gpu_peak_max / MB) if self.on_gpu else None,
+                              preference=preference)
         device = ""
         if figures.mfu is not None:
             device += f" | mfu {figures.mfu:.1%}"
@@ -234,10 +247,28 @@ class StepLog:
                 device += f" ({over_width:.1%} with attention over max_seq_len)"
         if figures.gpu_peak_mb is not None:
             device += f" | gpu peak {figures.gpu_peak_mb:,.0f} MB"
+        rewards = "" if preference is None else (
+            f" | rewards/chosen {preference['rewards/chosen']:.4f} rejected {preference['rewards/rejected']:.4f} "
+            f"accuracy {preference['rewards/accuracy']:.3f} margin {preference['rewards/margin']:.4f}")
         logger.info(
-            "step %d/%d | epoch %d | loss %.4f | lr %.2e | grad_norm %.3f | tokens/s %s%s | rss %.0f MB "
-            "(max over ranks %.0f MB)", step, self.total_steps, epoch, figures.loss, figures.learning_rate,
+            "step %d/%d | epoch %d | loss %.4f%s | lr %.2e | grad_norm %.3f | tokens/s %s%s | rss %.0f MB "
+            "(max over ranks %.0f MB)", step, self.total_steps, epoch, figures.loss, rewards, figures.learning_rate,
             figures.grad_norm, f"{figures.tokens_per_s:,.0f}", device, figures.rss_mb, figures.rss_max_mb,
         )
+        if preference is not None:
+            self.stall.add(step, figures.loss, self.steps)
+            self.skipped.add(int(preference["skipped_pairs"]))
         self.reset()
         return figures
+
+    def _preference_figures(self) -> dict[str, float] | None:
+        """The window's DPO terms over every rank (one all-reduce), as TRL's users read them; None outside
+        preference training."""
+        if self.preference_sums is None:
+            return None
+        local = self.preference_sums.to(torch.float64).tolist()
+        _, chosen, rejected, correct, pairs, skipped = all_reduce_sum(self.accelerator, [*local, self.skipped_pairs])
+        count = max(pairs, 1.0)
+        return {"rewards/chosen": chosen / count, "rewards/rejected": rejected / count,
+                "rewards/accuracy": correct / count, "rewards/margin": (chosen - rejected) / count,
+                "skipped_pairs": skipped}

@@ -26,7 +26,7 @@ import psutil
 import torch
 
 from lowmem.config import TokenizerConfig, TrainConfig
-from lowmem.config.columns import data_columns
+from lowmem.config.columns import data_columns, is_preference
 from lowmem.config.train_sources import training_paths
 from lowmem.data.collate import FixedShapes
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
@@ -172,11 +172,14 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
 
     speed = speed_settings(config, layout.device, sharded=layout.strategy in (FSDP, DEEPSPEED))
     index = build_row_group_index(training_paths(config), data_columns(config))
-    sizes: BatchSizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows, tokenizer=tokenizer,
-                                           seed=config.seed)
+    preference = is_preference(config)  # two unpacked sequences per row, shaped to fit
+    sizes: BatchSizes = sample_batch_sizes(index, config.max_seq_len, config.pack_rows and not preference,
+                                           tokenizer=tokenizer, seed=config.seed)
     cache: dict[int, int] = {}
 
     def positions_for_rows(rows: int) -> int:
+        if preference:
+            return 2 * sizes.largest_positions(rows)
         if speed.static_shapes:  # the largest of the fixed shapes
             return FixedShapes.larger_positions(rows, config.max_seq_len)
         if rows not in cache:
@@ -188,12 +191,15 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
                                       config.ultra_low_mem_threshold_gb, local_processes=layout.processes,
                                       on_gpu=layout.device == "cuda", budget_gb=config.memory_budget_gb)
     prompts = _generation_prompts(config, layout.world_size)
+    shape = model_shape(config, vocab, start)
     inputs = PlanInputs(
-        model=model_shape(config, vocab, start),
+        model=shape,
         micro_batch_positions=positions_for_rows(config.batch_size_per_gpu),
         # FlexAttention's block mask is a few kB: only SDPA's boolean mask grows with the positions.
-        sequence_width=config.max_seq_len, masked_attention=config.pack_rows and speed.attention == "sdpa",
-        micro_batch_rows=config.batch_size_per_gpu, gradient_accumulation_steps=config.gradient_accumulation_steps,
+        sequence_width=config.max_seq_len,
+        masked_attention=config.pack_rows and not preference and speed.attention == "sdpa",
+        micro_batch_rows=config.batch_size_per_gpu * (2 if preference else 1),
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
         **plan_inputs_of_levers(config), strategy=layout.strategy,
         deepspeed_offload=layout.deepspeed_offload, processes=layout.processes, world_size=layout.world_size,
         device=layout.device, bf16=layout.bf16, workers=settings.num_workers,
@@ -205,10 +211,21 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,
         compiled=speed.compile, compile_workers=compile_worker_processes(settings.low_budget) if speed.compile else 0,
         load_chunk_bytes=load_slice_bytes(start.source) if start is not None and start.source is not None else 0,
-        static_shapes=speed.static_shapes,
+        static_shapes=speed.static_shapes and not preference,
+        reference_bytes=_reference_copy_bytes(config, layout, shape.params),
     )
     measured = Measured(tokenizer=tokenizer, index=index, sizes=sizes)
     return Planned(inputs, positions_for_rows, speed, settings, measured)
+
+
+def _reference_copy_bytes(config: TrainConfig, layout: RunLayout, params: int) -> int:
+    """A DPO run's frozen copy of its starting model (`lowmem.preference.reference`): bf16 on a GPU in a bf16 run,
+    else float32; 0 where the reference needs no copy."""
+    from lowmem.preference.reference import COPY, reference_mode
+
+    if reference_mode(config) != COPY:
+        return 0
+    return params * (2 if layout.device == "cuda" and layout.bf16 else 4)
 
 
 def _generation_prompts(config: TrainConfig, world_size: int) -> int:

@@ -10,7 +10,7 @@ from typing import Any, Collection
 from lowmem.adapters.files import BASE_DIR
 from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.config import TrainConfig
-from lowmem.config.columns import data_columns
+from lowmem.config.columns import data_columns, is_preference
 from lowmem.data import ParquetStream
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.disk_errors import writing
@@ -51,15 +51,17 @@ def export_models(final_model: Any, config: TrainConfig, manifest: dict[str, Any
 
 
 def sample_answer(final_model: Any, tokenizer: TextTokenizer, config: TrainConfig) -> dict[str, str]:
-    """The model's answer to the first validation prompt, logged beside the reference; with one text column,
+    """The model's answer to the first validation prompt, logged beside the reference (the chosen answer of a
+    preference row); with one text column,
     its continuation of the first third of the first validation text, beside the rest."""
     first = next(iter(ParquetStream(config.validation_file, columns=data_columns(config), shuffle=False,
                                     bad_text=config.bad_text)))
     if config.text_column:
         text = first[config.text_column]
         prompt, reference = text[: len(text) // 3], text[len(text) // 3:]
-    else:
-        prompt, reference = first[config.prompt_column], first[config.response_column]
+    else:  # preference rows: beside the chosen answer
+        reference_column = config.chosen_column if is_preference(config) else config.response_column
+        prompt, reference = first[config.prompt_column], first[reference_column]
     # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
     sampled = answer(final_model, tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
                      seed=config.seed, bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu,

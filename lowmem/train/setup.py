@@ -18,7 +18,8 @@ from lowmem.config.settle import NEW_RUN_ARCHITECTURE
 from lowmem.config.train_sources import Source, training_paths
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.mixture import MixedStream
-from lowmem.data.collate import FixedShapes, TokenizingCollate
+from lowmem.data.collate import FixedShapes
+from lowmem.data.loader import Collate
 from lowmem.data.sizing import BatchSizes, sample_batch_sizes
 from lowmem.data.sources import RowGroupIndex, build_row_group_index, resolve_data_files
 from lowmem.data.stream_type import RowStream
@@ -252,7 +253,7 @@ def keep_adapters_base(model: torch.nn.Module, config: TrainConfig, accelerator:
 
 
 def make_loader(files: "str | list[Source]", config: TrainConfig, accelerator: Accelerator,
-                collate: TokenizingCollate, settings: MemorySettings, shuffle: bool,
+                collate: Collate, settings: MemorySettings, shuffle: bool,
                 index: RowGroupIndex | None = None) -> StreamLoader:
     """A StreamLoader over this rank's share of `files`: a path (whose row-group `index` the memory plan may have
     built already), or sources to mix by weight (`training_data`)."""

@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from lowmem.data.collate import FixedShapes
 from lowmem.distributed.strategy import DEEPSPEED, PLAIN, plain_tensor, strategy
 from lowmem.model import IGNORE_INDEX
+from lowmem.preference.loss import PreferenceLoss
 
 Batch = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ class StepResult:
     global_target_tokens: float  # over every rank
     global_input_tokens: float
     attention_pairs: int = 0  # this rank's (query, key) pairs of attention over the rows' real lengths (MFU)
+    # Preference training: this rank's `DPOTerms.sums` over the step (a tensor on the device), and the pairs its
+    # batches left out because both answers were the same.
+    preference_sums: torch.Tensor | None = None
+    skipped_pairs: int = 0
 
 
 @dataclass
@@ -67,8 +72,10 @@ def take(batches: Iterator[Batch], count: int) -> list[Batch]:
 
 
 def count_tokens(micro_batches: list[Batch], pad_id: int) -> tuple[int, int]:
-    """(tokens the loss counts, real input tokens) in `micro_batches`."""
-    targets = sum(int((batch["targets"] != IGNORE_INDEX).sum()) for batch in micro_batches)
+    """(what the loss counts, real input tokens) in `micro_batches`: the target tokens, or in preference training
+    the pairs (the DPO loss is a mean over pairs)."""
+    targets = sum(int(batch["pair_weights"].sum()) if "pair_weights" in batch
+                  else int((batch["targets"] != IGNORE_INDEX).sum()) for batch in micro_batches)
     inputs = sum(int((batch["input_ids"] != pad_id).sum()) for batch in micro_batches)
     return targets, inputs
 
@@ -95,6 +102,9 @@ def count_rows(micro_batches: list[Batch], pad_id: int) -> int:
     is not padding (a row starts with its [bos]; fixed shapes add sequences of padding only)."""
     rows = 0
     for batch in micro_batches:
+        if "pair_weights" in batch:  # preference rows: two sequences each, or none when left out
+            rows += int(batch["pair_weights"].sum()) + int(batch["skipped_pairs"])
+            continue
         segment_ids = batch.get("segment_ids")  # (B, T): 1, 2, ... for the rows of a sequence, 0 for padding
         if segment_ids is not None:
             rows += int(segment_ids.amax(dim=1).sum())
@@ -117,7 +127,7 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,
                micro_batches: list[Batch], global_target_tokens: float,
-               grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+               grad_clip: float, preference: PreferenceLoss | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `micro_batches`.
 
     Returns this rank's summed token loss and the gradient norm before clipping, both tensors on the device:
@@ -132,6 +142,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
     micro-batches and ranks. `accelerator.accumulate` skips the gradient all-reduce on all but the last
     micro-batch and divides by the number of micro-batches; DDP averages over ranks: the factor
     `micro-batches × ranks` undoes both.
+
+    With `preference` (DPO) the unit is the pair instead of the token: `global_target_tokens` counts the step's
+    pairs, each micro-batch's loss is its DPO loss summed over its pairs, and `preference.sums` collects the terms
+    the log shows.
     """
     device = accelerator.device
     scale = len(micro_batches) * accelerator.num_processes / max(global_target_tokens, 1.0)
@@ -141,13 +155,18 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
         with accelerator.accumulate(model):
             input_ids = to_device(batch["input_ids"], device)  # (B, T)
             targets = to_device(batch["targets"], device)  # (B, T)
-            segment_ids = batch.get("segment_ids")  # (B, T) when rows are packed
-            if segment_ids is not None:
-                segment_ids = to_device(segment_ids, device)
-            _, mean_loss = model(input_ids, targets, segment_ids=segment_ids)
-            batch_loss_sum = mean_loss * (targets != IGNORE_INDEX).sum()
-            accelerator.backward(batch_loss_sum * scale)
-            loss_sum += batch_loss_sum.detach()
+            if preference is not None:
+                batch_loss_sum, surrogate = preference.micro_batch(model, batch, input_ids, targets)
+                accelerator.backward(surrogate * scale)
+                loss_sum += batch_loss_sum
+            else:
+                segment_ids = batch.get("segment_ids")  # (B, T) when rows are packed
+                if segment_ids is not None:
+                    segment_ids = to_device(segment_ids, device)
+                _, mean_loss = model(input_ids, targets, segment_ids=segment_ids)
+                batch_loss_sum = mean_loss * (targets != IGNORE_INDEX).sum()
+                accelerator.backward(batch_loss_sum * scale)
+                loss_sum += batch_loss_sum.detach()
             if accelerator.sync_gradients:  # the last micro-batch: gradients are complete
                 if clips_in_the_optimizer(optimizer, accelerator):
                     grad_norm = gradient_norm(model)

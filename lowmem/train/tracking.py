@@ -262,6 +262,9 @@ class Tracking:
         values = {tag: float(getattr(figures, field)) for tag, field in LINE_FIELDS.items()}
         values.update({tag: float(getattr(figures, field)) for tag, field in DEVICE_LINE_FIELDS.items()
                        if getattr(figures, field) is not None})
+        if figures.preference is not None:  # TRL's names: train/rewards/chosen, ...
+            values.update({f"train/{name}": float(value) for name, value in figures.preference.items()
+                           if name.startswith("rewards/")})
         self._guarded(lambda: self.accelerator.log(values, step=step))
 
     def log_validation(self, step: int, result: EvalResult) -> None:
@@ -272,6 +275,8 @@ class Tracking:
         if result.bleu is not None:
             values["eval/bleu4"] = float(result.bleu.score)
         values.update({f"eval/val_loss/{name}": float(loss) for name, loss in result.by_source.items()})
+        values.update({f"eval/{name}": float(value) for name, value in result.preference.items()
+                       if name.startswith("rewards/")})
         self._guarded(lambda: self.accelerator.log(values, step=step))
 
     def end(self) -> None:

@@ -40,6 +40,9 @@ from lowmem.config.settle import settled_config
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.config.train_sources import training_data
 from lowmem.data.collate import TokenizingCollate
+from lowmem.preference.collate import PreferenceCollate
+from lowmem.preference.loss import PreferenceLoss
+from lowmem.preference.reference import make_reference
 from lowmem.disk_errors import writing
 from lowmem.errors import DataError
 from lowmem.distributed.accelerator import create_accelerator, ddp_settings
@@ -135,12 +138,19 @@ class Trainer:
         if loaded is not None and start is not None and not start.resumed:
             logger.info(describe_start(start, loaded, unwrap_gpt(self.model).num_params(), self.tokenizer.describe()))
         keep_adapters_base(self.model, config, self.accelerator, start)
-        # The main process samples the rows (the same choice everywhere, and one reading of the sample).
-        self.fixed_shapes = None if not self.speed.static_shapes else broadcast_from_main(
+        self.reference = make_reference(config, self.model, self.accelerator, start)
+        self.preference = None if self.reference is None else PreferenceLoss(self.reference, config.dpo_beta)
+        # The main process samples the rows (the same choice everywhere, and one reading of the sample). Pairs of
+        # answers are not packed: their batches are shaped to fit.
+        self.fixed_shapes = None if not self.speed.static_shapes or self.preference else broadcast_from_main(
             self.accelerator, lambda: decide_fixed_shapes(config, self.tokenizer, measured.sample_if_tokenized(),
                                                           measured.index))
-        collate = TokenizingCollate(self.tokenizer, config.max_seq_len, data_columns(config), response_only(config),
-                                    pack=config.pack_rows, fixed_shapes=self.fixed_shapes)
+        collate: TokenizingCollate | PreferenceCollate
+        if self.preference is not None:
+            collate = PreferenceCollate(self.tokenizer, config.max_seq_len, data_columns(config))
+        else:
+            collate = TokenizingCollate(self.tokenizer, config.max_seq_len, data_columns(config),
+                                        response_only(config), pack=config.pack_rows, fixed_shapes=self.fixed_shapes)
         loader = make_loader(training_data(config), config, self.accelerator, collate, settings, shuffle=True,
                              index=measured.index)
         self.steps_per_epoch = steps_per_epoch(loader, config)
@@ -153,7 +163,7 @@ class Trainer:
         self.data, self.rng = LoaderPosition(loader), RngState()
         self.memory = make_memory_monitor(config, self.accelerator, settings,
                                           predicted_high_water=memory.predicted_high_water(self.is_main))
-        self.validator = Validator(config, self.tokenizer, self.accelerator)
+        self.validator = Validator(config, self.tokenizer, self.accelerator, self.reference)
         self.step_log = make_step_log(config, self.accelerator, unwrap_gpt(self.model), planned_steps)
         self.stopper = GracefulStop()
         self.checkpoint_parts = TrainingCheckpoint(
@@ -245,11 +255,17 @@ class Trainer:
         lr = self.schedule.lr(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.preference is not None:
+            self.preference.start_step()
         loss_sum, grad_norm = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
-                                         agreed.global_target_tokens, config.grad_clip)
-        return StepResult(micro_batches, loss_sum, grad_norm, torch.isfinite(grad_norm), lr, agreed.target_tokens,
-                          agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens,
-                          attention_pairs(micro_batches, self.tokenizer.pad_id))
+                                         agreed.global_target_tokens, config.grad_clip, self.preference)
+        result = StepResult(micro_batches, loss_sum, grad_norm, torch.isfinite(grad_norm), lr, agreed.target_tokens,
+                            agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens,
+                            attention_pairs(micro_batches, self.tokenizer.pad_id))
+        if self.preference is not None:
+            result.preference_sums = self.preference.sums
+            result.skipped_pairs = sum(int(batch["skipped_pairs"]) for batch in micro_batches)
+        return result
 
     def after_step(self, result: StepResult) -> None:
         """Count the step, run the callbacks and the memory schedule, and write the log line when due."""

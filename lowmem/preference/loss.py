@@ -1,0 +1,32 @@
+"""One micro-batch of preference training: the reference's log-probabilities, then the policy's DPO loss."""
+
+from __future__ import annotations
+
+import torch
+
+from lowmem.preference.reference import Reference
+
+
+class PreferenceLoss:
+    """The DPO loss of each micro-batch of a step, with `beta`, against `reference`; `sums` adds up the step's
+    `DPOTerms.sums` on the device (read by the log when it writes a line)."""
+
+    def __init__(self, reference: Reference, beta: float) -> None:
+        self.reference, self.beta = reference, beta
+        self.sums: torch.Tensor | None = None
+
+    def start_step(self) -> None:
+        self.sums = None
+
+    def micro_batch(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's DPO loss summed over its pairs, detached; the surrogate to scale and call backward on).
+
+        input_ids, targets: the batch's (2P, T) tensors, already on the device."""
+        reference_logps = self.reference.log_probs(batch, input_ids, targets)  # (2P,)
+        weights = batch["pair_weights"].to(input_ids.device, non_blocking=True)  # (P,)
+        sums, surrogate = model(input_ids, targets, reference_logps=reference_logps, dpo_beta=self.beta,
+                                pair_weights=weights)
+        sums = sums.detach().float()
+        self.sums = sums if self.sums is None else self.sums + sums
+        return sums[0], surrogate

@@ -1,0 +1,162 @@
+"""The reference model of DPO: where each batch's reference log-probabilities come from.
+
+    adapters      under --lora_rank (the default there): the training model itself with its adapters off, which is
+                  the starting model exactly; no second copy of anything
+    copy          a full fine-tune (the default there): a frozen copy of the starting model on the device, counted
+                  by the memory plan; not under FSDP, whose sharded model would need a sharded copy
+    precomputed   the rows carry them (`lowmem dpo_reference` wrote them): no reference model at all
+
+Each is computed without gradients and without dropout, one forward per micro-batch, over the same sequences and
+counted tokens as the policy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from accelerate import Accelerator
+
+from lowmem.adapters.lora import adapters_off
+from lowmem.config import TrainConfig
+from lowmem.config.columns import is_preference
+from lowmem.distributed.strategy import DEEPSPEED, FSDP, strategy
+from lowmem.errors import ConfigError
+from lowmem.model import GPT
+from lowmem.model.weights import unwrap_gpt
+from lowmem.source.load import empty_model, fill_model, weight_plan
+from lowmem.source.locate import ModelSource, find_source
+from lowmem.source.settle import SOURCE_RECORD_NAME, StartingPoint, source_record
+
+logger = logging.getLogger(__name__)
+
+ADAPTERS, COPY, PRECOMPUTED = "adapters", "copy", "precomputed"
+
+
+def reference_mode(config: TrainConfig) -> str | None:
+    """Where a run's reference log-probabilities come from (see the module's table); None for a run that is not
+    preference training."""
+    if not is_preference(config):
+        return None
+    if config.dpo_reference == PRECOMPUTED:
+        return PRECOMPUTED
+    if config.dpo_reference == "auto" and config.lora_rank:
+        return ADAPTERS
+    return COPY
+
+
+def check_reference_strategy(config: TrainConfig, accelerator: Accelerator) -> None:
+    """A frozen copy under FSDP or DeepSpeed is refused before the run folder is touched: each rank would hold the
+    whole model beside its shard."""
+    if reference_mode(config) != COPY or strategy(accelerator) not in (FSDP, DEEPSPEED):
+        return
+    raise ConfigError(
+        f"--objective=dpo keeps a frozen copy of the starting model as its reference, and under "
+        f"{strategy(accelerator)} each process would hold it whole beside its shard of the model. Train adapters "
+        "(--lora_rank=16: the reference is the model with its adapters off, no copy), or write the reference's "
+        "log-probabilities first with `lowmem dpo_reference` and train with --dpo_reference=precomputed, or launch "
+        "with DDP.")
+
+
+class Reference:
+    """Gives the reference log-probabilities (2P,) of a batch on the device, as `mode` says.
+
+    Args:
+        mode: ADAPTERS, COPY or PRECOMPUTED (`reference_mode`).
+        model: the training model (wrapped as accelerate prepared it): ADAPTERS runs it with the adapters off.
+        copy: COPY's frozen model, on the device.
+        accelerator: for its autocast, which the prepared model's forward has too.
+    """
+
+    def __init__(self, mode: str, model: torch.nn.Module, accelerator: Accelerator, copy: GPT | None = None) -> None:
+        self.mode, self.model, self.accelerator, self.copy = mode, model, accelerator, copy
+
+    @torch.no_grad()
+    def log_probs(self, batch: dict[str, torch.Tensor], input_ids: torch.Tensor, targets: torch.Tensor,
+                  model: torch.nn.Module | None = None) -> torch.Tensor:
+        """(2P,) float32: the reference's answer log-probabilities of the batch's sequences. `model`: the model
+        whose adapters are turned off, when not the training model (validation's replica under FSDP)."""
+        if self.mode == PRECOMPUTED:
+            return batch["reference_logps"].to(input_ids.device, non_blocking=True)
+        if self.mode == COPY:
+            assert self.copy is not None  # built with the mode
+            with self.accelerator.autocast():
+                logps, _ = self.copy(input_ids, targets, answer_logps=True)
+            return logps.float()
+        model = model if model is not None else self.model
+        with _evaluating(model), adapters_off(model):
+            logps, _ = model(input_ids, targets, answer_logps=True)
+        return logps.float()
+
+    def describe(self) -> str:
+        return {ADAPTERS: "the starting model with the adapters off (no copy)",
+                COPY: "a frozen copy of the starting model",
+                PRECOMPUTED: "the rows' precomputed reference_chosen and reference_rejected"}[self.mode]
+
+
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode within the block (no dropout: the reference is the starting model as it computes),
+    back as it was after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def make_reference(config: TrainConfig, model: torch.nn.Module, accelerator: Accelerator,
+                   start: StartingPoint | None) -> Reference | None:
+    """The run's `Reference` (None when it is not preference training); a frozen copy is built and filled here."""
+    mode = reference_mode(config)
+    if mode is None:
+        return None
+    check_reference_strategy(config, accelerator)
+    copy = reference_copy(config, model, accelerator, start) if mode == COPY else None
+    reference = Reference(mode, model, accelerator, copy)
+    logger.info("DPO: beta %g; the reference log-probabilities come from %s.", config.dpo_beta, reference.describe())
+    return reference
+
+
+def reference_copy(config: TrainConfig, model: torch.nn.Module, accelerator: Accelerator,
+                   start: StartingPoint | None) -> GPT:
+    """A frozen copy of the starting model on the device, with the training model's loss settings: from the source
+    a new run starts from, or, at a resume, from --init_from read again (refused when it is gone or has changed,
+    since the reference must be the model the run started from)."""
+    plain = unwrap_gpt(model)
+    source = start.source if start is not None and not start.resumed else None
+    if source is None:
+        source = _source_again(config)
+    copy = empty_model(plain.config, accelerator.device)
+    fill_model(copy, source, weight_plan(source, plain.config))
+    copy.use_memory_savers(plain.loss_chunk_tokens, False)
+    copy.use_attention(getattr(plain, "packed_attention", "sdpa"))
+    if accelerator.device.type == "cuda" and config.bf16:
+        copy.to(torch.bfloat16)  # its forward runs under bf16 autocast: half the bytes, the same matmuls
+    copy.eval().requires_grad_(False)
+    return copy
+
+
+def _source_again(config: TrainConfig) -> ModelSource:
+    """The source of a resumed run, read again for its reference: it must still be the model the run started from
+    (its tensors' fingerprint as `started_from.json` recorded it)."""
+    try:
+        source = find_source(config.init_from)
+    except ConfigError as error:
+        raise ConfigError(f"The DPO run in {config.output_dir} measures its policy against the model it started from, "
+                          f"--init_from={config.init_from}, which cannot be read now ({error}). Put it back, or "
+                          "continue with --dpo_reference=precomputed after `lowmem dpo_reference`.") from None
+    record_file = Path(config.output_dir) / SOURCE_RECORD_NAME
+    if record_file.is_file():
+        recorded = json.loads(record_file.read_text()).get("tensors_sha256")
+        now = source_record(StartingPoint(source.model_config, source), config)["tensors_sha256"]
+        if recorded and recorded != now:
+            raise ConfigError(f"--init_from={config.init_from} holds other tensors than when the DPO run in "
+                              f"{config.output_dir} started: its reference would not be the model it started from. "
+                              "Put the original model back at that path.")
+    return source
