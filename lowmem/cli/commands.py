@@ -41,7 +41,7 @@ from lowmem.cli.help_text import join_args_of
 from lowmem.cli.planning import plan
 from lowmem.cli.tools import (bench_attention, bench_data, bench_memory, bench_mixing, bench_train, convert, memlog,
                               repack)
-from lowmem.cli.training import tokenizer, train, train_with
+from lowmem.cli.training import dpo_reference, tokenizer, train, train_with
 from lowmem.errors import LowmemError
 from lowmem.program import program_name
 
@@ -86,6 +86,7 @@ COMMANDS: dict[str, Callable[..., Any]] = {
     "train": train,
     "plan": plan,
     "tokenizer": tokenizer,
+    "dpo_reference": dpo_reference,
     "evaluate": evaluate,
     "generate": generate,
     "export": export,

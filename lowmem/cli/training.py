@@ -1,4 +1,5 @@
-"""The commands that train: `train` (the model) and `tokenizer` (the SentencePiece tokenizer)."""
+"""The commands that train: `train` (the model), `tokenizer` (the SentencePiece tokenizer) and `dpo_reference` (the
+reference log-probabilities of preference training, computed ahead)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,31 @@ def tokenizer(use_large_config: bool = False, **overrides: Any) -> None:
     check_data_files(config, ("train_file",))
     tokenizer = train_tokenizer_for(config)
     print(f"Tokenizer with {tokenizer.vocab_size} pieces saved to {config.tokenizer_dir}")
+
+
+def dpo_reference(use_large_config: bool = False, device: str = "", **overrides: Any) -> None:
+    """Compute the reference model's log-probabilities of every preference row of --train_file and
+    --validation_file in one streaming pass, written beside each (`data/pairs.parquet` → `data/pairs.reference/`),
+    so that `train --objective=dpo --dpo_reference=precomputed` fine-tunes every weight without a second model in
+    memory. A pass that stops resumes where it stopped when run again with the same flags.
+
+    Args:
+        use_large_config: start from TrainConfigPretrainLarge, as `train --use_large_config=True`.
+        device: cpu or cuda (default: cuda when a GPU is visible).
+        overrides: config fields: --init_from (the model DPO will start from), --train_file, --validation_file,
+            --prompt_column, --chosen_column, --rejected_column, --max_seq_len (as the training run's),
+            --batch_size_per_gpu.
+    """
+    import torch
+
+    from lowmem.preference.precompute import precompute_reference, reference_folder
+
+    config = build_config(use_large_config, overrides, demo_data=False)
+    if device not in ("", "cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda (it is {device!r}).")
+    chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    folders = [precompute_reference(config, files, reference_folder(files), chosen)
+               for files in dict.fromkeys((config.train_file, config.validation_file))]
+    train_folder, validation_folder = folders[0], folders[-1]
+    print(f"Train with: train --objective=dpo --init_from={config.init_from} --dpo_reference=precomputed "
+          f"--train_file={train_folder} --validation_file={validation_folder} --max_seq_len={config.max_seq_len}")

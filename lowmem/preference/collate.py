@@ -36,13 +36,16 @@ class PreferenceCollate:
         tokenizer: a `lowmem.data.tokenizer.Tokenizer` (or a transformers one's wrapper).
         max_seq_len: the longest input the model takes; longer sequences are cut at the end.
         columns: (prompt, chosen, rejected), or those and the two reference columns (`REFERENCE_COLUMNS`).
+        skip_identical: leave out pairs whose answers are the same tokens (False keeps every row in its place:
+            `lowmem dpo_reference` computes a value for each).
     """
 
-    def __init__(self, tokenizer: Any, max_seq_len: int, columns: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, max_seq_len: int, columns: Sequence[str], skip_identical: bool = True) -> None:
         if len(columns) not in (3, 5):
             raise ValueError(f"columns must be (prompt, chosen, rejected) with or without the two reference columns, "
                              f"got {columns!r}")
         self.tokenizer, self.max_seq_len, self.columns = tokenizer, int(max_seq_len), tuple(columns)
+        self.skip_identical = skip_identical
 
     def __call__(self, rows: list[dict[str, str]]) -> dict[str, torch.Tensor]:
         prompt, chosen, rejected = self.columns[:3]
@@ -52,7 +55,8 @@ class PreferenceCollate:
         limit = self.max_seq_len + 1
         sequences = [(ids[:limit], start) for ids, start in encoded]
         pairs = len(rows)
-        kept = [row for row in range(pairs) if _answer(*sequences[row]) != _answer(*sequences[pairs + row])]
+        kept = [row for row in range(pairs)
+                if not self.skip_identical or _answer(*sequences[row]) != _answer(*sequences[pairs + row])]
         order = kept + [pairs + row for row in kept]
         batch = self._sequences([sequences[index] for index in order], max(len(kept), 1))
         batch["pair_weights"] = torch.zeros(max(len(kept), 1), dtype=torch.float32)

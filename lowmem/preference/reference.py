@@ -28,6 +28,7 @@ from lowmem.distributed.strategy import DEEPSPEED, FSDP, strategy
 from lowmem.errors import ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import unwrap_gpt
+from lowmem.preference.precompute import check_precomputed
 from lowmem.source.load import empty_model, fill_model, weight_plan
 from lowmem.source.locate import ModelSource, find_source
 from lowmem.source.settle import SOURCE_RECORD_NAME, StartingPoint, source_record
@@ -117,6 +118,9 @@ def make_reference(config: TrainConfig, model: torch.nn.Module, accelerator: Acc
     if mode is None:
         return None
     check_reference_strategy(config, accelerator)
+    if mode == PRECOMPUTED:
+        for files in dict.fromkeys((config.train_file, config.validation_file)):
+            check_precomputed(files, config.max_seq_len)
     copy = reference_copy(config, model, accelerator, start) if mode == COPY else None
     reference = Reference(mode, model, accelerator, copy)
     logger.info("DPO: beta %g; the reference log-probabilities come from %s.", config.dpo_beta, reference.describe())
