@@ -220,3 +220,33 @@ def commands_run_in(folder: Path) -> Iterator[None]:
             if handler not in root.handlers:
                 root.addHandler(handler)
         root.setLevel(level)
+
+
+# Preference rows whose preference can be learned: each prompt names a topic, the chosen answer is written in that
+# topic's characters and the rejected one in another topic's (another row's answer, in effect).
+PREFERENCE_TOPICS = {"moon": "月星夜天云", "river": "江河水鱼海", "flower": "花草木春山", "wine": "酒醉梦人楼"}
+_FILLER = ["please", "write", "a", "poem", "of", "the", "old", "friend", "in", "night"]
+
+
+def write_preference_rows(path: Path, rows: int, seed: int, row_group_rows: int = 64) -> Path:
+    """`rows` rows of prompt, chosen and rejected (see PREFERENCE_TOPICS), in row groups of `row_group_rows`."""
+    import random
+
+    rng = random.Random(seed)
+    table: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
+    for _ in range(rows):
+        topic = rng.choice(list(PREFERENCE_TOPICS))
+        other = rng.choice([name for name in PREFERENCE_TOPICS if name != topic])
+        table["prompt"].append(" ".join(rng.choices(_FILLER, k=rng.randint(2, 5))) + f" {topic}")
+        table["chosen"].append("".join(rng.choices(PREFERENCE_TOPICS[topic], k=rng.randint(5, 10))) + "。")
+        table["rejected"].append("".join(rng.choices(PREFERENCE_TOPICS[other], k=rng.randint(5, 10))) + "。")
+    pq.write_table(pa.table(table), path, row_group_size=row_group_rows)
+    return path
+
+
+def preference_project(folder: Path) -> Path:
+    """A folder with preference data: data/train.parquet (400 rows) and data/valid.parquet (64 held-out rows)."""
+    (folder / "data").mkdir(parents=True)
+    write_preference_rows(folder / "data" / "train.parquet", 400, seed=1)
+    write_preference_rows(folder / "data" / "valid.parquet", 64, seed=2)
+    return folder

@@ -63,22 +63,27 @@ def write_base(run_dir: Path, state: dict[str, torch.Tensor], model: GPT, came_f
     return record
 
 
-def checked_base(run_dir: Path) -> Path:
-    """`<run>/base`, after checking that its weights are the ones the run started with (their recorded hash)."""
+def checked_base(run_dir: Path, for_reference: bool = False) -> Path:
+    """`<run>/base`, after checking that its weights are the ones the run started with (their recorded hash): the
+    base of its adapters, or with `for_reference` the model a DPO run measures its policy against."""
     folder = run_dir / BASE_DIR
     record_path = folder / BASE_RECORD
+    held = ("the model this DPO run started from, its reference" if for_reference else
+            "the base model this run's adapters were trained on")
     if not (record_path.is_file() and (folder / WEIGHTS_FILE).is_file() and (folder / MODEL_CONFIG_FILE).is_file()):
-        raise ConfigError(f"{folder} is missing or incomplete: it holds the base model this run's adapters were "
-                          "trained on (written when the run started), and without it the checkpoints' adapters "
-                          "have nothing to apply to. Restore it from a copy of the run folder, or start a new run.")
+        needs = ("the run has no reference to measure its policy against" if for_reference else
+                 "the checkpoints' adapters have nothing to apply to")
+        raise ConfigError(f"{folder} is missing or incomplete: it holds {held} (written when the run started), and "
+                          f"without it {needs}. Restore it from a copy of the run folder, or start a new run.")
     record = json.loads(record_path.read_text(encoding="utf-8"))
     found = file_sha256(folder / WEIGHTS_FILE)
     if found != record.get("sha256"):
+        meaning = ("the run's rewards would be measured against another model" if for_reference else
+                   "the adapters were trained on the other one and would not mean the same")
         raise ConfigError(
-            f"The base model in {folder} changed since the run started (its {WEIGHTS_FILE} has SHA-256 "
-            f"{found[:12]}…, the run recorded {str(record.get('sha256'))[:12]}…): the adapters were trained on "
-            "the other one and would not mean the same. Put the original back, or start a new run with "
-            "--init_from=<the model> --lora_rank=R in another --output_dir.")
+            f"The model in {folder} changed since the run started (its {WEIGHTS_FILE} has SHA-256 {found[:12]}…, "
+            f"the run recorded {str(record.get('sha256'))[:12]}…); it holds {held}, and {meaning}. Put the original "
+            "back, or start a new run from the model in another --output_dir.")
     return folder
 
 

@@ -49,7 +49,7 @@ def validate_config(config: TrainConfig) -> None:
                  "--dpo_reference=precomputed is for preference training: add --objective=dpo, or leave it out.")
     if config.text_column:
         _check_text_column(config)
-    else:
+    elif config.objective != "dpo":  # preference rows have no response column: their three are checked above
         _require(config.prompt_column != config.response_column,
                  "--prompt_column and --response_column must name two different columns.")
 

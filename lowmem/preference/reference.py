@@ -13,7 +13,6 @@ counted tokens as the policy's.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +20,7 @@ from typing import Iterator
 import torch
 from accelerate import Accelerator
 
+from lowmem.adapters.files import checked_base
 from lowmem.adapters.lora import adapters_off
 from lowmem.config import TrainConfig
 from lowmem.config.columns import is_preference
@@ -30,8 +30,8 @@ from lowmem.model import GPT
 from lowmem.model.weights import unwrap_gpt
 from lowmem.preference.precompute import check_precomputed
 from lowmem.source.load import empty_model, fill_model, weight_plan
-from lowmem.source.locate import ModelSource, find_source
-from lowmem.source.settle import SOURCE_RECORD_NAME, StartingPoint, source_record
+from lowmem.source.locate import find_source
+from lowmem.source.settle import StartingPoint
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +130,12 @@ def make_reference(config: TrainConfig, model: torch.nn.Module, accelerator: Acc
 def reference_copy(config: TrainConfig, model: torch.nn.Module, accelerator: Accelerator,
                    start: StartingPoint | None) -> GPT:
     """A frozen copy of the starting model on the device, with the training model's loss settings: from the source
-    a new run starts from, or, at a resume, from --init_from read again (refused when it is gone or has changed,
-    since the reference must be the model the run started from)."""
+    a new run starts from, or, at a resume, from the run's own copy of it in `<run>/base` (its hash checked: the
+    reference must be the model the run started from; the source itself may be gone)."""
     plain = unwrap_gpt(model)
     source = start.source if start is not None and not start.resumed else None
-    if source is None:
-        source = _source_again(config)
+    if source is None:  # a resume: the copy of the starting model the run kept (`keep_starting_model`)
+        source = find_source(str(checked_base(Path(config.output_dir), for_reference=True)))
     copy = empty_model(plain.config, accelerator.device)
     fill_model(copy, source, weight_plan(source, plain.config))
     copy.use_memory_savers(plain.loss_chunk_tokens, False)
@@ -144,23 +144,3 @@ def reference_copy(config: TrainConfig, model: torch.nn.Module, accelerator: Acc
         copy.to(torch.bfloat16)  # its forward runs under bf16 autocast: half the bytes, the same matmuls
     copy.eval().requires_grad_(False)
     return copy
-
-
-def _source_again(config: TrainConfig) -> ModelSource:
-    """The source of a resumed run, read again for its reference: it must still be the model the run started from
-    (its tensors' fingerprint as `started_from.json` recorded it)."""
-    try:
-        source = find_source(config.init_from)
-    except ConfigError as error:
-        raise ConfigError(f"The DPO run in {config.output_dir} measures its policy against the model it started from, "
-                          f"--init_from={config.init_from}, which cannot be read now ({error}). Put it back, or "
-                          "continue with --dpo_reference=precomputed after `lowmem dpo_reference`.") from None
-    record_file = Path(config.output_dir) / SOURCE_RECORD_NAME
-    if record_file.is_file():
-        recorded = json.loads(record_file.read_text()).get("tensors_sha256")
-        now = source_record(StartingPoint(source.model_config, source), config)["tensors_sha256"]
-        if recorded and recorded != now:
-            raise ConfigError(f"--init_from={config.init_from} holds other tensors than when the DPO run in "
-                              f"{config.output_dir} started: its reference would not be the model it started from. "
-                              "Put the original model back at that path.")
-    return source

@@ -20,6 +20,7 @@ from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.mixture import MixedStream
 from lowmem.data.collate import FixedShapes
 from lowmem.data.loader import Collate
+from lowmem.preference.reference import COPY, reference_mode
 from lowmem.data.sizing import BatchSizes, sample_batch_sizes
 from lowmem.data.sources import RowGroupIndex, build_row_group_index, resolve_data_files
 from lowmem.data.stream_type import RowStream
@@ -228,24 +229,29 @@ def refuse_adapters_under_deepspeed(config: ModelConfig, deepspeed: bool) -> Non
                           "adapters' optimizer state is small enough that no offload is needed).")
 
 
-def keep_adapters_base(model: torch.nn.Module, config: TrainConfig, accelerator: Accelerator,
-                       start: StartingPoint | None) -> None:
-    """A run that trains adapters: say what trains, and when it starts, write its base once into `<run>/base`
-    (`lowmem.adapters.files`; every rank calls it, FSDP gathers the weights for the main process)."""
+def keep_starting_model(model: torch.nn.Module, config: TrainConfig, accelerator: Accelerator,
+                        start: StartingPoint | None) -> None:
+    """A run that trains adapters, or a DPO run whose reference is a frozen copy: when it starts, write the model it
+    starts from once into `<run>/base` (`lowmem.adapters.files`), which a resume reads instead of the source (every
+    rank calls it, FSDP gathers the weights for the main process); say what trains."""
     spec = LoRASpec.of(config)
-    if spec is None:
+    if spec is None and reference_mode(config) != COPY:
         return
     plain = unwrap_gpt(model)
-    trainable = sum(parameter.numel() for name, parameter in plain.named_parameters() if ADAPTER_MARK in name)
-    total = sum(parameter.numel() for parameter in plain.parameters())
     base = Path(config.output_dir) / BASE_DIR
     if start is not None and start.source is not None and not start.resumed:
         state = full_model_state(model, accelerator)
         source = start.source
-        with writing("the adapters' base model", base):
+        with writing("the adapters' base model" if spec is not None else "the DPO run's reference model", base):
             run_on_main(accelerator, lambda: write_base(Path(config.output_dir), state or {}, plain,
                                                         source.description, source.folder))
         del state
+    if spec is None:
+        logger.info("DPO: the starting model is kept once in %s, the frozen reference a resume reads (the source "
+                    "may then be gone).", base)
+        return
+    trainable = sum(parameter.numel() for name, parameter in plain.named_parameters() if ADAPTER_MARK in name)
+    total = sum(parameter.numel() for parameter in plain.parameters())
     logger.info("Adapters (LoRA): %s; %s parameters train (%.2f%% of %s), the base's are frozen (no gradients, "
                 "no optimizer state). The base is kept once in %s; checkpoints hold the adapters only, best/ and "
                 "final/ the merged model and the adapters in peft's files.", spec.describe(), f"{trainable:,}",

@@ -62,7 +62,7 @@ from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, log_decision, set
 from lowmem.train.resume import (ResumeDecision, choose_checkpoint, data_position_to_load, decide_resume,
                                  epoch_may_restart, rescale_line, steps_after_rescale)
 from lowmem.train.schedule import LearningRateSchedule, total_steps, warmup_kept_by
-from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, keep_adapters_base,
+from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, keep_starting_model,
                                 log_processes, make_checkpoint_manager, make_loader, make_memory_monitor,
                                 make_step_log, shared_memory_settings, steps_per_epoch)
 from lowmem.source.settle import StartingPoint, describe_start
@@ -137,7 +137,7 @@ class Trainer:
                                                                        start)
         if loaded is not None and start is not None and not start.resumed:
             logger.info(describe_start(start, loaded, unwrap_gpt(self.model).num_params(), self.tokenizer.describe()))
-        keep_adapters_base(self.model, config, self.accelerator, start)
+        keep_starting_model(self.model, config, self.accelerator, start)
         self.reference = make_reference(config, self.model, self.accelerator, start)
         self.preference = None if self.reference is None else PreferenceLoss(self.reference, config.dpo_beta)
         # The main process samples the rows (the same choice everywhere, and one reading of the sample). Pairs of

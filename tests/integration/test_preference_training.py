@@ -1,0 +1,178 @@
+"""Preference training (--objective=dpo) through the command line on a transformers Qwen2: the loss at ln 2 where
+the policy is its reference, held-out preferences learned, the reference precomputed as the in-memory one computes
+it, adapters with no second model, an exact resume, and the refusals."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowmem.adapters.files import BASE_DIR
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import qwen as qwen  # noqa: E402  (the fixture)
+from training_helpers import (assert_losses_match, commands_run_in, preference_project,  # noqa: E402
+                              resumed_from, run_command, traced_losses)
+
+ENV = {"OMP_NUM_THREADS": "1"}  # one summation order: losses are compared across runs
+DPO = ["--objective=dpo", "--batch_size_per_gpu=8", "--max_seq_len=64", "--warmup_steps=5", "--logging_steps=1",
+       "--sample_max_new_tokens=8", "--save_steps=50", "--eval_steps=50"]
+VALIDATION = re.compile(r"Validation at step (\d+): DPO loss ([\d.]+), rewards/accuracy ([\d.]+), rewards/margin "
+                        r"(-?[\d.]+)")
+
+
+def validations(stderr: str) -> dict[int, tuple[float, float, float]]:
+    """{step: (DPO loss, rewards/accuracy, rewards/margin)} of each validation a run logged."""
+    return {int(step): (float(loss), float(accuracy), float(margin))
+            for step, loss, accuracy, margin in VALIDATION.findall(stderr)}
+
+
+def test_dpo_starts_at_ln_2_and_learns_the_held_out_preferences(tmp_path, qwen):
+    project = preference_project(tmp_path)
+    done = run_command(["train", f"--init_from={qwen}", *DPO, "--learning_rate=3e-3", "--dpo_beta=0.5",
+                        "--epochs=4", "--output_dir=run"], cwd=project,
+                       env={**ENV, "LOWMEM_TRACE_DIR": str(project / "trace")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the reference log-probabilities come from a frozen copy of the starting model" in done.stderr
+    losses = traced_losses(project / "trace")
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-4)  # the first step's policy is its reference
+    scores = validations(done.stderr)
+    assert scores[0][0] == pytest.approx(math.log(2), abs=1e-4) and scores[0][1] == 0.0
+    last = scores[max(scores)]
+    assert max(scores) == 200 and last[1] > 0.9 and last[2] > 0  # 64 held-out pairs, 200 CPU steps
+    line = next(text for text in done.stderr.splitlines() if "step 200/200" in text)
+    assert all(name in line for name in ("rewards/chosen", "rejected", "accuracy", "margin"))
+    # Checkpoints are ranked by the held-out accuracy, and best/ is the best of them.
+    assert "Best checkpoint by rewards_accuracy" in done.stderr
+    manifest = json.loads((project / "run" / "final" / "train_config.json").read_text())
+    assert manifest["best_metric"] == "rewards_accuracy" and manifest["objective"] == "dpo"
+
+
+def test_the_precomputed_reference_trains_as_the_one_in_memory(tmp_path, qwen):
+    project = preference_project(tmp_path)
+    flags = [f"--init_from={qwen}", *DPO, "--max_steps=6", "--learning_rate=3e-3"]
+    written = run_command(["dpo_reference", f"--init_from={qwen}", "--train_file=data/train.parquet",
+                           "--validation_file=data/valid.parquet", "--max_seq_len=64"], cwd=project, env=ENV)
+    assert written.returncode == 0, written.stderr[-3000:]
+    folder = project / "data" / "train.reference"
+    assert len(list(folder.glob("part-*.parquet"))) == 7 and "--dpo_reference=precomputed" in written.stdout
+    in_memory = run_command(["train", *flags, "--output_dir=copy"], cwd=project,
+                            env={**ENV, "LOWMEM_TRACE_DIR": str(project / "trace-copy")})
+    precomputed = run_command(["train", *flags, "--output_dir=pre", "--dpo_reference=precomputed",
+                               f"--train_file={folder}", "--validation_file=data/valid.reference"], cwd=project,
+                              env={**ENV, "LOWMEM_TRACE_DIR": str(project / "trace-pre")})
+    assert in_memory.returncode == 0 and precomputed.returncode == 0, precomputed.stderr[-3000:]
+    assert "the rows' precomputed reference_chosen and reference_rejected" in precomputed.stderr
+    ours, theirs = traced_losses(project / "trace-pre"), traced_losses(project / "trace-copy")
+    assert sorted(ours) == sorted(theirs) == list(range(1, 7))
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], abs=1e-5), step
+    assert validations(precomputed.stderr)[6] == pytest.approx(validations(in_memory.stderr)[6], abs=1e-4)
+
+    # A pass that stopped resumes: the parts already written are kept as they are.
+    kept = (folder / "part-00000.parquet").stat().st_mtime_ns
+    (folder / "part-00006.parquet").unlink()
+    again = run_command(["dpo_reference", f"--init_from={qwen}", "--train_file=data/train.parquet",
+                         "--validation_file=data/valid.parquet", "--max_seq_len=64"], cwd=project, env=ENV)
+    assert again.returncode == 0 and "400 rows (16 computed now)" in again.stderr, again.stderr[-3000:]
+    assert (folder / "part-00000.parquet").stat().st_mtime_ns == kept
+    # Values computed for another sequence length are refused, by the pass and by training.
+    other = run_command(["train", *flags, "--output_dir=other", "--dpo_reference=precomputed", "--max_seq_len=48",
+                         f"--train_file={folder}", "--validation_file=data/valid.reference"], cwd=project, env=ENV)
+    assert other.returncode == 2 and "--max_seq_len=64" in other.stderr and "Traceback" not in other.stderr
+
+
+def _parameters_alive() -> int:
+    """Elements of every distinct Parameter in the process."""
+    seen: dict[int, int] = {}
+    for thing in gc.get_objects():
+        if isinstance(thing, torch.nn.Parameter):
+            seen[id(thing)] = thing.numel()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_with_adapters_the_reference_is_the_model_itself_and_no_copy_is_made(tmp_path, qwen, lora_rank):
+    from lowmem.config import TrainConfig
+    from lowmem.model.weights import unwrap_gpt
+    from lowmem.train.trainer import Trainer
+
+    project = preference_project(tmp_path)
+    config = TrainConfig(init_from=str(qwen), objective="dpo", lora_rank=lora_rank, output_dir=str(project / "run"),
+                         train_file=str(project / "data" / "train.parquet"),
+                         validation_file=str(project / "data" / "valid.parquet"), max_seq_len=64,
+                         batch_size_per_gpu=8, max_steps=2, progress=False)
+    gc.collect()
+    before = _parameters_alive()
+    with commands_run_in(project):
+        trainer = Trainer(config)
+        model = unwrap_gpt(trainer.model)
+        weights = sum(parameter.numel() for parameter in model.parameters())
+        base = weights - sum(parameter.numel() for name, parameter in model.named_parameters() if ".lora_" in name)
+        gc.collect()
+        added = _parameters_alive() - before
+        if lora_rank:  # the training model and its adapters, nothing more
+            assert trainer.reference is not None and trainer.reference.copy is None
+            assert added == weights
+        else:  # a full fine-tune keeps a frozen copy: the count sees it
+            assert added == weights + base
+        trainer.fit()
+        del trainer, model
+    gc.collect()
+
+
+def test_a_dpo_run_resumes_exactly_from_its_own_copy_of_the_reference(tmp_path, qwen):
+    source = shutil.copytree(qwen, tmp_path / "models" / "qwen2-tiny")
+    flags = [f"--init_from={source}", *DPO, "--max_steps=8", "--save_steps=4", "--gradient_accumulation_steps=2",
+             "--learning_rate=3e-3", "--output_dir=run"]
+    reference = preference_project(tmp_path / "reference")
+    done = run_command(["train", *flags], cwd=reference, env={**ENV, "LOWMEM_TRACE_DIR": str(reference / "trace")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    stopped = preference_project(tmp_path / "stopped")
+    first = run_command(["train", *flags], cwd=stopped, env={**ENV, "LOWMEM_STOP_AFTER_STEP": "4"})
+    assert first.returncode == 0 and "at step 4" in first.stderr, first.stderr[-3000:]
+    source.rename(source.with_name("moved-away"))  # the resume reads only the run folder
+    # The frozen reference is the run's copy of the model it started from: one that changed since is refused.
+    base_file = stopped / "run" / BASE_DIR / "model.safetensors"
+    original = base_file.read_bytes()
+    changed = bytearray(original)
+    changed[-4:] = bytes(4)
+    base_file.write_bytes(bytes(changed))
+    refused = run_command(["train", *flags, "--is_keep_training=True"], cwd=stopped, env=ENV)
+    assert refused.returncode == 2 and "changed since the run started" in refused.stderr, refused.stderr[-3000:]
+    assert "its reference" in refused.stderr and "Traceback" not in refused.stderr
+    assert sorted(path.name for path in (stopped / "run").glob("checkpoint-*")) == ["checkpoint-4"]  # nothing lost
+
+    base_file.write_bytes(original)
+    resumed = run_command(["train", *flags, "--is_keep_training=True"], cwd=stopped,
+                          env={**ENV, "LOWMEM_TRACE_DIR": str(stopped / "trace")})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed_from(resumed.stderr) == 4
+    assert_losses_match(traced_losses(stopped / "trace"), traced_losses(reference / "trace"), 4)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("no_rejected", "rejected"),
+    ("no_model", "--init_from=PATH"),
+])
+def test_preference_training_asked_wrongly_is_refused_in_one_paragraph(tmp_path, qwen, case, says):
+    import pyarrow.parquet as pq
+
+    project = preference_project(tmp_path)
+    flags = [*DPO, "--max_steps=2", "--output_dir=run"]
+    if case == "no_rejected":
+        table = pq.read_table(project / "data" / "train.parquet").drop(["rejected"])
+        pq.write_table(table, project / "data" / "train.parquet")
+        flags.append(f"--init_from={qwen}")
+    done = run_command(["train", *flags], cwd=project, env=ENV)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not list(Path(project / "run").glob("checkpoint-*"))  # nothing written, nothing lost
+    assert (project / "data" / "train.parquet").is_file()
