@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -13,8 +14,6 @@ from lowmem.config.train_sources import validation_sources
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.validation import EvalResult, evaluate
-from lowmem.preference.evaluation import evaluate_preferences
-from lowmem.preference.reference import Reference
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +23,10 @@ class Validator:
     checkpoints) and remembers the last result. Every rank calls `run` together."""
 
     def __init__(self, config: TrainConfig, tokenizer: TextTokenizer, accelerator: Accelerator,
-                 reference: Reference | None = None) -> None:
+                 score_pairs: Callable[[torch.nn.Module, str], EvalResult] | None = None) -> None:
         self.config, self.tokenizer, self.accelerator = config, tokenizer, accelerator
-        self.reference = reference  # preference training: held-out pairs scored against it
+        # Preference training: scores the held-out pairs of a file (`lowmem.preference.evaluation.PairScorer`).
+        self.score_pairs = score_pairs
         self.last: EvalResult | None = None
 
     def due(self, step: int) -> bool:
@@ -40,8 +40,8 @@ class Validator:
         # the blocks training cached, and where none fits the allocator frees cached blocks and tries again by
         # itself; emptying it first would synchronize, and make the next training step allocate every block anew.
         with model_for_eval(model, self.accelerator) as eval_model:
-            if self.reference is not None:
-                result = self._preferences(eval_model)
+            if self.score_pairs is not None:
+                result = self._preferences(eval_model, self.score_pairs)
                 logger.info("Validation at step %d: %s", step, result.describe())
                 self.last = result
                 return result
@@ -56,15 +56,12 @@ class Validator:
         self.last = result
         return result
 
-    def _preferences(self, eval_model: torch.nn.Module) -> EvalResult:
+    def _preferences(self, eval_model: torch.nn.Module,
+                     score_pairs: Callable[[torch.nn.Module, str], EvalResult]) -> EvalResult:
         """The DPO terms on the validation file's pairs, and the DPO loss on each of --validation_sources."""
-        assert self.reference is not None  # preference training
-        config = self.config
-        result = evaluate_preferences(eval_model, self.reference, self.tokenizer, config.validation_file,
-                                      self.accelerator, config)
-        result.by_source = {name: evaluate_preferences(eval_model, self.reference, self.tokenizer, path,
-                                                       self.accelerator, config).loss
-                            for name, path in validation_sources(config).items()}
+        result = score_pairs(eval_model, self.config.validation_file)
+        result.by_source = {name: score_pairs(eval_model, path).loss
+                            for name, path in validation_sources(self.config).items()}
         return result
 
     def _loss_settings(self) -> dict:

@@ -17,6 +17,7 @@ from lowmem.distributed.performance import inference_autocast
 from lowmem.eval.validation import EvalResult
 from lowmem.model.preference import SUM_FIELDS, dpo_terms
 from lowmem.preference.collate import PreferenceCollate
+from lowmem.preference.loss import PreferenceLoss
 from lowmem.preference.reference import Reference
 
 
@@ -56,3 +57,21 @@ def evaluate_preferences(model: torch.nn.Module, reference: Reference, tokenizer
                          "rewards/accuracy": correct / count, "rewards/margin": (chosen - rejected) / count,
                          "skipped_pairs": skipped_all}
     return result
+
+
+class PairScorer:
+    """`evaluate_preferences` of a model over a file, with the run's reference, tokenizer and config: what the
+    validator calls on each held-out file."""
+
+    def __init__(self, reference: Reference, tokenizer: object, accelerator: Accelerator, config: TrainConfig) -> None:
+        self.reference, self.tokenizer, self.accelerator, self.config = reference, tokenizer, accelerator, config
+
+    def __call__(self, model: torch.nn.Module, files: str) -> EvalResult:
+        return evaluate_preferences(model, self.reference, self.tokenizer, files, self.accelerator, self.config)
+
+
+def pair_scorer(preference: PreferenceLoss | None, tokenizer: object, accelerator: Accelerator,
+                config: TrainConfig) -> PairScorer | None:
+    """The validator's scorer of held-out pairs for a preference run (against its loss's reference); None for any
+    other run."""
+    return None if preference is None else PairScorer(preference.reference, tokenizer, accelerator, config)

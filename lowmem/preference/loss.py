@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+from accelerate import Accelerator
 
-from lowmem.preference.reference import Reference
+from lowmem.config import TrainConfig
+from lowmem.preference.reference import Reference, make_reference
+from lowmem.source.settle import StartingPoint
 
 
 class PreferenceLoss:
@@ -15,8 +18,11 @@ class PreferenceLoss:
         self.reference, self.beta = reference, beta
         self.sums: torch.Tensor | None = None
 
-    def start_step(self) -> None:
-        self.sums = None
+    def step_figures(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor | None, int]:
+        """(the step's `DPOTerms.sums`, the pairs its batches left out): what its `StepResult` carries to the log.
+        The sums start again at the next step."""
+        sums, self.sums = self.sums, None
+        return sums, sum(int(batch["skipped_pairs"]) for batch in micro_batches)
 
     def micro_batch(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], input_ids: torch.Tensor,
                     targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,3 +36,10 @@ class PreferenceLoss:
         sums = sums.detach().float()
         self.sums = sums if self.sums is None else self.sums + sums
         return sums[0], surrogate
+
+
+def preference_loss(config: TrainConfig, model: torch.nn.Module, accelerator: Accelerator,
+                    start: StartingPoint | None) -> PreferenceLoss | None:
+    """The DPO loss of a preference run, with its reference (`make_reference`); None for any other run."""
+    reference = make_reference(config, model, accelerator, start)
+    return None if reference is None else PreferenceLoss(reference, config.dpo_beta)

@@ -13,12 +13,13 @@ from lowmem.checkpoint.contents import RESUME_ONLY
 from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.checkpoint.listing import CheckpointFolders
 from lowmem.config import ModelConfig, OptimConfig, TrainConfig
-from lowmem.config.columns import data_columns
+from lowmem.config.columns import data_columns, response_only
 from lowmem.config.settle import NEW_RUN_ARCHITECTURE
 from lowmem.config.train_sources import Source, training_paths
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.mixture import MixedStream
-from lowmem.data.collate import FixedShapes
+from lowmem.data.collate import FixedShapes, TokenizingCollate
+from lowmem.preference.collate import PreferenceCollate
 from lowmem.data.loader import Collate
 from lowmem.preference.reference import COPY, reference_mode
 from lowmem.data.sizing import BatchSizes, sample_batch_sizes
@@ -293,6 +294,21 @@ def decide_fixed_shapes(config: TrainConfig, tokenizer: TextTokenizer, sample: B
                 "one; the padding they add is never attended to or counted (--static_shapes=False shapes each "
                 "batch to fit).", shapes.describe())
     return shapes
+
+
+def make_collate(config: TrainConfig, tokenizer: TextTokenizer, accelerator: Accelerator, speed: SpeedSettings,
+                 sample: BatchSizes | None, index: RowGroupIndex | None,
+                 preference: bool) -> tuple[FixedShapes | None, Collate]:
+    """(the fixed batch shapes where the speed settings ask for them, how rows become batches). The main process
+    samples the rows for the shapes (the same choice everywhere, and one reading of the sample; `sample` and
+    `index` are what the memory plan read already, if anything). Pairs of answers (`preference`) are not packed:
+    their batches are shaped to fit."""
+    if preference:
+        return None, PreferenceCollate(tokenizer, config.max_seq_len, data_columns(config))
+    shapes = None if not speed.static_shapes else broadcast_from_main(
+        accelerator, lambda: decide_fixed_shapes(config, tokenizer, sample, index))
+    return shapes, TokenizingCollate(tokenizer, config.max_seq_len, data_columns(config), response_only(config),
+                                     pack=config.pack_rows, fixed_shapes=shapes)
 
 
 def steps_per_epoch(loader: StreamLoader, config: OptimConfig) -> int:

@@ -37,16 +37,14 @@ from lowmem.checkpoint.contents import TrainingCheckpoint
 from lowmem.config import TrainConfig, validate_config
 from lowmem.config.read_only import read_only
 from lowmem.config.settle import settled_config
-from lowmem.config.columns import data_columns, describe_loss_targets, response_only
+from lowmem.config.columns import describe_loss_targets
 from lowmem.config.train_sources import training_data
-from lowmem.data.collate import TokenizingCollate
-from lowmem.preference.collate import PreferenceCollate
-from lowmem.preference.loss import PreferenceLoss
-from lowmem.preference.reference import make_reference
+from lowmem.preference.evaluation import pair_scorer
+from lowmem.preference.loss import preference_loss
 from lowmem.disk_errors import writing
 from lowmem.errors import DataError
 from lowmem.distributed.accelerator import create_accelerator, ddp_settings
-from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, broadcast_from_main, run_on_main)
+from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, run_on_main)
 from lowmem.distributed.peers import PeerWatch
 from lowmem.distributed.performance import check_cuda_graphs, release_compile_workers, run_speed_settings
 from lowmem.distributed.strategy import model_for_eval
@@ -62,8 +60,8 @@ from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, log_decision, set
 from lowmem.train.resume import (ResumeDecision, choose_checkpoint, data_position_to_load, decide_resume,
                                  epoch_may_restart, rescale_line, steps_after_rescale)
 from lowmem.train.schedule import LearningRateSchedule, total_steps, warmup_kept_by
-from lowmem.train.setup import (build_model_and_optimizer, decide_fixed_shapes, ensure_tokenizer, keep_starting_model,
-                                log_processes, make_checkpoint_manager, make_loader, make_memory_monitor,
+from lowmem.train.setup import (build_model_and_optimizer, ensure_tokenizer, keep_starting_model,
+                                log_processes, make_checkpoint_manager, make_collate, make_loader, make_memory_monitor,
                                 make_step_log, shared_memory_settings, steps_per_epoch)
 from lowmem.source.settle import StartingPoint, describe_start
 from lowmem.train.startup import SavedRun, settle_run
@@ -138,19 +136,10 @@ class Trainer:
         if loaded is not None and start is not None and not start.resumed:
             logger.info(describe_start(start, loaded, unwrap_gpt(self.model).num_params(), self.tokenizer.describe()))
         keep_starting_model(self.model, config, self.accelerator, start)
-        self.reference = make_reference(config, self.model, self.accelerator, start)
-        self.preference = None if self.reference is None else PreferenceLoss(self.reference, config.dpo_beta)
-        # The main process samples the rows (the same choice everywhere, and one reading of the sample). Pairs of
-        # answers are not packed: their batches are shaped to fit.
-        self.fixed_shapes = None if not self.speed.static_shapes or self.preference else broadcast_from_main(
-            self.accelerator, lambda: decide_fixed_shapes(config, self.tokenizer, measured.sample_if_tokenized(),
-                                                          measured.index))
-        collate: TokenizingCollate | PreferenceCollate
-        if self.preference is not None:
-            collate = PreferenceCollate(self.tokenizer, config.max_seq_len, data_columns(config))
-        else:
-            collate = TokenizingCollate(self.tokenizer, config.max_seq_len, data_columns(config),
-                                        response_only(config), pack=config.pack_rows, fixed_shapes=self.fixed_shapes)
+        self.preference = preference_loss(config, self.model, self.accelerator, start)  # None unless DPO
+        self.fixed_shapes, collate = make_collate(config, self.tokenizer, self.accelerator, self.speed,
+                                                  measured.sample_if_tokenized(), measured.index,
+                                                  preference=self.preference is not None)
         loader = make_loader(training_data(config), config, self.accelerator, collate, settings, shuffle=True,
                              index=measured.index)
         self.steps_per_epoch = steps_per_epoch(loader, config)
@@ -163,7 +152,8 @@ class Trainer:
         self.data, self.rng = LoaderPosition(loader), RngState()
         self.memory = make_memory_monitor(config, self.accelerator, settings,
                                           predicted_high_water=memory.predicted_high_water(self.is_main))
-        self.validator = Validator(config, self.tokenizer, self.accelerator, self.reference)
+        self.validator = Validator(config, self.tokenizer, self.accelerator,
+                                   pair_scorer(self.preference, self.tokenizer, self.accelerator, config))
         self.step_log = make_step_log(config, self.accelerator, unwrap_gpt(self.model), planned_steps)
         self.stopper = GracefulStop()
         self.checkpoint_parts = TrainingCheckpoint(
@@ -255,17 +245,12 @@ class Trainer:
         lr = self.schedule.lr(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.preference is not None:
-            self.preference.start_step()
         loss_sum, grad_norm = train_step(self.model, self.optimizer, self.accelerator, micro_batches,
                                          agreed.global_target_tokens, config.grad_clip, self.preference)
-        result = StepResult(micro_batches, loss_sum, grad_norm, torch.isfinite(grad_norm), lr, agreed.target_tokens,
-                            agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens,
-                            attention_pairs(micro_batches, self.tokenizer.pad_id))
-        if self.preference is not None:
-            result.preference_sums = self.preference.sums
-            result.skipped_pairs = sum(int(batch["skipped_pairs"]) for batch in micro_batches)
-        return result
+        return StepResult(micro_batches, loss_sum, grad_norm, torch.isfinite(grad_norm), lr, agreed.target_tokens,
+                          agreed.input_tokens, agreed.global_target_tokens, agreed.global_input_tokens,
+                          attention_pairs(micro_batches, self.tokenizer.pad_id),
+                          *(self.preference.step_figures(micro_batches) if self.preference else ()))
 
     def after_step(self, result: StepResult) -> None:
         """Count the step, run the callbacks and the memory schedule, and write the log line when due."""

@@ -120,7 +120,7 @@ def test_with_adapters_the_reference_is_the_model_itself_and_no_copy_is_made(tmp
         gc.collect()
         added = _parameters_alive() - before
         if lora_rank:  # the training model and its adapters, nothing more
-            assert trainer.reference is not None and trainer.reference.copy is None
+            assert trainer.preference is not None and trainer.preference.reference.copy is None
             assert added == weights
         else:  # a full fine-tune keeps a frozen copy: the count sees it
             assert added == weights + base

@@ -150,6 +150,7 @@ LAYERS = (
     ("eval",),
     ("hf",),
     ("source",),
+    ("preference",),
     ("train",),
     ("gpucheck",),
     ("bench",),

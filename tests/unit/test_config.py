@@ -33,6 +33,7 @@ def test_resume_roles_come_from_the_fields():
         "min_lr_ratio",
         "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "loss_on_response_only", "dropout",
         "init_from", "ddp_bf16_gradients", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+        "objective", "dpo_beta", "dpo_reference",
     }
 
 
@@ -49,7 +50,7 @@ def test_the_large_preset_is_data_and_a_class():
 def test_bounds_and_choices_are_checked_from_the_declarations():
     with pytest.raises(ConfigError, match=r"--memory_watchdog_fraction must be in \(0, 1\] \(it is 0.0\)"):
         validate_config(apply_overrides(TrainConfig(), {"memory_watchdog_fraction": 0}))
-    with pytest.raises(ConfigError, match="--best_metric must be bleu4 or val_loss"):
+    with pytest.raises(ConfigError, match="--best_metric must be bleu4, val_loss or rewards_accuracy"):
         validate_config(apply_overrides(TrainConfig(), {"best_metric": "accuracy"}))
     with pytest.raises(ConfigError, match="--vocab_size must be at least 64"):
         validate_config(apply_overrides(TrainConfig(), {"vocab_size": 32}))
@@ -80,7 +81,7 @@ def test_the_values_before_a_field_existed_are_declared_with_it():
     # some differ from today's default (a new run takes llama and mixes 16 row groups; the old runs did not).
     table = {"dataloader_mix_row_groups": 1, "architecture": "gpt2", "text_column": "", "train_sources": "",
              "init_from": "", "ddp_bf16_gradients": False, "lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.05,
-             "lora_targets": "all"}
+             "lora_targets": "all", "objective": "lm", "dpo_beta": 0.1, "dpo_reference": "auto"}
     assert values_before_the_field(TrainConfig) == VALUES_BEFORE_THE_FIELD == table
     assert (TrainConfig().architecture, TrainConfig().dataloader_mix_row_groups) == (None, 16)
     assert values_before_the_field(TrainConfigPretrainLarge) == table
