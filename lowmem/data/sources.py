@@ -219,12 +219,8 @@ def _check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str])
     for column in columns:
         index = schema.get_field_index(column)
         if index < 0:
-            raise DataError(
-                f"The data file '{path}' has no column '{column}'; its columns are: "
-                f"{', '.join(schema.names)}. Rename the column in the file, or pass columns=... "
-                "(on the command line: --prompt_column and --response_column, or --text_column for one column of "
-                "text) with the names your files use."
-            )
+            raise DataError(f"The data file '{path}' has no column '{column}'; its columns are: "
+                            f"{', '.join(schema.names)}. {_missing_column_advice(column)}")
         field_type = schema.field(index).type
         if not _is_text_type(field_type):
             raise DataError(
@@ -286,6 +282,17 @@ class RowGroupIndex:
                 int(self.rows[biggest]),
             )
         return result
+
+
+def _missing_column_advice(column: str) -> str:
+    """What to do about a column the data lacks: a precomputed reference's are written by `lowmem dpo_reference`."""
+    if column.startswith("reference_"):
+        return ("The reference's log-probabilities of --dpo_reference=precomputed are written beside the rows by "
+                "`lowmem dpo_reference --init_from=MODEL --train_file=... --validation_file=...`: train on the "
+                "folders it writes (<data>.reference).")
+    return ("Rename the column in the file, or pass columns=... (on the command line: --prompt_column and "
+            "--response_column, --chosen_column and --rejected_column with --objective=dpo, or --text_column for one "
+            "column of text) with the names your files use.")
 
 
 def build_row_group_index(files: FileSpec, columns: Sequence[str]) -> RowGroupIndex:

@@ -198,14 +198,14 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         # FlexAttention's block mask is a few kB: only SDPA's boolean mask grows with the positions.
         sequence_width=config.max_seq_len,
         masked_attention=config.pack_rows and not preference and speed.attention == "sdpa",
-        micro_batch_rows=config.batch_size_per_gpu * (2 if preference else 1),
+        micro_batch_rows=config.batch_size_per_gpu,  # a preference row's two sequences: in the positions
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         **plan_inputs_of_levers(config), strategy=layout.strategy,
         deepspeed_offload=layout.deepspeed_offload, processes=layout.processes, world_size=layout.world_size,
         device=layout.device, bf16=layout.bf16, workers=settings.num_workers,
         base_bytes=measure_base_bytes() if base_bytes is None else base_bytes,
         data_bytes=data_pipeline_bytes(index, config.dataloader_mix_row_groups, config.dataloader_buffer_size),
-        eval_positions=config.batch_size_per_gpu * config.max_seq_len,
+        eval_positions=config.batch_size_per_gpu * config.max_seq_len * (2 if preference else 1),
         generation_rows=min(config.batch_size_per_gpu, prompts), generation_prompts=prompts,
         generation_positions=config.max_seq_len,
         launcher=layout.launcher, gpu_bytes=layout.gpu_bytes, tokens_estimated=tokenizer is None,

@@ -99,31 +99,54 @@ def _parameters_alive() -> int:
     return sum(seen.values())
 
 
+@pytest.fixture(scope="module")
+def wider_qwen(tmp_path_factory) -> Path:
+    """A Qwen2 of 8 layers x 384 (16.6 M parameters, 66 MB in float32): large enough that a second copy shows in
+    the process's RSS above what else a Trainer allocates."""
+    from hf_models import qwen2_tokenizer
+
+    folder = tmp_path_factory.mktemp("models") / "qwen2-wider"
+    ids = qwen2_tokenizer(folder)
+    config = transformers.Qwen2Config(vocab_size=ids, eos_token_id=ids - 1, pad_token_id=ids - 3, hidden_size=384,
+                                      intermediate_size=1536, num_hidden_layers=8, num_attention_heads=6,
+                                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _rss() -> int:
+    import psutil
+
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
 @pytest.mark.parametrize("lora_rank", [4, 0])
-def test_with_adapters_the_reference_is_the_model_itself_and_no_copy_is_made(tmp_path, qwen, lora_rank):
+def test_with_adapters_the_reference_is_the_model_itself_and_no_copy_is_made(tmp_path, wider_qwen, lora_rank):
     from lowmem.config import TrainConfig
     from lowmem.model.weights import unwrap_gpt
     from lowmem.train.trainer import Trainer
 
     project = preference_project(tmp_path)
-    config = TrainConfig(init_from=str(qwen), objective="dpo", lora_rank=lora_rank, output_dir=str(project / "run"),
-                         train_file=str(project / "data" / "train.parquet"),
+    config = TrainConfig(init_from=str(wider_qwen), objective="dpo", lora_rank=lora_rank,
+                         output_dir=str(project / "run"), train_file=str(project / "data" / "train.parquet"),
                          validation_file=str(project / "data" / "valid.parquet"), max_seq_len=64,
-                         batch_size_per_gpu=8, max_steps=2, progress=False)
-    gc.collect()
-    before = _parameters_alive()
+                         batch_size_per_gpu=8, max_steps=2, progress=False, malloc_mmap_threshold_mb=1)
+    before, rss_before = _parameters_alive(), _rss()
     with commands_run_in(project):
         trainer = Trainer(config)
         model = unwrap_gpt(trainer.model)
         weights = sum(parameter.numel() for parameter in model.parameters())
         base = weights - sum(parameter.numel() for name, parameter in model.named_parameters() if ".lora_" in name)
-        gc.collect()
-        added = _parameters_alive() - before
+        added, rss_added = _parameters_alive() - before, _rss() - rss_before
+        base_bytes = 4 * base
         if lora_rank:  # the training model and its adapters, nothing more
             assert trainer.preference is not None and trainer.preference.reference.copy is None
             assert added == weights
-        else:  # a full fine-tune keeps a frozen copy: the count sees it
+            assert rss_added < 1.5 * base_bytes, (rss_added, base_bytes)
+        else:  # a full fine-tune keeps a frozen copy: the count and the RSS see it
             assert added == weights + base
+            assert rss_added > 1.8 * base_bytes, (rss_added, base_bytes)
         trainer.fit()
         del trainer, model
     gc.collect()
