@@ -199,3 +199,28 @@ def test_preference_training_asked_wrongly_is_refused_in_one_paragraph(tmp_path,
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert not list(Path(project / "run").glob("checkpoint-*"))  # nothing written, nothing lost
     assert (project / "data" / "train.parquet").is_file()
+
+
+@pytest.mark.slow
+def test_adapters_dpo_on_three_processes_resumes_on_one_training_each_pair_once(tmp_path, qwen):
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate launcher is not on PATH")
+    project = preference_project(tmp_path)
+    flags = [f"--init_from={qwen}", *DPO, "--lora_rank=4", "--learning_rate=1e-2", "--epochs=1", "--output_dir=run"]
+    launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", "3", "--main_process_port", "0"]
+    env = {**ENV, "ACCELERATE_USE_CPU": "1"}
+    first = run_command(["train", *flags], cwd=project, launcher=launcher,
+                        env={**env, "LOWMEM_TRACE_DIR": str(project / "trace3"), "LOWMEM_STOP_AFTER_STEP": "5"})
+    assert first.returncode == 0 and "at step 5" in first.stderr, first.stderr[-3000:]
+    resumed = run_command(["train", *flags, "--is_keep_training=True"], cwd=project,
+                          env={**env, "LOWMEM_TRACE_DIR": str(project / "trace1")})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed_from(resumed.stderr) == 5 and "Resuming on 1 process(es)" in resumed.stderr
+    # Each pair is two sequences (its chosen and its rejected answer): each is trained on once in the epoch.
+    seen = [row for trace in ("trace3", "trace1") for path in sorted((project / trace).glob("trace-rank*.json"))
+            for row in json.loads(path.read_text())["rows"]]
+    assert len(seen) == len(set(seen)), "a pair was trained on twice"
+    assert 2 * (400 - 3 * 8) <= len(seen) <= 2 * 400  # at most a short last step of each process left out
+    assert len(json.loads((project / "trace3" / "trace-rank0.json").read_text())["rows"]) == 5 * 2 * 8
+    losses = traced_losses(project / "trace1")
+    assert min(losses) == 6 and all(math.isfinite(loss) for loss in losses.values())
