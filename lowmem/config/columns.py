@@ -29,6 +29,15 @@ def data_columns(config: DataConfig) -> tuple[str, ...]:
     return (config.prompt_column, config.response_column)
 
 
+def scored_columns(config: DataConfig) -> tuple[str, ...]:
+    """The columns `evaluate` scores a model on: `data_columns`, except that preference rows are scored on their
+    chosen answers, (prompt_column, chosen_column): the loss, perplexity and BLEU-4 of what the model was tuned
+    towards."""
+    if is_preference(config):
+        return (config.prompt_column, config.chosen_column)
+    return data_columns(config)
+
+
 def is_preference(config: object) -> bool:
     """Whether the run trains on preferences (`--objective=dpo`): rows of a prompt and two answers."""
     return getattr(config, "objective", "lm") == "dpo"

@@ -20,7 +20,7 @@ from lowmem.checkpoint.run_lock import lock_run_folder
 from lowmem.config import DataConfig, TrainConfig
 from lowmem.config.settle import settled_for_model
 from lowmem.config.demo import is_demo_file
-from lowmem.config.columns import data_columns, describe_loss_targets, response_only
+from lowmem.config.columns import describe_loss_targets, is_preference, response_only, scored_columns
 from lowmem.data.path_checks import check_data_files
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.performance import enable_tf32, inference_autocast
@@ -47,6 +47,13 @@ def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_fi
             lock.release()
 
 
+def _scored_tokens(config: TrainConfig) -> str:
+    """Which tokens the test loss counts, in words for the summary."""
+    if is_preference(config):
+        return "the chosen answers' tokens (preference rows scored as prompt/chosen pairs)"
+    return describe_loss_targets(config)
+
+
 def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | None, test_file: str | None,
                      bleu_samples: int) -> dict[str, Any]:
     folder = find_model_folder(config.output_dir, checkpoint)
@@ -62,13 +69,13 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
         logger.info("One text column (--text_column=%s) has no prompts to answer: the loss and perplexity only, "
                     "no BLEU-4.", config.text_column)
     result = evaluate(model, tokenizer, config.test_file, accelerator, batch_size=config.batch_size_per_gpu,
-                      max_seq_len=model.config.max_seq_len, columns=data_columns(config),
+                      max_seq_len=model.config.max_seq_len, columns=scored_columns(config),
                       bleu_samples=bleu_samples, max_new_tokens=config.eval_max_new_tokens,
                       response_only=response_only(config),
                       no_repeat_ngram_size=config.eval_no_repeat_ngram_size, bf16=config.bf16,
                       bf16_on_cpu=config.bf16_on_cpu, bad_text=config.bad_text)
     summary = {"model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
-               "loss": result.loss, "perplexity": result.perplexity, "loss_tokens": describe_loss_targets(config),
+               "loss": result.loss, "perplexity": result.perplexity, "loss_tokens": _scored_tokens(config),
                **_bleu_figures(result)}
     if accelerator.is_main_process:
         out_dir = Path(config.output_dir) / "eval"
