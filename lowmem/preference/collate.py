@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lowmem.data.collate import PAD_TO_MULTIPLE_OF
+from lowmem.errors import DataError
 from lowmem.model.loss import IGNORE_INDEX
 
 
@@ -64,8 +65,8 @@ class PreferenceCollate:
         batch["skipped_pairs"] = torch.tensor(pairs - len(kept), dtype=torch.int64)
         if len(self.columns) == 5:  # the reference's log-probabilities, in the batch's order of sequences
             chosen_reference, rejected_reference = self.columns[3:]
-            values = ([float(rows[row][chosen_reference]) for row in kept]
-                      + [float(rows[row][rejected_reference]) for row in kept])
+            values = ([_log_prob(rows[row], chosen_reference) for row in kept]
+                      + [_log_prob(rows[row], rejected_reference) for row in kept])
             batch["reference_logps"] = torch.tensor(values or [0.0, 0.0], dtype=torch.float32)
         return batch
 
@@ -93,3 +94,13 @@ class PreferenceCollate:
 def _answer(ids: list[int], start: int) -> tuple[int, ...]:
     """The answer's tokens of a sequence cut to its length: what its log-probability is summed over."""
     return tuple(ids[start:])
+
+
+def _log_prob(row: dict[str, str], column: str) -> float:
+    """A precomputed reference value, which `lowmem dpo_reference` writes as text."""
+    try:
+        return float(row[column])
+    except ValueError:
+        raise DataError(f"The column '{column}' holds {row[column][:40]!r}, not a log-probability: it is written by "
+                        "`lowmem dpo_reference`. Run it again on the data (into a new folder), and train on what it "
+                        "writes.") from None
