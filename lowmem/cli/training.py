@@ -132,12 +132,13 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
 
     from lowmem.preference.precompute import precompute_reference, reference_folder
 
-    config = build_config(use_large_config, overrides, demo_data=False)
+    config, given = resolve_config(use_large_config, overrides, demo_data=False)
     if device not in ("", "cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda (it is {device!r}).")
     chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    folders = [precompute_reference(config, files, reference_folder(files), chosen)
+    folders = [precompute_reference(config, files, reference_folder(files), chosen, given)
                for files in dict.fromkeys((config.train_file, config.validation_file))]
     train_folder, validation_folder = folders[0], folders[-1]
+    length = f" --max_seq_len={config.max_seq_len}" if "max_seq_len" in given else ""
     print(f"Train with: train --objective=dpo --init_from={config.init_from} --dpo_reference=precomputed "
-          f"--train_file={train_folder} --validation_file={validation_folder} --max_seq_len={config.max_seq_len}")
+          f"--train_file={train_folder} --validation_file={validation_folder}{length}")

@@ -131,7 +131,14 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
         problem = "FSDP and DeepSpeed compile only when --compile=True asks"
     if problem and config.compile_backend == "inductor":
         compiled = False  # left unset: eager, said in the speed settings' line (--compile=True would fail here)
-    static = on_gpu if config.static_shapes is None else bool(config.static_shapes)
+    # Pairs of answers (--objective=dpo) are shaped to fit each batch: compile then takes dynamic shapes.
+    preference = getattr(config, "objective", "lm") == "dpo"
+    static = on_gpu and not preference if config.static_shapes is None else bool(config.static_shapes)
+    if static and preference:
+        raise ConfigError("--static_shapes=True pads batches of packed rows to fixed shapes; preference training "
+                          "(--objective=dpo) shapes each batch of pairs to fit. Leave --static_shapes out"
+                          + (" (and --compile_mode=reduce-overhead, whose CUDA graphs need fixed shapes)."
+                             if config.compile_mode == "reduce-overhead" else "."))
     attention = None if automatic(OptimConfig, "attention", config.attention) else config.attention
     if attention is None:
         long_rows = config.max_seq_len >= FLEX_ATTENTION_FROM_TOKENS

@@ -276,7 +276,9 @@ def _reference(inputs: PlanInputs) -> list[PlanPart]:
         return []
     per_param = inputs.reference_bytes / max(inputs.model.params, 1)
     return [PlanPart("DPO reference (frozen copy)", inputs.reference_bytes,
-                     f"{per_param:g} B x {_millions(inputs.model.params)}, no gradients or moments")]
+                     f"{per_param:.1f} B x {_millions(inputs.model.params)} (bf16 block matrices where the run is "
+                     "bf16 on a GPU), no gradients or moments" if per_param < 4 else
+                     f"4 B x {_millions(inputs.model.params)}, no gradients or moments")]
 
 
 def _adapter_states(inputs: PlanInputs) -> list[PlanPart]:

@@ -373,8 +373,9 @@ class GPT(nn.Module):
                 the training step throws away would stay alive into the next micro-batch.
             reference_logps: (2P,) with `targets` of 2P unpacked rows, the P chosen answers first: the DPO loss
                 against these reference log-probabilities (`lowmem.model.preference.dpo_loss`), with `dpo_beta`
-                and `pair_weights` (P,). Computed here, inside the wrapped model's forward, so that DDP's and FSDP's
-                hooks see it as any loss.
+                and `pair_weights` (P,). float32, or its bits as int32: FSDP2's mixed precision casts every
+                floating-point input to bf16, whose spacing at -300 nats is 2 nats. Computed here, inside the
+                wrapped model's forward, so that DDP's and FSDP's hooks see it as any loss.
             answer_logps: with `targets`, each row's answer log-probability (B,), without gradients: the
                 reference's side of the DPO loss.
 
@@ -392,6 +393,8 @@ class GPT(nn.Module):
         if answer_logps:
             return preference.answer_log_probs(x, self.lm_head.weight, targets, self.loss_chunk_tokens), None
         if reference_logps is not None:
+            if reference_logps.dtype == torch.int32:  # float32 bits (`PreferenceLoss`): no wrapper casts them
+                reference_logps = reference_logps.view(torch.float32)
             surrogate, terms = preference.dpo_loss(x, self.lm_head.weight, targets, reference_logps, dpo_beta,
                                                    self.loss_chunk_tokens, pair_weights)
             return terms.sums(), surrogate

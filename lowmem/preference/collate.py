@@ -12,6 +12,7 @@ every process still runs the same forward and backward passes.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -99,8 +100,10 @@ def _answer(ids: list[int], start: int) -> tuple[int, ...]:
 def _log_prob(row: dict[str, str], column: str) -> float:
     """A precomputed reference value, which `lowmem dpo_reference` writes as text."""
     try:
-        return float(row[column])
+        value = float(row[column])
     except ValueError:
-        raise DataError(f"The column '{column}' holds {row[column][:40]!r}, not a log-probability: it is written by "
-                        "`lowmem dpo_reference`. Run it again on the data (into a new folder), and train on what it "
-                        "writes.") from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise DataError(f"The column '{column}' holds {row[column][:40]!r}, not a finite log-probability: it is "
+                        "written by `lowmem dpo_reference`. Run it again on the data, and train on what it writes.")
+    return value

@@ -31,8 +31,9 @@ class PreferenceLoss:
         input_ids, targets: the batch's (2P, T) tensors, already on the device."""
         reference_logps = self.reference.log_probs(batch, input_ids, targets)  # (2P,)
         weights = batch["pair_weights"].to(input_ids.device, non_blocking=True)  # (P,)
-        sums, surrogate = model(input_ids, targets, reference_logps=reference_logps, dpo_beta=self.beta,
-                                pair_weights=weights)
+        # As float32 bits: a wrapper that casts floating-point inputs to bf16 (FSDP2) leaves integers alone.
+        bits = reference_logps.float().contiguous().view(torch.int32)
+        sums, surrogate = model(input_ids, targets, reference_logps=bits, dpo_beta=self.beta, pair_weights=weights)
         sums = sums.detach().float()
         self.sums = sums if self.sums is None else self.sums + sums
         return sums[0], surrogate

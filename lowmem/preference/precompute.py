@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,13 +33,13 @@ from lowmem.data.reader import open_parquet
 from lowmem.data.sources import build_row_group_index
 from lowmem.data.text_tokenizer import load_tokenizer
 from lowmem.distributed.performance import inference_autocast
-from lowmem.errors import ConfigError
+from lowmem.errors import ConfigError, DataError
 from lowmem.model import GPTConfig
 from lowmem.preference.collate import PreferenceCollate
 from lowmem.progress import progress_bar
 from lowmem.source.load import empty_model, fill_model, weight_plan
 from lowmem.source.locate import find_source
-from lowmem.source.settle import StartingPoint, source_record
+from lowmem.source.settle import StartingPoint, sequence_length, source_record
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +49,30 @@ SUFFIX = ".reference"
 
 def reference_folder(files: str) -> Path:
     """Where the pass over `files` writes: beside them, `<file or folder without .parquet>.reference`."""
-    if any(mark in files for mark in "*?["):
-        raise ConfigError(f"{files} is a pattern, and the reference's values are written beside the data it names: "
-                          "pass the file or the folder that holds the rows instead.")
+    if any(mark in files for mark in "*?[") or "://" in files:
+        raise ConfigError(f"{files} is a pattern or a remote location, and the reference's values are written beside "
+                          "the data, on this machine: pass a local file or folder that holds the rows (copy remote "
+                          "data here first).")
     path = Path(files.rstrip("/"))
     return path.with_name(path.name.removesuffix(".parquet") + SUFFIX)
 
 
-def precompute_reference(config: TrainConfig, files: str, output: Path, device: torch.device) -> Path:
+def precompute_reference(config: TrainConfig, files: str, output: Path, device: torch.device,
+                         given: Collection[str] = ()) -> Path:
     """Write the reference log-probabilities of every row of `files` into `output` (see the module's docstring) with
-    the model of `config.init_from`, `config.max_seq_len` and `config.batch_size_per_gpu` rows per batch; parts
-    already written by an earlier pass with the same model are kept. Returns `output`."""
+    the model of `config.init_from`, the sequence length training will settle (`given`: the flags set) and
+    `config.batch_size_per_gpu` rows per batch; parts already written by an earlier pass with the same model are
+    kept. Returns `output`."""
     if not config.init_from:
         raise ConfigError("lowmem dpo_reference computes the reference model's log-probabilities: name that model with "
                           "--init_from=PATH, the one `train --objective=dpo` will start from.")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("lowmem dpo_reference runs in one process (its parts are written by one writer): run it "
+                          "without `accelerate launch`.")
     columns = (config.prompt_column, config.chosen_column, config.rejected_column)
     index = build_row_group_index(files, columns)  # every file and column checked before anything is computed
     source = find_source(config.init_from)
+    config = dataclasses.replace(config, max_seq_len=sequence_length(config, source, given))  # as training's
     if source.tokenizer_folder is None and not Path(config.tokenizer_dir).is_dir():
         raise ConfigError(f"The model of --init_from={config.init_from} comes without a tokenizer: pass "
                           "--tokenizer_dir=FOLDER with the one it was trained with.")
@@ -142,7 +149,13 @@ def _read_group(index: Any, group: int) -> pa.Table:
 def _reference_values(model: torch.nn.Module, collate: PreferenceCollate, table: pa.Table, columns: tuple[str, ...],
                       config: TrainConfig, device: torch.device) -> tuple[list[str], list[str]]:
     """The reference log-probability of each row's chosen and rejected answer, as text ("" where a value is empty)."""
-    rows = [dict(zip(columns, values)) for values in zip(*(table.column(name).to_pylist() for name in columns))]
+    try:
+        texts = [table.column(name).to_pylist() for name in columns]
+    except (UnicodeDecodeError, pa.ArrowInvalid) as error:
+        raise DataError(f"A row's text is not valid UTF-8 ({error}): lowmem dpo_reference writes a value for "
+                        "every row, so fix or drop such rows first (`lowmem train --bad_text=refuse` names the "
+                        "row).") from None
+    rows = [dict(zip(columns, values)) for values in zip(*texts)]
     chosen: list[str] = [""] * len(rows)
     rejected: list[str] = [""] * len(rows)
     usable = [number for number, row in enumerate(rows) if all(row[name] for name in columns)]
@@ -157,12 +170,15 @@ def _reference_values(model: torch.nn.Module, collate: PreferenceCollate, table:
     return chosen, rejected
 
 
-def check_precomputed(files: str, max_seq_len: int) -> None:
-    """Training with --dpo_reference=precomputed: the values in `files` were computed for this sequence length (the
-    record beside them says so, where there is one)."""
+def check_precomputed(files: str, max_seq_len: int, model_fingerprint: str | None) -> None:
+    """Training with --dpo_reference=precomputed: the values in `files` were computed, completely, for this
+    sequence length and the model the run starts from (`model_fingerprint`: `source_record`'s `tensors_sha256`; None
+    where it is not known), as the record beside them says."""
     record_file = Path(files.rstrip("/")) / RECORD_NAME
     if not record_file.is_file():
-        return
+        raise ConfigError(f"--dpo_reference=precomputed reads the values `lowmem dpo_reference` writes, and {files} "
+                          f"has no {RECORD_NAME} beside its rows: run `lowmem dpo_reference --init_from=MODEL "
+                          "--train_file=... --validation_file=...` and train on the folders it writes.")
     recorded = json.loads(record_file.read_text())
     if not recorded.get("complete", False):
         raise ConfigError(f"The reference pass into {files} did not finish: run `lowmem dpo_reference` again with "
@@ -172,3 +188,7 @@ def check_precomputed(files: str, max_seq_len: int) -> None:
                           f"{recorded.get('max_seq_len')}, and this run cuts sequences at {max_seq_len}: the log-"
                           "probabilities would be over other tokens. Train with that --max_seq_len, or compute them "
                           "again with this one.")
+    if model_fingerprint is not None and recorded.get("tensors_sha256") != model_fingerprint:
+        raise ConfigError(f"The reference values in {files} were computed with the model of --init_from="
+                          f"{recorded.get('init_from')}, whose tensors are not those of the model this run starts "
+                          "from: compute them again with `lowmem dpo_reference` and this run's --init_from.")

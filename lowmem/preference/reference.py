@@ -13,6 +13,7 @@ counted tokens as the policy's.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 from typing import Iterator
@@ -23,7 +24,9 @@ from accelerate import Accelerator
 from lowmem.adapters.files import checked_base
 from lowmem.adapters.lora import adapters_off
 from lowmem.config import TrainConfig
-from lowmem.config.columns import is_preference
+from lowmem.config.columns import data_columns, is_preference
+from lowmem.config.train_sources import training_paths, validation_sources
+from lowmem.data.sources import build_row_group_index
 from lowmem.distributed.strategy import DEEPSPEED, FSDP, strategy
 from lowmem.errors import ConfigError
 from lowmem.model import GPT
@@ -31,7 +34,7 @@ from lowmem.model.weights import unwrap_gpt
 from lowmem.preference.precompute import check_precomputed
 from lowmem.source.load import empty_model, fill_model, weight_plan
 from lowmem.source.locate import find_source
-from lowmem.source.settle import StartingPoint
+from lowmem.source.settle import SOURCE_RECORD_NAME, StartingPoint, source_record
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,32 @@ def check_reference_strategy(config: TrainConfig, accelerator: Accelerator) -> N
         "(--lora_rank=16: the reference is the model with its adapters off, no copy), or write the reference's "
         "log-probabilities first with `lowmem dpo_reference` and train with --dpo_reference=precomputed, or launch "
         "with DDP.")
+
+
+def check_preference_start(config: TrainConfig, accelerator: Accelerator, start: StartingPoint | None) -> None:
+    """Before the run folder is touched: the reference fits the strategy, every held-out file has the columns
+    (a file without them would stop the run at its first validation, its steps lost), and precomputed values
+    belong to this run's model and sequence length."""
+    if not is_preference(config):
+        return
+    check_reference_strategy(config, accelerator)
+    held_out = [config.validation_file, *validation_sources(config).values()]
+    for files in held_out:
+        build_row_group_index(files, data_columns(config))
+    if reference_mode(config) != PRECOMPUTED:
+        return
+    fingerprint = _model_fingerprint(config, start)
+    for files in dict.fromkeys((*training_paths(config), *held_out)):
+        check_precomputed(str(files), config.max_seq_len, fingerprint)
+
+
+def _model_fingerprint(config: TrainConfig, start: StartingPoint | None) -> str | None:
+    """The tensors' fingerprint of the model the run starts from (`source_record`): of the source a new run reads,
+    else as the run folder recorded it when it started."""
+    if start is not None and start.source is not None and not start.resumed:
+        return str(source_record(start, config)["tensors_sha256"])
+    record = Path(config.output_dir) / SOURCE_RECORD_NAME
+    return json.loads(record.read_text())["tensors_sha256"] if record.is_file() else None
 
 
 class Reference:
@@ -118,9 +147,9 @@ def make_reference(config: TrainConfig, model: torch.nn.Module, accelerator: Acc
     if mode is None:
         return None
     check_reference_strategy(config, accelerator)
-    if mode == PRECOMPUTED:
-        for files in dict.fromkeys((config.train_file, config.validation_file)):
-            check_precomputed(files, config.max_seq_len)
+    if mode == COPY and config.lora_rank:
+        logger.warning("--dpo_reference=copy keeps a frozen copy of the model, though with --lora_rank the model with "
+                       "its adapters off is the same reference at no cost: leave --dpo_reference out to save it.")
     copy = reference_copy(config, model, accelerator, start) if mode == COPY else None
     reference = Reference(mode, model, accelerator, copy)
     logger.info("DPO: beta %g; the reference log-probabilities come from %s.", config.dpo_beta, reference.describe())
@@ -137,10 +166,27 @@ def reference_copy(config: TrainConfig, model: torch.nn.Module, accelerator: Acc
     if source is None:  # a resume: the copy of the starting model the run kept (`keep_starting_model`)
         source = find_source(str(checked_base(Path(config.output_dir), for_reference=True)))
     copy = empty_model(plain.config, accelerator.device)
+    if accelerator.device.type == "cuda" and config.bf16:
+        halve_block_matrices(copy)  # before it is filled: each weight is cast on its way in
     fill_model(copy, source, weight_plan(source, plain.config))
     copy.use_memory_savers(plain.loss_chunk_tokens, False)
     copy.use_attention(getattr(plain, "packed_attention", "sdpa"))
-    if accelerator.device.type == "cuda" and config.bf16:
-        copy.to(torch.bfloat16)  # its forward runs under bf16 autocast: half the bytes, the same matmuls
     copy.eval().requires_grad_(False)
     return copy
+
+
+def halve_block_matrices(model: GPT) -> None:
+    """The matrices of the transformer blocks in bf16, everything else (the embedding and the head tied to it, the
+    norms, the biases) as it is. Under bf16 autocast a matmul casts a float32 weight to bf16 anyway, so the copy
+    computes what the policy computed at the start, bit for bit, in half the bytes of its largest part; the
+    embedding's lookup and the norms stay in float32, as the policy's do."""
+    for block in model.blocks:
+        for module in block.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = module.weight.data.to(torch.bfloat16)
+
+
+def copy_bytes(block_params: int, other_params: int, half: bool) -> int:
+    """The frozen copy's bytes: the blocks' matrices in bf16 where `half` (`halve_block_matrices`; their norms
+    counted with them), the rest in float32."""
+    return (2 if half else 4) * block_params + 4 * other_params

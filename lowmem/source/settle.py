@@ -156,7 +156,7 @@ def _with_source_shape(config: TrainConfig, source: ModelSource, given: Collecti
     """`config` with the source's sizes and sequence length; shape flags that disagree refused in one message."""
     model = source.model_config
     values: dict[str, Any] = {field: getattr(model, attribute) for field, attribute in SHAPE_FROM_SOURCE.items()}
-    values["max_seq_len"] = _sequence_length(config, source, given)
+    values["max_seq_len"] = sequence_length(config, source, given)
     disagree = [f"--{name}={getattr(config, name)} (the model has {value})" for name, value in values.items()
                 if name in given and getattr(config, name) != value]
     if disagree:
@@ -168,7 +168,7 @@ def _with_source_shape(config: TrainConfig, source: ModelSource, given: Collecti
     return dataclasses.replace(config, **values)
 
 
-def _sequence_length(config: ModelConfig, source: ModelSource, given: Collection[str]) -> int:
+def sequence_length(config: ModelConfig, source: ModelSource, given: Collection[str]) -> int:
     """The run's --max_seq_len: a learned position table's (gpt2) always; a lowmem llama's unless given; for a
     transformers model, as given (or the default), within its context and sliding window."""
     model = source.model_config

@@ -212,20 +212,21 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         compiled=speed.compile, compile_workers=compile_worker_processes(settings.low_budget) if speed.compile else 0,
         load_chunk_bytes=load_slice_bytes(start.source) if start is not None and start.source is not None else 0,
         static_shapes=speed.static_shapes and not preference,
-        reference_bytes=_reference_copy_bytes(config, layout, shape.params),
+        reference_bytes=_reference_copy_bytes(config, layout, shape),
     )
     measured = Measured(tokenizer=tokenizer, index=index, sizes=sizes)
     return Planned(inputs, positions_for_rows, speed, settings, measured)
 
 
-def _reference_copy_bytes(config: TrainConfig, layout: RunLayout, params: int) -> int:
-    """A DPO run's frozen copy of its starting model (`lowmem.preference.reference`): bf16 on a GPU in a bf16 run,
-    else float32; 0 where the reference needs no copy."""
-    from lowmem.preference.reference import COPY, reference_mode
+def _reference_copy_bytes(config: TrainConfig, layout: RunLayout, shape: ModelShape) -> int:
+    """A DPO run's frozen copy of its starting model (`lowmem.preference.reference`): the blocks' matrices in bf16
+    on a GPU in a bf16 run, the rest in float32; 0 where the reference needs no copy."""
+    from lowmem.preference.reference import COPY, copy_bytes, reference_mode
 
     if reference_mode(config) != COPY:
         return 0
-    return params * (2 if layout.device == "cuda" and layout.bf16 else 4)
+    blocks = shape.n_layer * shape.block_params
+    return copy_bytes(blocks, shape.params - blocks, half=layout.device == "cuda" and layout.bf16)
 
 
 def _generation_prompts(config: TrainConfig, world_size: int) -> int:

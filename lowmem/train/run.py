@@ -14,7 +14,7 @@ from lowmem.distributed.collectives import check_shared_folder, end_process_grou
 from lowmem.distributed.launcher_watch import stop_when_launcher_dies
 from lowmem.run_files import LAUNCH_LOG_DIR, run_training_log
 from lowmem.source.settle import write_source_record
-from lowmem.preference.reference import check_reference_strategy
+from lowmem.preference.reference import check_preference_start
 from lowmem.train.setup import check_adapters_strategy
 from lowmem.train.callbacks import Callback
 from lowmem.train.gpu_oom import is_out_of_memory, said_as_paragraph
@@ -52,7 +52,7 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
                                      config.process_group_timeout_minutes, bf16_on_cpu=config.bf16_on_cpu,
                                      ddp=ddp_settings(config), **tracker_arguments(config.report_to))
     check_adapters_strategy(config, accelerator)  # before the run folder is touched
-    check_reference_strategy(config, accelerator)
+    check_preference_start(config, accelerator, start)
     config, memory = settle_memory(config, accelerator, explicit_fields(config, given),
                                    saved_run.memory_choice(allow_config_change), start)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LAUNCH_LOG_DIR)

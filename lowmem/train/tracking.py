@@ -271,7 +271,9 @@ class Tracking:
         """A validation's loss, perplexity and, when it was scored, BLEU-4."""
         if not self.enabled:
             return
-        values = {"eval/val_loss": float(result.loss), "eval/perplexity": float(result.perplexity)}
+        values = {"eval/val_loss": float(result.loss)}
+        if not result.preference:  # the perplexity of a DPO loss means nothing
+            values["eval/perplexity"] = float(result.perplexity)
         if result.bleu is not None:
             values["eval/bleu4"] = float(result.bleu.score)
         values.update({f"eval/val_loss/{name}": float(loss) for name, loss in result.by_source.items()})

@@ -430,3 +430,54 @@ def test_the_plan_counts_the_frozen_reference_where_the_model_trains():
     gpu = plan_memory(large_inputs(reference_bytes=copy, device="cuda", bf16=True, gpu_bytes=80 * GIB))
     assert [item.bytes for item in gpu.device if item.name == REFERENCE_PART] == [copy]
     assert REFERENCE_PART not in [item.name for item in gpu.host]
+
+
+# ----- what the review of the first version found --------------------------------------------------------------
+
+def test_a_frozen_copy_with_bf16_block_matrices_computes_what_the_policy_computes_under_autocast():
+    from lowmem.preference.reference import copy_bytes, halve_block_matrices
+
+    policy, (idx, targets) = tiny_gpt(), pair_batch(3)
+    copy = tiny_gpt()
+    halve_block_matrices(copy)
+    copy.load_state_dict(policy.state_dict())  # cast to each parameter's dtype on the way in, as fill_model does
+    halved = [name for name, parameter in copy.named_parameters() if parameter.dtype == torch.bfloat16]
+    assert halved and all(name.startswith("blocks.") and name.endswith("weight") for name in halved)
+    assert copy.tok_emb.weight.dtype == torch.float32  # the embedding and the head tied to it stay float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = copy(idx, targets, answer_logps=True)
+        theirs, _ = policy(idx, targets, answer_logps=True)
+    assert torch.equal(ours, theirs)  # autocast casts the policy's float32 matrices to the same bf16 values
+    blocks = sum(parameter.numel() for parameter in policy.blocks.parameters())
+    others = policy.num_params() - blocks
+    assert copy_bytes(blocks, others, half=True) == 2 * blocks + 4 * others
+    assert copy_bytes(blocks, others, half=False) == 4 * policy.num_params()
+
+
+def test_reference_log_probs_passed_as_float32_bits_survive_a_bf16_cast_of_the_inputs():
+    net, (idx, targets) = tiny_gpt(), pair_batch(2)
+    reference = -300.0 - torch.rand(4, generator=torch.Generator().manual_seed(1))  # between -301 and -300
+    assert not torch.equal(reference.to(torch.bfloat16).float(), reference)  # what a bf16 cast would do
+    bits = reference.contiguous().view(torch.int32)
+    with torch.no_grad():
+        as_bits, _ = net(idx, targets, reference_logps=bits, dpo_beta=BETA, pair_weights=torch.ones(2))
+        as_floats, _ = net(idx, targets, reference_logps=reference, dpo_beta=BETA, pair_weights=torch.ones(2))
+    assert torch.equal(as_bits, as_floats)
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", " "])
+def test_a_precomputed_value_that_is_not_a_finite_number_is_refused_naming_its_column(value):
+    from lowmem.errors import DataError
+
+    rows = [row("p", "yes", "no", reference_chosen=value, reference_rejected="-1.5")]
+    with pytest.raises(DataError, match="reference_chosen"):
+        collate(rows, columns=COLUMNS + REFERENCE_COLUMNS)
+
+
+def test_preference_training_shapes_batches_to_fit_on_a_gpu_and_refuses_fixed_shapes():
+    from lowmem.distributed.performance import speed_settings
+
+    assert not speed_settings(dpo(), "cuda").static_shapes
+    assert speed_settings(TrainConfig(), "cuda").static_shapes  # next-token runs keep their fixed shapes
+    with pytest.raises(ConfigError, match="--static_shapes"):
+        speed_settings(dpo(static_shapes=True), "cuda")
