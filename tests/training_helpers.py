@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -250,3 +250,16 @@ def preference_project(folder: Path) -> Path:
     write_preference_rows(folder / "data" / "train.parquet", 400, seed=1)
     write_preference_rows(folder / "data" / "valid.parquet", 64, seed=2)
     return folder
+
+
+def traced_and_stopped_runs(make_project: "Callable[[Path], Path]", folder: Path, flags: list[str],
+                            env: dict[str, str], stop_after: int) -> tuple[Path, Path]:
+    """(a project that trained `flags` whole with a trace in `trace/`, a project whose same run stopped and saved after
+    step `stop_after`): what an exact-resume test compares. `make_project(path)` writes a project's data."""
+    reference = make_project(folder / "reference")
+    done = run_command(["train", *flags], cwd=reference, env={**env, "LOWMEM_TRACE_DIR": str(reference / "trace")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    stopped = make_project(folder / "stopped")
+    first = run_command(["train", *flags], cwd=stopped, env={**env, "LOWMEM_STOP_AFTER_STEP": str(stop_after)})
+    assert first.returncode == 0 and f"at step {stop_after}" in first.stderr, first.stderr[-3000:]
+    return reference, stopped

@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any, Collection
 
-from lowmem.config.columns import response_only
+from lowmem.config.columns import is_preference, response_only
 from lowmem.config.option import values_before_the_field
 from lowmem.config.read_only import read_only
 from lowmem.config.train_config import TrainConfig
@@ -93,7 +93,7 @@ def settle_best_metric(config: TrainConfig) -> TrainConfig:
     """`config` with a checkpoint ranking it can compute: without BLEU (--eval_bleu_samples=0, or one text
     column, which has no prompts to answer), ranking by bleu4 would keep no best checkpoint and write no best/,
     so the validation loss ranks them instead, said in one line."""
-    if config.objective == "dpo" and config.best_metric == "bleu4":
+    if is_preference(config) and config.best_metric == "bleu4":
         logger.info("Preference training ranks checkpoints by rewards/accuracy on the held-out pairs of "
                     "--validation_file (--best_metric=val_loss ranks them by the DPO loss there).")
         return dataclasses.replace(config, best_metric="rewards_accuracy")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lowmem.config.columns import is_preference
 from lowmem.config.option import spec_of
 from lowmem.config.overrides import class_defaults
 from lowmem.config.train_config import TrainConfig
@@ -39,7 +40,7 @@ def validate_config(config: TrainConfig) -> None:
              "--architecture=gpt2.")
     if config.train_sources:
         _check_train_sources(config)
-    if config.objective == "dpo":
+    if is_preference(config):
         _check_preference(config)
     else:
         _require(config.best_metric != "rewards_accuracy",
@@ -49,7 +50,7 @@ def validate_config(config: TrainConfig) -> None:
                  "--dpo_reference=precomputed is for preference training: add --objective=dpo, or leave it out.")
     if config.text_column:
         _check_text_column(config)
-    elif config.objective != "dpo":  # preference rows have no response column: their three are checked above
+    elif not is_preference(config):  # preference rows have no response column: their three are checked above
         _require(config.prompt_column != config.response_column,
                  "--prompt_column and --response_column must name two different columns.")
 

@@ -19,6 +19,7 @@ from typing import Any, ContextManager
 import torch
 
 from lowmem.config import OptimConfig, TrainConfig
+from lowmem.config.columns import is_preference
 from lowmem.config.option import automatic
 from lowmem.errors import ConfigError
 from lowmem.distributed.accelerator import bf16_supported
@@ -132,7 +133,7 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
     if problem and config.compile_backend == "inductor":
         compiled = False  # left unset: eager, said in the speed settings' line (--compile=True would fail here)
     # Pairs of answers (--objective=dpo) are shaped to fit each batch: compile then takes dynamic shapes.
-    preference = getattr(config, "objective", "lm") == "dpo"
+    preference = is_preference(config)
     static = on_gpu and not preference if config.static_shapes is None else bool(config.static_shapes)
     if static and preference:
         raise ConfigError("--static_shapes=True pads batches of packed rows to fixed shapes; preference training "

@@ -40,28 +40,23 @@ class Validator:
         # the blocks training cached, and where none fits the allocator frees cached blocks and tries again by
         # itself; emptying it first would synchronize, and make the next training step allocate every block anew.
         with model_for_eval(model, self.accelerator) as eval_model:
-            if self.score_pairs is not None:
-                result = self._preferences(eval_model, self.score_pairs)
-                logger.info("Validation at step %d: %s", step, result.describe())
-                self.last = result
-                return result
-            result = evaluate(eval_model, self.tokenizer, config.validation_file, self.accelerator,
-                              bleu_samples=config.eval_bleu_samples if with_bleu else 0,
-                              max_new_tokens=config.eval_max_new_tokens,
-                              no_repeat_ngram_size=config.eval_no_repeat_ngram_size, **self._loss_settings())
-            result.by_source = {name: evaluate(eval_model, self.tokenizer, path, self.accelerator,
-                                               **self._loss_settings()).loss
-                                 for name, path in validation_sources(config).items()}
+            score_pairs = self.score_pairs
+
+            def loss_of(path: str) -> float:  # each of --validation_sources: its loss alone
+                if score_pairs is not None:
+                    return score_pairs(eval_model, path).loss
+                return evaluate(eval_model, self.tokenizer, path, self.accelerator, **self._loss_settings()).loss
+
+            if score_pairs is not None:  # preference training: the DPO terms of the held-out pairs
+                result = score_pairs(eval_model, config.validation_file)
+            else:
+                result = evaluate(eval_model, self.tokenizer, config.validation_file, self.accelerator,
+                                  bleu_samples=config.eval_bleu_samples if with_bleu else 0,
+                                  max_new_tokens=config.eval_max_new_tokens,
+                                  no_repeat_ngram_size=config.eval_no_repeat_ngram_size, **self._loss_settings())
+            result.by_source = {name: loss_of(path) for name, path in validation_sources(config).items()}
         logger.info("Validation at step %d: %s", step, result.describe())
         self.last = result
-        return result
-
-    def _preferences(self, eval_model: torch.nn.Module,
-                     score_pairs: Callable[[torch.nn.Module, str], EvalResult]) -> EvalResult:
-        """The DPO terms on the validation file's pairs, and the DPO loss on each of --validation_sources."""
-        result = score_pairs(eval_model, self.config.validation_file)
-        result.by_source = {name: score_pairs(eval_model, path).loss
-                            for name, path in validation_sources(self.config).items()}
         return result
 
     def _loss_settings(self) -> dict:

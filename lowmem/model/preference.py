@@ -104,7 +104,7 @@ def row_token_loss_sums(hidden: torch.Tensor, head: torch.Tensor, targets: torch
     the row of each position.
     """
     sums = torch.zeros(row_count, dtype=torch.float32, device=hidden.device)
-    chunk_tokens = chunk_tokens or hidden.size(0) or 1
+    chunk_tokens = _chunk(chunk_tokens, hidden.size(0))
     for start in range(0, hidden.size(0), chunk_tokens):
         stop = start + chunk_tokens
         losses = plain_token_losses(F.linear(hidden[start:stop], head), targets[start:stop])  # 0 where ignored
@@ -136,6 +136,10 @@ def dpo_loss(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, re
                                chunk_tokens)
     terms = dpo_terms(-sums, reference_logps, beta, pair_weights)
     weights = terms.row_weights[rows] * (flat_targets != IGNORE_INDEX).float()
-    chunk_tokens = chunk_tokens or flat_hidden.size(0) or 1
-    return chunked_token_loss_sum(flat_hidden, head, flat_targets, weights, chunk_tokens), terms
+    chunk = _chunk(chunk_tokens, len(flat_hidden))
+    return chunked_token_loss_sum(flat_hidden, head, flat_targets, weights, chunk), terms
 
+
+def _chunk(chunk_tokens: int, positions: int) -> int:
+    """Positions per chunk of logits: `chunk_tokens`, or every position at once where it is 0 (whole logits)."""
+    return chunk_tokens or positions or 1

@@ -18,7 +18,7 @@ from lowmem.eval.validation import EvalResult
 from lowmem.model.preference import SUM_FIELDS, dpo_terms
 from lowmem.preference.collate import PreferenceCollate
 from lowmem.preference.loss import PreferenceLoss
-from lowmem.preference.reference import Reference
+from lowmem.preference.reference import Reference, evaluating
 
 
 @torch.no_grad()
@@ -36,9 +36,7 @@ def evaluate_preferences(model: torch.nn.Module, reference: Reference, tokenizer
     device = accelerator.device
     totals = torch.zeros(len(SUM_FIELDS), dtype=torch.float64)
     skipped = 0
-    was_training = model.training
-    model.eval()
-    with inference_autocast(device, config.bf16, config.bf16_on_cpu):
+    with evaluating(model), inference_autocast(device, config.bf16, config.bf16_on_cpu):
         for index, batch in enumerate(loader):
             if config.eval_batches and index >= config.eval_batches:
                 break
@@ -49,7 +47,6 @@ def evaluate_preferences(model: torch.nn.Module, reference: Reference, tokenizer
                               batch["pair_weights"].to(device))
             totals += terms.sums().double().cpu()
             skipped += int(batch["skipped_pairs"])
-    model.train(was_training)
     loss, chosen, rejected, correct, pairs, skipped_all = all_reduce_sum(accelerator, [*totals.tolist(), skipped])
     count = max(pairs, 1.0)
     result = EvalResult(loss=loss / count, loss_rows=int(pairs), loss_tokens=0)

@@ -118,7 +118,7 @@ class Reference:
                 logps, _ = self.copy(input_ids, targets, answer_logps=True)
             return logps.float()
         model = model if model is not None else self.model
-        with _evaluating(model), adapters_off(model):
+        with evaluating(model), adapters_off(model):
             logps, _ = model(input_ids, targets, answer_logps=True)
         return logps.float()
 
@@ -129,7 +129,7 @@ class Reference:
 
 
 @contextlib.contextmanager
-def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
     """The model in eval mode within the block (no dropout: the reference is the starting model as it computes),
     back as it was after."""
     was_training = model.training

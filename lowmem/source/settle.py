@@ -30,6 +30,7 @@ from lowmem.adapters.files import checked_base
 from lowmem.adapters.targets import canonical_targets
 from lowmem.atomic_files import write_json_atomic
 from lowmem.config import ModelConfig, TrainConfig
+from lowmem.config.columns import is_preference
 from lowmem.data.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
 from lowmem.errors import ConfigError
 from lowmem.hf.architectures import sliding_window
@@ -87,7 +88,7 @@ def settle_source(config: TrainConfig, given: Collection[str], saved_config: dic
             return config, None
         return _resumed(config, given, saved_config, checkpoint)
     if not config.init_from:
-        if config.objective == "dpo":
+        if is_preference(config):
             raise ConfigError(
                 "--objective=dpo tunes a trained model towards the chosen answers and away from the rejected ones, "
                 "measured against that same model as it started (the reference): name it with --init_from=PATH (a "

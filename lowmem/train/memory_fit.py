@@ -27,6 +27,7 @@ import torch
 
 from lowmem.config import TokenizerConfig, TrainConfig
 from lowmem.config.columns import data_columns, is_preference
+from lowmem.preference.reference import COPY, copy_bytes, reference_mode
 from lowmem.config.train_sources import training_paths
 from lowmem.data.collate import FixedShapes
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
@@ -221,8 +222,6 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
 def _reference_copy_bytes(config: TrainConfig, layout: RunLayout, shape: ModelShape) -> int:
     """A DPO run's frozen copy of its starting model (`lowmem.preference.reference`): the blocks' matrices in bf16
     on a GPU in a bf16 run, the rest in float32; 0 where the reference needs no copy."""
-    from lowmem.preference.reference import COPY, copy_bytes, reference_mode
-
     if reference_mode(config) != COPY:
         return 0
     blocks = shape.n_layer * shape.block_params

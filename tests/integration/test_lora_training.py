@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_models import qwen as qwen  # noqa: E402  (the fixture)
 from training_helpers import (FSDP_CPU_ENV, FSDP_LAUNCHER, assert_losses_match, chat_project,  # noqa: E402
-                              resumed_from, run_command, traced_losses)
+                              resumed_from, run_command, traced_and_stopped_runs, traced_losses)
 
 from lowmem.adapters.files import ADAPTERS_FILE, BASE_DIR  # noqa: E402
 from lowmem.checkpoint.export import load_model_folder  # noqa: E402
@@ -64,13 +64,7 @@ def test_adapters_train_alone_and_leave_a_merged_model_peft_and_transformers_com
 def test_a_resume_of_adapters_is_exact_from_the_run_folder_and_refuses_a_changed_base(tmp_path, qwen):
     source = shutil.copytree(qwen, tmp_path / "models" / "qwen2-tiny")
     flags = [f"--init_from={source}", *LORA, "--gradient_accumulation_steps=2", "--dropout=0.1"]
-    reference = chat_project(tmp_path / "reference")
-    done = run_command(["train", *flags], cwd=reference, env={**ENV, "LOWMEM_TRACE_DIR": str(reference / "trace")})
-    assert done.returncode == 0, done.stderr[-3000:]
-
-    stopped = chat_project(tmp_path / "stopped")
-    first = run_command(["train", *flags], cwd=stopped, env={**ENV, "LOWMEM_STOP_AFTER_STEP": "4"})
-    assert first.returncode == 0 and "at step 4" in first.stderr, first.stderr[-3000:]
+    reference, stopped = traced_and_stopped_runs(chat_project, tmp_path, flags, ENV, stop_after=4)
     source.rename(source.with_name("moved-away"))  # the resume reads only the run folder
     run = stopped / "model_save" / "train_from_qwen2-tiny"
     # A next stage cannot start from a checkpoint of adapters alone (the run has no best/ yet): it is told how.

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_models import qwen as qwen  # noqa: E402  (the fixture)
 from training_helpers import (assert_losses_match, commands_run_in, preference_project,  # noqa: E402
-                              resumed_from, run_command, traced_losses)
+                              resumed_from, run_command, traced_and_stopped_runs, traced_losses)
 
 ENV = {"OMP_NUM_THREADS": "1"}  # one summation order: losses are compared across runs
 DPO = ["--objective=dpo", "--batch_size_per_gpu=8", "--max_seq_len=64", "--warmup_steps=5", "--logging_steps=1",
@@ -162,12 +162,7 @@ def test_a_dpo_run_resumes_exactly_from_its_own_copy_of_the_reference(tmp_path, 
     source = shutil.copytree(qwen, tmp_path / "models" / "qwen2-tiny")
     flags = [f"--init_from={source}", *DPO, "--max_steps=8", "--save_steps=4", "--gradient_accumulation_steps=2",
              "--learning_rate=3e-3", "--output_dir=run"]
-    reference = preference_project(tmp_path / "reference")
-    done = run_command(["train", *flags], cwd=reference, env={**ENV, "LOWMEM_TRACE_DIR": str(reference / "trace")})
-    assert done.returncode == 0, done.stderr[-3000:]
-    stopped = preference_project(tmp_path / "stopped")
-    first = run_command(["train", *flags], cwd=stopped, env={**ENV, "LOWMEM_STOP_AFTER_STEP": "4"})
-    assert first.returncode == 0 and "at step 4" in first.stderr, first.stderr[-3000:]
+    reference, stopped = traced_and_stopped_runs(preference_project, tmp_path, flags, ENV, stop_after=4)
     source.rename(source.with_name("moved-away"))  # the resume reads only the run folder
     # The frozen reference is the run's copy of the model it started from: one that changed since is refused.
     base_file = stopped / "run" / BASE_DIR / "model.safetensors"
