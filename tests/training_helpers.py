@@ -222,8 +222,8 @@ def commands_run_in(folder: Path) -> Iterator[None]:
         root.setLevel(level)
 
 
-# Preference rows whose preference can be learned: each prompt names a topic, the chosen answer is written in that
-# topic's characters and the rejected one in another topic's (another row's answer, in effect).
+# Preference rows whose preference can be learned: each prompt names a topic, the chosen answer is the row's own
+# response (written in that topic's characters) and the rejected one is another row's response, of another topic.
 PREFERENCE_TOPICS = {"moon": "月星夜天云", "river": "江河水鱼海", "flower": "花草木春山", "wine": "酒醉梦人楼"}
 _FILLER = ["please", "write", "a", "poem", "of", "the", "old", "friend", "in", "night"]
 
@@ -233,13 +233,11 @@ def write_preference_rows(path: Path, rows: int, seed: int, row_group_rows: int 
     import random
 
     rng = random.Random(seed)
-    table: dict[str, list[str]] = {"prompt": [], "chosen": [], "rejected": []}
-    for _ in range(rows):
-        topic = rng.choice(list(PREFERENCE_TOPICS))
-        other = rng.choice([name for name in PREFERENCE_TOPICS if name != topic])
-        table["prompt"].append(" ".join(rng.choices(_FILLER, k=rng.randint(2, 5))) + f" {topic}")
-        table["chosen"].append("".join(rng.choices(PREFERENCE_TOPICS[topic], k=rng.randint(5, 10))) + "。")
-        table["rejected"].append("".join(rng.choices(PREFERENCE_TOPICS[other], k=rng.randint(5, 10))) + "。")
+    topics = [rng.choice(list(PREFERENCE_TOPICS)) for _ in range(rows)]
+    prompts = [" ".join(rng.choices(_FILLER, k=rng.randint(2, 5))) + f" {topic}" for topic in topics]
+    responses = ["".join(rng.choices(PREFERENCE_TOPICS[topic], k=rng.randint(5, 10))) + "。" for topic in topics]
+    others = [rng.choice([other for other in range(rows) if topics[other] != topic]) for topic in topics]
+    table = {"prompt": prompts, "chosen": responses, "rejected": [responses[other] for other in others]}
     pq.write_table(pa.table(table), path, row_group_size=row_group_rows)
     return path
 
