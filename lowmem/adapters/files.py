@@ -23,7 +23,7 @@ import torch
 
 from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters
 from lowmem.errors import ConfigError
-from lowmem.model import GPT
+from lowmem.model import GPT, GPTConfig
 from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, save_model_config,
                                   strip_prefixes, tied_names, uncompiled, unwrap)
 
@@ -48,15 +48,27 @@ def write_base(run_dir: Path, state: dict[str, torch.Tensor], model: GPT, came_f
     `came_from` says what the model was, `source_folder` is where it was read (peft's `base_model_name_or_path`)."""
     from safetensors.torch import save_file
 
-    folder = run_dir / BASE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
     base = {strip_prefixes(name): tensor for name, tensor in state.items() if ADAPTER_MARK not in name}
     for group in tied_names(model):  # one name per tied tensor, as every weights file of ours: dropped before the
         for name in sorted(group)[1:]:  # copy to the host, which would give each name a tensor of its own
             base.pop(name, None)
     save_file({name: tensor.detach().float().contiguous().cpu() for name, tensor in base.items()},
-              str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    save_model_config(model.config, folder)
+              str(base_weights_file(run_dir)), metadata={"format": "pt"})
+    return finish_base(run_dir, model.config, came_from, source_folder)
+
+
+def base_weights_file(run_dir: Path) -> Path:
+    """Where `<run>/base/`'s weights go (the folder made); `finish_base` records them once written."""
+    folder = run_dir / BASE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / WEIGHTS_FILE
+
+
+def finish_base(run_dir: Path, config: GPTConfig, came_from: str, source_folder: Path) -> dict[str, Any]:
+    """`<run>/base/`'s config and record (the weights file's hash, what and where the model was), once its weights are
+    written (`base_weights_file`); returns the record."""
+    folder = run_dir / BASE_DIR
+    save_model_config(config, folder)
     record = {"sha256": file_sha256(folder / WEIGHTS_FILE), "came_from": came_from,
               "folder": str(source_folder.resolve())}
     (folder / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

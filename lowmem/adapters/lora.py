@@ -113,18 +113,27 @@ class LoRALinear(nn.Linear):
 
     def delta_weight(self) -> torch.Tensor:
         """The update the adapters make to `weight`, (out, in) in float32: scaling x B A, part by part."""
-        blocks = []
-        for name, rows in self.parts:
-            key = part_key(name)
-            if key in self.lora_A:
-                blocks.append(self.lora_B[key].float() @ self.lora_A[key].float())
-            else:
-                blocks.append(torch.zeros(rows, self.in_features, device=self.weight.device))
-        return torch.cat(blocks, dim=0) * self.scaling
+        pairs = {key: (self.lora_A[key], self.lora_B[key]) for key in self.lora_A}
+        return delta_weight(self.parts, pairs, self.in_features, self.scaling, self.weight.device)
 
     def extra_repr(self) -> str:
         adapted = [name for name, _ in self.parts if part_key(name) in self.lora_A]
         return f"{super().extra_repr()}, adapters on {', '.join(adapted)}, scaling={self.scaling:g}"
+
+
+def delta_weight(parts: tuple[tuple[str, int], ...], pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 in_features: int, scaling: float, device: torch.device | None = None) -> torch.Tensor:
+    """The update adapters make to a Linear's weight, (out, in) in float32: scaling x B A for each part (a name and a
+    number of rows) that has a pair (A, B) in `pairs` (by `part_key`), zeros for the others."""
+    blocks = []
+    for name, rows in parts:
+        pair = pairs.get(part_key(name))
+        if pair is not None:
+            a, b = pair
+            blocks.append(b.float() @ a.float())
+        else:
+            blocks.append(torch.zeros(rows, in_features, device=device))
+    return torch.cat(blocks, dim=0) * scaling
 
 
 def part_key(part: str) -> str:

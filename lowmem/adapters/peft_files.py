@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lowmem.adapters.lora import LoRASpec, adapter_layers, part_key
+from lowmem.adapters.lora import LoRASpec, adapter_state_dict, part_key
 from lowmem.adapters.targets import adapter_sites, chosen_parts, peft_module_names
 from lowmem.model import GPTConfig
 
@@ -35,27 +35,30 @@ def peft_adapter_config(spec: LoRASpec, config: GPTConfig, base_name: str) -> di
             "modules_to_save": None, "init_lora_weights": True, "inference_mode": True}
 
 
-def peft_adapter_tensors(model: torch.nn.Module, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """The adapters of `model` (a GPT with `add_adapters` applied) under peft's names, float32 and contiguous."""
-    sites = {site.module: site for site in adapter_sites(config)}
+def peft_adapter_tensors(adapters: torch.nn.Module | dict[str, torch.Tensor],
+                         config: GPTConfig) -> dict[str, torch.Tensor]:
+    """The adapters of a model (a GPT with `add_adapters` applied), or of their tensors under our names
+    (`blocks.0.attn.qkv.lora_A.q_proj`: an adapters file's), under peft's names, float32 and contiguous."""
+    state = adapter_state_dict(adapters) if isinstance(adapters, torch.nn.Module) else adapters
     tensors = {}
-    for name, layer in adapter_layers(model):
-        site = sites[name]
+    for site in adapter_sites(config):
         for part, _rows in site.parts:
             key = part_key(part)
-            if key not in layer.lora_A:
+            a, b = state.get(f"{site.module}.lora_A.{key}"), state.get(f"{site.module}.lora_B.{key}")
+            if a is None or b is None:
                 continue
             where = PEFT_PREFIX + site.transformers_name(part)
-            tensors[f"{where}.lora_A.weight"] = layer.lora_A[key].detach().float().contiguous().cpu()
-            tensors[f"{where}.lora_B.weight"] = layer.lora_B[key].detach().float().contiguous().cpu()
+            tensors[f"{where}.lora_A.weight"] = a.detach().float().contiguous().cpu()
+            tensors[f"{where}.lora_B.weight"] = b.detach().float().contiguous().cpu()
     return tensors
 
 
-def write_peft_adapter(folder: Path, model: torch.nn.Module, spec: LoRASpec, config: GPTConfig,
-                       base_name: str) -> None:
-    """Write `adapter_config.json` and `adapter_model.safetensors` into `folder` (which exists)."""
+def write_peft_adapter(folder: Path, adapters: torch.nn.Module | dict[str, torch.Tensor], spec: LoRASpec,
+                       config: GPTConfig, base_name: str) -> None:
+    """Write `adapter_config.json` and `adapter_model.safetensors` into `folder` (which exists), from a model with
+    adapters or their tensors (see `peft_adapter_tensors`)."""
     from safetensors.torch import save_file
 
-    save_file(peft_adapter_tensors(model, config), str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(peft_adapter_tensors(adapters, config), str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(
         json.dumps(peft_adapter_config(spec, config, base_name), indent=2) + "\n", encoding="utf-8")

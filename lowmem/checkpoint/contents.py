@@ -2,12 +2,15 @@
 
 A checkpoint folder (made atomic and complete by `lowmem.checkpoint.folders.CheckpointManager`):
 
-    model.safetensors      the whole model's weights (main process), under every strategy, or
+    model.safetensors      the whole model's weights (main process), under every strategy but FSDP2, or
+    model_shards/          under FSDP2: each rank's rows of every weight, with a JSON index, or
     adapters.safetensors   for a run that trains adapters: them alone (the base is the run's `base/`)
     model_config.json      the GPT's sizes
     optimizer.pt           AdamW's state (main process; identical on every rank under DDP), or
     deepspeed/state/       under DeepSpeed: the engine's checkpoint, one optimizer shard per rank, or
-    optimizer/             under FSDP: the optimizer state, one shard per rank (torch.distributed.checkpoint)
+    optimizer_shards/      under FSDP2: the optimizer state, each rank's rows, with a JSON index
+                           (`lowmem.distributed.sharded_checkpoint`); checkpoints of earlier versions hold
+    optimizer/             torch.distributed.checkpoint's files instead, still read (as data)
     trainer_state.json     the shared parts (`train`: epoch, step, tokens seen; `schedule`: the learning rate's;
                            `checkpoints`: the manager's), the world size and workers, and the config the run had
     rank<r>/<part>.json    each rank's own parts: `data` (the loader position), `memory` (the memory log)
@@ -33,6 +36,7 @@ from accelerate import Accelerator
 
 from lowmem.config import TrainConfig
 from lowmem.distributed.safe_load import load_torch_file
+from lowmem.distributed.sharded_checkpoint import OPTIMIZER_SHARDS
 from lowmem.distributed.strategy import (FSDP_OPTIMIZER_DIR, OPTIMIZER_FILE, load_model_and_optimizer,
                                        save_model_and_optimizer, save_torch_file)
 
@@ -120,7 +124,7 @@ class TrainingCheckpoint:
 
 
 # What only a resume reads, under each strategy: kept in the newest checkpoints only (see CheckpointManager).
-RESUME_ONLY = (OPTIMIZER_FILE, FSDP_OPTIMIZER_DIR)
+RESUME_ONLY = (OPTIMIZER_FILE, FSDP_OPTIMIZER_DIR, OPTIMIZER_SHARDS)
 
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:

@@ -11,16 +11,17 @@ from typing import Any, Callable, Collection
 
 import torch
 
-from lowmem.adapters.files import adapted_checkpoint_model, base_name, is_adapter_checkpoint
-from lowmem.adapters.lora import adapter_spec, merge_in_place, merged_state_dict
+from lowmem.adapters.files import ADAPTERS_FILE, base_name, is_adapter_checkpoint, saved_spec
+from lowmem.adapters.lora import LoRASpec, adapter_spec, merged_state_dict
 from lowmem.adapters.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from lowmem.atomic_files import folder_built_aside
 from lowmem.config import TrainConfig
 from lowmem.config.sources import saved_config_record
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
-from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, load_weights, model_state_dict,
-                                  save_model_config, save_weights, unwrap_gpt)
+from lowmem.checkpoint.model_files import ModelWeights, has_model_weights
+from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, empty_model, load_model_config, save_model_config,
+                                  save_weights, unwrap_gpt)
 from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer, tokenizer_files
 from lowmem.program import command_line
 
@@ -31,18 +32,18 @@ TRAIN_CONFIG_FILE = "train_config.json"  # the training settings the exported mo
 
 def _write_model_folder(out_dir: Path, model_config: GPTConfig, config: TrainConfig, tokenizer_dir: str,
                         write_weights: Callable[[Path], Any], given: Collection[str] | None = None,
-                        adapters: GPT | None = None) -> Path:
+                        adapters: tuple[LoRASpec, GPT | dict[str, torch.Tensor]] | None = None) -> Path:
     """Weights, configs and tokenizer in one folder, written aside and renamed into place. The training config
     records its preset and, when known, the fields the user `given` (`lowmem.config.sources.saved_config_values`).
-    A model with `adapters` leaves them in peft's files too, written before `write_weights` (which may merge them
-    into the model)."""
+    A model with `adapters` (their spec, and the model that holds them or their tensors) leaves them in peft's files
+    too, written before `write_weights` (which may merge them into the model)."""
     values = dataclasses.asdict(config)
     if given is not None:
         values = {**values, **saved_config_record(config, given)}
     with folder_built_aside(out_dir) as folder:
-        spec = None if adapters is None else adapter_spec(adapters)
-        if adapters is not None and spec is not None:
-            write_peft_adapter(folder, adapters, spec, adapters.config, base_name(Path(config.output_dir)))
+        if adapters is not None:
+            spec, held = adapters
+            write_peft_adapter(folder, held, spec, model_config, base_name(Path(config.output_dir)))
         write_weights(folder / WEIGHTS_FILE)
         save_model_config(model_config, folder)
         (folder / TRAIN_CONFIG_FILE).write_text(json.dumps(values, indent=2, ensure_ascii=False))
@@ -55,26 +56,31 @@ def export_model(model: GPT, config: TrainConfig, out_dir: Path, tokenizer_dir: 
                  given: Collection[str] | None = None) -> Path:
     """Export the model as it is: weights (safetensors), the configs that rebuild it, and its tokenizer.
 
-    `model` is a whole GPT (see `lowmem.distributed.strategy.model_for_eval`), plain or wrapped by torch.compile.
+    `model` is a whole GPT (see `lowmem.distributed.strategy.model_for_eval`), plain or wrapped by torch.compile: a
+    model sharded by FSDP2 is exported from its checkpoint instead (`export_checkpoint`).
     """
     plain = unwrap_gpt(model)
-    if adapter_spec(plain) is not None:  # the adapters merged in, and kept in peft's files beside
+    spec = adapter_spec(plain)
+    if spec is not None:  # the adapters merged in, and kept in peft's files beside
         return _write_model_folder(out_dir, plain.config, config, tokenizer_dir,
-                                   lambda path: save_weights(merged_state_dict(plain), path), given, adapters=plain)
+                                   lambda path: save_weights(merged_state_dict(plain), path), given,
+                                   adapters=(spec, plain))
     return _write_model_folder(out_dir, plain.config, config, tokenizer_dir, lambda path: save_weights(model, path),
                                given)
 
 
 def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, tokenizer_dir: str,
                       given: Collection[str] | None = None) -> Path:
-    """Export a checkpoint's model (for `generate` and `evaluate`) without loading it; a checkpoint of adapters is
-    loaded on the run's base and merged (`lowmem.adapters.files`)."""
-    if is_adapter_checkpoint(checkpoint):
-        adapted = adapted_checkpoint_model(checkpoint)
-        return _write_model_folder(out_dir, adapted.config, config, tokenizer_dir,
-                                   lambda path: save_weights(merge_in_place(adapted), path), given, adapters=adapted)
-    return _write_model_folder(out_dir, load_model_config(checkpoint), config, tokenizer_dir,
-                               lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path), given)
+    """Export a checkpoint's model (for `generate` and `evaluate`) without loading it: its one weights file copied,
+    or its shards (FSDP2), or the run's base with its adapters merged in, written into one file a tensor at a time
+    (`ModelWeights`): the host never holds the model."""
+    if not is_adapter_checkpoint(checkpoint) and (checkpoint / WEIGHTS_FILE).is_file():
+        return _write_model_folder(out_dir, load_model_config(checkpoint), config, tokenizer_dir,
+                                   lambda path: shutil.copy(checkpoint / WEIGHTS_FILE, path), given)
+    with ModelWeights(checkpoint) as weights:
+        adapters = (weights.spec, weights.adapters) if weights.spec is not None else None
+        return _write_model_folder(out_dir, weights.config, config, tokenizer_dir, weights.write, given,
+                                   adapters=adapters)
 
 
 def trained_config(folder: Path) -> dict[str, Any] | None:
@@ -94,20 +100,9 @@ def trained_config(folder: Path) -> dict[str, Any] | None:
 
 
 def _is_model_folder(folder: Path) -> bool:
-    """The folder holds a model: its weights, or the adapters of a checkpoint (whose run's base `checked_base`
-    checks when it is loaded, with its own message)."""
-    weights = (folder / WEIGHTS_FILE).is_file() or is_adapter_checkpoint(folder)
-    return weights and (folder / MODEL_CONFIG_FILE).is_file()
-
-
-def model_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The plain model's weights of a model folder or checkpoint: its weights file, or for a checkpoint of adapters
-    the run's base with them merged in."""
-    from safetensors.torch import load_file
-
-    if is_adapter_checkpoint(folder):
-        return model_state_dict(merge_in_place(adapted_checkpoint_model(folder)))
-    return load_file(str(folder / WEIGHTS_FILE))
+    """The folder holds a model: its weights, its shards, or the adapters of a checkpoint (whose run's base
+    `checked_base` checks when it is loaded, with its own message)."""
+    return has_model_weights(folder) and (folder / MODEL_CONFIG_FILE).is_file()
 
 
 def best_saved_checkpoint(run_dir: Path) -> tuple[Path, str] | None:
@@ -167,16 +162,17 @@ def check_has_adapters(folder: Path) -> None:
 def export_adapter(folder: Path, out: Path) -> Path:
     """Write the adapters of a model folder (best/, final/ or a checkpoint of a run that trained adapters) to the new
     folder `out` in peft's files, for `PeftModel.from_pretrained(base, out)`."""
+    from safetensors.torch import load_file
+
     check_has_adapters(folder)
     files = [folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS] if (folder / ADAPTER_CONFIG).is_file() else []
     with folder_built_aside(out) as staged:
         for path in files:
             shutil.copy(path, staged / path.name)
-        if not files:
-            adapted = adapted_checkpoint_model(folder)
-            spec = adapter_spec(adapted)
-            assert spec is not None  # `adapted_checkpoint_model` puts the checkpoint's adapters on
-            write_peft_adapter(staged, adapted, spec, adapted.config, base_name(folder.parent))
+        if not files:  # a checkpoint: its adapters file, in peft's names
+            adapters = folder / ADAPTERS_FILE
+            write_peft_adapter(staged, load_file(str(adapters)), saved_spec(adapters), load_model_config(folder),
+                               base_name(folder.parent))
     return out
 
 
@@ -186,15 +182,14 @@ def tokenizer_folder(folder: Path, tokenizer_dir: str | Path) -> Path:
 
 
 def load_model_folder(folder: Path, tokenizer_dir: str | Path, device: torch.device) -> tuple[GPT, TextTokenizer]:
-    """The model of an exported folder or a checkpoint, in eval mode, and its tokenizer.
+    """The model of an exported folder or a checkpoint (its one file, its shards, or its adapters merged into the run's
+    base), in eval mode, and its tokenizer. The model is filled tensor by tensor: no second copy of it is made.
 
     The tokenizer exported with the model is used when the folder has one, else the one in `tokenizer_dir`.
     """
-    if is_adapter_checkpoint(folder):
-        model = merge_in_place(adapted_checkpoint_model(folder))
-    else:
-        model = GPT(load_model_config(folder))
-        load_weights(model, folder / WEIGHTS_FILE)
+    with ModelWeights(folder) as weights:
+        model = empty_model(weights.config)
+        weights.load_into(model)
     model.to(device).eval()
     tokenizer = load_tokenizer(tokenizer_folder(folder, tokenizer_dir))
     return model, tokenizer

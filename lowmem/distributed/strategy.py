@@ -48,6 +48,9 @@ from lowmem.config import OptimConfig
 from lowmem.distributed.accelerator import ddp_settings, offloads_optimizer
 from lowmem.distributed.gradient_hooks import use_bf16_gradients
 from lowmem.distributed.collectives import broadcast_from_main
+from lowmem.distributed.fsdp_units import shard_embedding_and_head
+from lowmem.distributed.sharded_checkpoint import (has_sharded_optimizer, has_sharded_weights, load_sharded_optimizer,
+                                                   load_sharded_weights, save_sharded_optimizer, save_sharded_weights)
 from lowmem.distributed.safe_load import deepspeed_loads_as_data, load_distributed_checkpoint, load_torch_file
 from lowmem.errors import CheckpointError, ConfigError
 from lowmem.model import GPT
@@ -80,6 +83,11 @@ def strategy(accelerator: Accelerator) -> str:
     if accelerator.distributed_type == DistributedType.FSDP:
         return FSDP
     return PLAIN
+
+
+def is_fsdp2(accelerator: Accelerator) -> bool:
+    """True under FSDP2 (`fully_shard`), the FSDP that validation, saving and export run sharded, never gathered."""
+    return strategy(accelerator) == FSDP and accelerator.state.fsdp_plugin.fsdp_version == 2
 
 
 def describe(accelerator: Accelerator, config: OptimConfig | None = None) -> str:
@@ -171,6 +179,8 @@ def prepare_model_and_optimizer(model: GPT, config: OptimConfig,
         accelerator: the run's Accelerator.
     """
     _check_supported(accelerator)
+    if is_fsdp2(accelerator):  # before the optimizer is made: it takes the units' sharded parameters
+        shard_embedding_and_head(model, accelerator)
     optimizer = _create_optimizer(model, config, accelerator)
     if strategy(accelerator) == DEEPSPEED:
         _fill_deepspeed_config(config, accelerator)
@@ -209,11 +219,16 @@ def full_model_state(model: torch.nn.Module, accelerator: Accelerator, on_every_
         state: dict[str, torch.Tensor] = get_model_state_dict(  # type: ignore[assignment]
             uncompiled(model), options=options)
         state = {strip_prefixes(name): tensor for name, tensor in state.items()}
-        # Each name of a tied parameter comes back as a tensor of its own: keep the one the other strategies'
-        # files keep (the alphabetically first), rather than write the tied matrix twice.
+        # Each name of a tied parameter comes back as a tensor of its own (or one only, where the head is computed
+        # through the embedding): keep it under the name the other strategies' files keep (the alphabetically
+        # first), rather than write the tied matrix twice.
         for group in _plain_ties(model):
-            for name in sorted(group)[1:]:
-                state.pop(name, None)
+            present = [name for name in sorted(group) if name in state]
+            if present:
+                kept = state[present[0]]
+                for name in present:
+                    del state[name]
+                state[sorted(group)[0]] = kept
         return state if on_every_rank or accelerator.is_main_process else None
     if on_every_rank or accelerator.is_main_process:
         return model_state_dict(model)
@@ -243,18 +258,26 @@ def save_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
     """
     kind = strategy(accelerator)
     spec = adapter_spec(unwrap_gpt(model))
+    sharded = is_fsdp2(accelerator)
     # The base of a run of adapters is the run's, written once (`lowmem.adapters.files`): only the adapters are
-    # gathered and written.
-    state = full_model_state(model, accelerator) if spec is None else _adapter_state(model, accelerator)
+    # gathered and written. FSDP2's weights are written as they are held, each rank its shards.
+    if spec is None and sharded:
+        save_sharded_weights(folder, model, accelerator)
+        state = None
+    else:
+        state = full_model_state(model, accelerator) if spec is None else _adapter_state(model, accelerator)
     if accelerator.is_main_process:
-        assert state is not None  # full_model_state gives the main process the weights
         if spec is not None:
+            assert state is not None  # _adapter_state gives the main process the adapters
             save_adapters(state, folder / ADAPTERS_FILE, spec)
-        else:
+        elif not sharded:
+            assert state is not None  # full_model_state gives the main process the weights
             save_weights(state, folder / WEIGHTS_FILE)
         save_model_config(unwrap_gpt(model).config, folder)
     del state
-    if kind == DEEPSPEED:
+    if kind == FSDP and sharded:
+        save_sharded_optimizer(folder, model, optimizer, accelerator)
+    elif kind == DEEPSPEED:
         # Every rank writes its own optimizer shard; rank 0 also the engine's module states.
         # model is DeepSpeed's engine here: typed as a Module, its methods reach mypy as Module.__getattr__'s.
         model.save_checkpoint(  # type: ignore[operator]
@@ -321,7 +344,9 @@ def _load_weights(folder: Path, model: torch.nn.Module, accelerator: Accelerator
     """The model's trained tensors from a checkpoint folder: its whole weights, or the adapters of a run that trains
     adapters (whose base the model was filled with when it was built); every rank calls it."""
     adapters = is_adapter_checkpoint(folder)
-    if strategy(accelerator) == FSDP:
+    if strategy(accelerator) == FSDP and has_sharded_weights(folder) and not adapters:
+        load_sharded_weights(folder, model)
+    elif strategy(accelerator) == FSDP:
         _load_full_weights_from_main(folder / (ADAPTERS_FILE if adapters else WEIGHTS_FILE), model, accelerator,
                                      whole=not adapters)
     elif adapters:
@@ -361,7 +386,7 @@ def _load_full_weights_from_main(path: Path, model: torch.nn.Module, accelerator
 def _saved_strategy(folder: Path) -> str:
     if (folder / DEEPSPEED_DIR).is_dir():
         return DEEPSPEED
-    if (folder / FSDP_OPTIMIZER_DIR).is_dir():
+    if (folder / FSDP_OPTIMIZER_DIR).is_dir() or has_sharded_optimizer(folder):
         return FSDP
     return PLAIN
 
@@ -396,7 +421,10 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
             raise CheckpointError(f"DeepSpeed found no checkpoint in {folder / DEEPSPEED_DIR}.")
         return
     _load_weights(folder, model, accelerator)
-    if kind == FSDP:
+    if kind == FSDP and has_sharded_optimizer(folder):
+        load_sharded_optimizer(folder, model, optimizer)
+        return
+    if kind == FSDP:  # a checkpoint of an earlier version: torch.distributed.checkpoint's files, read as data
         _load_sharded_optimizer(folder / FSDP_OPTIMIZER_DIR, model, optimizer)
         return
     # mmap: the file's pages are read on demand and can be dropped again, so several ranks loading at once
@@ -408,16 +436,16 @@ def load_model_and_optimizer(folder: Path, model: torch.nn.Module, optimizer: to
 # ----- evaluation and export --------------------------------------------------------------------------------
 @contextlib.contextmanager
 def model_for_eval(model: torch.nn.Module, accelerator: Accelerator) -> Iterator[GPT]:
-    """A whole GPT that evaluation, generation and export can use as they would a plain model.
+    """The GPT that evaluation and generation run: the training model itself, without its wrappers (and without
+    torch.compile, which would recompile for every new generation length).
 
-    Plain, DDP and DeepSpeed ZeRO-1/2 keep whole weights on every rank: the training model itself, without
-    its wrappers (and without torch.compile, which would recompile for every new generation length).
-    FSDP holds only shards, so every rank gathers the weights into a temporary replica on its device, used
-    for the evaluation and freed after it: it costs one more copy of the weights on each GPU while it lasts
-    (no gradients, no optimizer state), which models of the size this project trains afford. The replica is
-    float32 and runs without the training autocast. Every rank must enter the context together under FSDP.
+    Plain, DDP and DeepSpeed ZeRO-1/2 keep whole weights on every rank. FSDP2 runs sharded as it trains, a unit at a
+    time, so no rank ever holds the whole model: every forward pass is then a collective, and evaluation keeps the
+    ranks in step (`lowmem.distributed.fsdp_units.lockstep`). FSDP1, whose flattened units cannot be run piecemeal
+    outside its forward pass, gathers the weights into a temporary float32 replica on every rank, freed after it.
+    Every rank must enter the context together under FSDP.
     """
-    if strategy(accelerator) != FSDP:
+    if strategy(accelerator) != FSDP or is_fsdp2(accelerator):
         yield unwrap_gpt(model)
         return
     state = full_model_state(model, accelerator, on_every_rank=True)

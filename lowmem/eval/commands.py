@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 
@@ -128,8 +128,10 @@ def _bleu_figures(result: EvalResult) -> dict[str, Any]:
 
 def answer(model: GPT, tokenizer: TextTokenizer, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None, bf16: bool = False,
-           bf16_on_cpu: bool = False, continue_text: bool = False) -> str:
-    """The model's answer to one prompt: greedy with temperature 0, sampled otherwise.
+           bf16_on_cpu: bool = False, continue_text: bool = False,
+           stop_together: Callable[[bool], bool] | None = None) -> str:
+    """The model's answer to one prompt: greedy with temperature 0, sampled otherwise. A model sharded over processes
+    answers on every process at once, until all have finished (`stop_together`, see `GPT.generate`).
 
     With `continue_text`, `prompt` is the beginning of a text the model continues (a model trained on one text
     column has never seen the prompt/response separator). With `bf16`, generation runs under bf16 autocast on a
@@ -142,7 +144,8 @@ def answer(model: GPT, tokenizer: TextTokenizer, prompt: str, max_new_tokens: in
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     with inference_autocast(device, bf16, bf16_on_cpu):
         out = model.generate(idx, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             eos_id=tokenizer.stop_ids, greedy=temperature == 0, generator=generator)
+                             eos_id=tokenizer.stop_ids, greedy=temperature == 0, generator=generator,
+                             stop_together=stop_together)
     return tokenizer.decode(out[0, idx.size(1):].tolist())
 
 

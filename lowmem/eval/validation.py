@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from lowmem.data import ParquetStream, StreamLoader
 from lowmem.data.collate import TokenizingCollate
 from lowmem.data.sources import DEFAULT_COLUMNS
 from lowmem.distributed.collectives import all_reduce_sum
+from lowmem.distributed.fsdp_units import all_ranks_finished, is_sharded, lockstep
 from lowmem.model import GPT, IGNORE_INDEX
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.performance import inference_autocast
@@ -119,13 +121,19 @@ def _stream(files: str, columns: Sequence[str], accelerator: Accelerator, max_ro
 @torch.no_grad()
 def evaluate_loss(model: GPT, loader: StreamLoader, accelerator: Accelerator,
                   max_batches: int = 0) -> tuple[float, int, int]:
-    """(mean token loss, rows, target tokens) over the loader's rows on all ranks."""
+    """(mean token loss, rows, target tokens) over the loader's rows on all ranks.
+
+    A model sharded over the ranks (FSDP2) runs as it trains, a unit at a time: every forward pass is a collective,
+    so a rank whose rows are done keeps stepping on a one-token input until every rank's are (`lockstep`).
+    """
     was_training = model.training
     model.eval()
     loss_sum, rows, tokens = 0.0, 0, 0
-    for index, batch in enumerate(loader):
-        if max_batches and index >= max_batches:
-            break
+    batches = itertools.islice(loader, max_batches) if max_batches else loader
+    for batch in lockstep(batches, accelerator, together=is_sharded(model)):
+        if batch is None:  # this rank's rows are done: a pass that counts nothing, for the others' collectives
+            model(torch.zeros((1, 1), dtype=torch.long, device=accelerator.device))
+            continue
         targets = batch["targets"].to(accelerator.device)
         _, mean_loss = model(batch["input_ids"].to(accelerator.device), targets)
         count = int((targets != IGNORE_INDEX).sum())
@@ -139,20 +147,34 @@ def evaluate_loss(model: GPT, loader: StreamLoader, accelerator: Accelerator,
 
 @torch.no_grad()
 def generate_answers(model: GPT, tokenizer: TextTokenizer, prompts: Sequence[str], max_new_tokens: int,
-                     device: torch.device, batch_size: int = 16, no_repeat_ngram_size: int = 0) -> list[str]:
-    """Greedy answers to `prompts`, generated in batches of left-padded prompts with the key/value cache."""
+                     device: torch.device, batch_size: int = 16, no_repeat_ngram_size: int = 0,
+                     accelerator: Accelerator | None = None) -> list[str]:
+    """Greedy answers to `prompts`, generated in batches of left-padded prompts with the key/value cache.
+
+    A model sharded over the ranks (FSDP2; `accelerator` given) generates as it trains, a unit at a time: every rank
+    runs as many batches as the rank with the most (one of a one-token prompt where its own are done), and a batch
+    ends when every rank's rows have finished.
+    """
     answers: list[str] = []
     room = max(1, model.config.max_seq_len - max_new_tokens)  # keep the end of long prompts, leave room to answer
-    for start in range(0, len(prompts), batch_size):
-        encoded = [tokenizer.encode_pair(prompt, None)[0][-room:] for prompt in prompts[start:start + batch_size]]
+    together = accelerator is not None and is_sharded(model)
+    stop_together = all_ranks_finished(accelerator) if accelerator is not None and together else None
+    starts = range(0, len(prompts), batch_size)
+    for start in lockstep(starts, accelerator, together) if accelerator is not None else starts:
+        if start is None:  # this rank's prompts are done: a one-token prompt, for the others' collectives
+            encoded = [[tokenizer.pad_id]]
+        else:
+            encoded = [tokenizer.encode_pair(prompt, None)[0][-room:] for prompt in prompts[start:start + batch_size]]
         width = max(len(ids) for ids in encoded)
         idx = torch.full((len(encoded), width), tokenizer.pad_id, dtype=torch.long)  # (B, T), padded on the left
         for row, ids in enumerate(encoded):
             idx[row, width - len(ids):] = torch.tensor(ids)
         lengths = torch.tensor([len(ids) for ids in encoded], device=device)  # (B,) real tokens per row
         out = model.generate(idx.to(device), max_new_tokens=max_new_tokens, greedy=True, eos_id=tokenizer.stop_ids,
-                             prompt_lengths=lengths, no_repeat_ngram_size=no_repeat_ngram_size)
-        answers.extend(tokenizer.decode(row[width:].tolist()) for row in out)
+                             prompt_lengths=lengths, no_repeat_ngram_size=no_repeat_ngram_size,
+                             stop_together=stop_together)
+        if start is not None:
+            answers.extend(tokenizer.decode(row[width:].tolist()) for row in out)
     return answers
 
 
@@ -186,7 +208,7 @@ def evaluate(model: GPT, tokenizer: TextTokenizer, files: str, accelerator: Acce
     was_training = model.training
     with inference_autocast(accelerator.device, bf16, bf16_on_cpu):
         answers = generate_answers(model, tokenizer, prompts, max_new_tokens, accelerator.device, batch_size,
-                                   no_repeat_ngram_size)
+                                   no_repeat_ngram_size, accelerator)
     model.train(was_training)
     local = [{"prompt": p, "reference": row[response_column], "generation": a}
              for p, row, a in zip(prompts, rows_here, answers)]

@@ -20,9 +20,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from lowmem.atomic_files import folder_built_aside
-from lowmem.checkpoint.export import (check_has_adapters, export_adapter, find_model_folder, model_weights,
-                                      tokenizer_folder, trained_config)
+from lowmem.checkpoint.export import (check_has_adapters, export_adapter, find_model_folder, tokenizer_folder,
+                                      trained_config)
+from lowmem.checkpoint.model_files import ModelWeights
 from lowmem.config import EvalConfig, TrainConfig
 from lowmem.config.settle import settled_for_model
 from lowmem.data.text_tokenizer import TextTokenizer, load_tokenizer
@@ -30,9 +33,10 @@ from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, Tokeni
 from lowmem.errors import ConfigError
 from lowmem.hf.architectures import transformers_class
 from lowmem.hf.tokenizer_files import check_tokenizer, copy_model_tokenizer, save_tokenizer
-from lowmem.hf.weights import TRANSFORMERS_CLASSES, hf_config, hf_state_dict
+from lowmem.hf.weights import TRANSFORMERS_CLASSES, hf_config, hf_tensors
 from lowmem.model import GPTConfig
-from lowmem.model.weights import load_model_config
+from lowmem.model.safetensors_writer import PlannedTensor, SafetensorsWriter
+from lowmem.model.weights import WEIGHTS_FILE, load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -137,23 +141,43 @@ def generation_defaults(config: EvalConfig, ids: dict[str, Any] | None = None) -
 
 def _save_model(transformers: ModuleType, staged: Path, folder: Path, model_config: GPTConfig,
                 generation: dict[str, Any], ids: dict[str, Any]) -> None:
-    """config.json, model.safetensors and generation_config.json, written by the transformers model itself."""
+    """config.json, generation_config.json (by transformers' own config classes) and model.safetensors, written a
+    tensor at a time from the model folder's files (`ModelWeights`): the host holds one tensor, never the model."""
+    keys = {**hf_config(model_config, ids), "torch_dtype": "float32"}
+    hf_config_object = transformers.AutoConfig.for_model(**keys)
+    hf_config_object.save_pretrained(staged)
+    transformers.GenerationConfig(**generation).save_pretrained(staged)
+    with ModelWeights(folder) as weights:
+        shapes = {planned.name: planned.shape for planned in weights.planned()}
+        tensors = hf_tensors(shapes, model_config)
+        _check_names(transformers, hf_config_object, hf_tensors(shapes, model_config, with_tied_head=True))
+        last: list[tuple[str, torch.Tensor]] = []  # the source tensor read last: q, k and v are slices of one
 
-    keys = hf_config(model_config, ids)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**keys)).float()
-    # strict: every parameter of the transformers model is set, and nothing of ours is left over.
-    model.load_state_dict(hf_state_dict(model_weights(folder), model_config), strict=True)
-    model.generation_config = transformers.GenerationConfig(**generation)
-    bars = transformers.utils.logging
-    was_shown = bars.is_progress_bar_enabled()
-    bars.disable_progress_bar()  # its bar counts the shards of a one-file model; our own line says where it went
-    try:
-        model.save_pretrained(staged)
-    finally:
-        if was_shown:
-            bars.enable_progress_bar()
+        def read(name: str) -> torch.Tensor:
+            if not last or last[0][0] != name:
+                last[:] = [(name, weights.tensor(name))]
+            return last[0][1]
+
+        planned = [PlannedTensor(tensor.name, torch.float32, tensor.shape) for tensor in tensors]
+        with SafetensorsWriter(staged / WEIGHTS_FILE, planned, metadata={"format": "pt"}) as writer:
+            for tensor in tensors:
+                writer.write(tensor.name, tensor.value(read))
     # Keys the installed version did not write (rope_theta, which transformers 5 moves into rope_parameters)
     # are added for readers of other versions; what it wrote is kept as it is.
     config_file = staged / "config.json"
     written = json.loads(config_file.read_text(encoding="utf-8"))
     config_file.write_text(json.dumps({**keys, **written}, indent=2) + "\n", encoding="utf-8")
+
+
+def _check_names(transformers: ModuleType, config: Any, tensors: list) -> None:
+    """Every tensor of the transformers class (built on the meta device: no memory) is written, of its shape, and
+    nothing else: the folder loads with no weight missing or left over."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    theirs = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    ours = {tensor.name: tuple(tensor.shape) for tensor in tensors}
+    if theirs != ours:
+        missing, extra = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+        shapes = sorted(name for name in set(theirs) & set(ours) if theirs[name] != ours[name])
+        raise ConfigError(f"The exported weights do not fit {type(model).__name__}: missing {missing[:3]}, unexpected "
+                          f"{extra[:3]}, of another shape {shapes[:3]}.")

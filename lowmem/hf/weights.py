@@ -19,7 +19,8 @@ Nothing here imports transformers: these are plain dicts and tensors.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -70,37 +71,73 @@ def _source_config(config: GPTConfig, ids: dict[str, Any]) -> dict[str, Any]:
             "torch_dtype": "float32"}
 
 
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the transformers checkpoint: its name and shape there, and how it is made from ours: a slice of
+    the rows of our tensor `source` (all of them by default), transposed (GPT-2's Conv1D) or not; zeros where
+    `source` is None (a bias transformers' class has and ours has not)."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: str | None
+    rows: tuple[int, int] | None = None
+    transpose: bool = False
+
+    def value(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The tensor, float32, from `read(name)` of our tensors."""
+        if self.source is None:
+            return torch.zeros(self.shape)
+        values = read(self.source).float()
+        if self.rows is not None:
+            values = values[self.rows[0]:self.rows[1]]
+        if self.transpose:
+            values = values.t()
+        return values.contiguous()
+
+
+def hf_tensors(shapes: dict[str, tuple[int, ...]], config: GPTConfig, with_tied_head: bool = False) -> list[HFTensor]:
+    """The tensors of the transformers checkpoint of our weights (`shapes`: the names of `model.safetensors`, tied ones
+    stored once), in order. A tied head is left out, as transformers' own files leave it (`with_tied_head` lists it
+    too, for a `load_state_dict(strict=True)`)."""
+    embedding = "tok_emb.weight" if "tok_emb.weight" in shapes else "lm_head.weight"  # one name of the tied pair
+    V, C = config.vocab_size, config.n_embd
+    crop = (0, V)  # the rows that pad a model trained here to a multiple of 64 are dropped
+    embed_name = "transformer.wte.weight" if config.architecture == "gpt2" else "model.embed_tokens.weight"
+    tensors = [HFTensor(embed_name, (V, C), embedding, crop)]
+    tensors += _gpt2_tensors(shapes, config) if config.architecture == "gpt2" else _llama_tensors(shapes, config)
+    if not config.tie_embeddings:
+        tensors.append(HFTensor("lm_head.weight", (V, C), "lm_head.weight", crop))
+    elif with_tied_head:
+        tensors.append(HFTensor("lm_head.weight", (V, C), embedding, crop))
+    return tensors
+
+
 def hf_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our weights (the names of `model.safetensors`, tied ones stored once) under transformers' names, float32.
 
-    The output layer is included under its own name, the same tensor as the embedding, so that the result
+    The output layer is included under its own name, the same values as the embedding where tied, so that the result
     loads into the transformers model with `strict=True`.
     """
-    ours = {name: tensor.float() for name, tensor in state.items()}
-    # The tied embedding is stored under one of its two names (the alphabetically first: lm_head).
-    embedding = ours["tok_emb.weight"] if "tok_emb.weight" in ours else ours["lm_head.weight"]
-    embedding = embedding[: config.vocab_size].contiguous()  # (V, C): the padding rows dropped
-    head = embedding if config.tie_embeddings else ours["lm_head.weight"][: config.vocab_size].contiguous()
-    hf = _gpt2_state_dict(ours, embedding, config) if config.architecture == "gpt2" else \
-        _llama_state_dict(ours, embedding, config)
-    hf["lm_head.weight"] = head
-    return hf
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    return {tensor.name: tensor.value(state.__getitem__) for tensor in hf_tensors(shapes, config, with_tied_head=True)}
 
 
-def _gpt2_state_dict(ours: dict[str, torch.Tensor], embedding: torch.Tensor,
-                     config: GPTConfig) -> dict[str, torch.Tensor]:
+def _gpt2_tensors(shapes: dict[str, tuple[int, ...]], config: GPTConfig) -> list[HFTensor]:
     C = config.n_embd
-    hf = {"transformer.wte.weight": embedding, "lm_head.weight": embedding,
-          "transformer.wpe.weight": ours["pos_emb.weight"]}
+    tensors = [HFTensor("transformer.wpe.weight", shapes["pos_emb.weight"], "pos_emb.weight")]
 
     def conv1d(hf_name: str, ours_name: str, out_features: int) -> None:
         """A Linear's (out, in) weight as Conv1D's (in, out), and its bias (zeros where we have none)."""
-        hf[f"{hf_name}.weight"] = ours[f"{ours_name}.weight"].t().contiguous()
-        hf[f"{hf_name}.bias"] = ours.get(f"{ours_name}.bias", torch.zeros(out_features))
+        in_features = shapes[f"{ours_name}.weight"][1]
+        tensors.append(HFTensor(f"{hf_name}.weight", (in_features, out_features), f"{ours_name}.weight",
+                                transpose=True))
+        bias = f"{ours_name}.bias"
+        tensors.append(HFTensor(f"{hf_name}.bias", (out_features,), bias if bias in shapes else None))
 
     def layer_norm(hf_name: str, ours_name: str) -> None:
-        hf[f"{hf_name}.weight"] = ours[f"{ours_name}.weight"]
-        hf[f"{hf_name}.bias"] = ours.get(f"{ours_name}.bias", torch.zeros(C))
+        tensors.append(HFTensor(f"{hf_name}.weight", (C,), f"{ours_name}.weight"))
+        bias = f"{ours_name}.bias"
+        tensors.append(HFTensor(f"{hf_name}.bias", (C,), bias if bias in shapes else None))
 
     for i in range(config.n_layer):
         h, b = f"transformer.h.{i}", f"blocks.{i}"
@@ -111,33 +148,35 @@ def _gpt2_state_dict(ours: dict[str, torch.Tensor], embedding: torch.Tensor,
         conv1d(f"{h}.mlp.c_fc", f"{b}.mlp.fc", 4 * C)
         conv1d(f"{h}.mlp.c_proj", f"{b}.mlp.out_proj", C)
     layer_norm("transformer.ln_f", "ln_f")
-    return hf
+    return tensors
 
 
-def _llama_state_dict(ours: dict[str, torch.Tensor], embedding: torch.Tensor,
-                      config: GPTConfig) -> dict[str, torch.Tensor]:
-    hf = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}
+def _llama_tensors(shapes: dict[str, tuple[int, ...]], config: GPTConfig) -> list[HFTensor]:
+    tensors: list[HFTensor] = []
 
     def copy(hf_name: str, ours_name: str) -> None:
         """Weight and, where we have one, bias, under the new name (RMSNorm has no bias, Linear has with bias=True)."""
         for kind in ("weight", "bias"):
-            if f"{ours_name}.{kind}" in ours:
-                hf[f"{hf_name}.{kind}"] = ours[f"{ours_name}.{kind}"]
+            if f"{ours_name}.{kind}" in shapes:
+                tensors.append(HFTensor(f"{hf_name}.{kind}", shapes[f"{ours_name}.{kind}"], f"{ours_name}.{kind}"))
 
     q_rows, kv_rows = config.n_head * config.head_dim, config.kv_heads * config.head_dim
     for i in range(config.n_layer):
         h, b = f"model.layers.{i}", f"blocks.{i}"
         copy(f"{h}.input_layernorm", f"{b}.ln_1")
         for kind in ("weight", "bias"):
-            if f"{b}.attn.qkv.{kind}" in ours:
+            fused = f"{b}.attn.qkv.{kind}"
+            if fused in shapes:
                 # Rows [q; k; v]: n_head x head size, then n_kv_head x head size twice.
-                q, k, v = ours[f"{b}.attn.qkv.{kind}"].split([q_rows, kv_rows, kv_rows], dim=0)
-                for name, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                    hf[f"{h}.self_attn.{name}.{kind}"] = part.contiguous()
+                start = 0
+                for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+                    tensors.append(HFTensor(f"{h}.self_attn.{name}.{kind}", (rows, *shapes[fused][1:]), fused,
+                                            (start, start + rows)))
+                    start += rows
         copy(f"{h}.self_attn.o_proj", f"{b}.attn.out_proj")
         copy(f"{h}.post_attention_layernorm", f"{b}.ln_2")
         copy(f"{h}.mlp.gate_proj", f"{b}.mlp.gate")
         copy(f"{h}.mlp.up_proj", f"{b}.mlp.up")
         copy(f"{h}.mlp.down_proj", f"{b}.mlp.out_proj")
     copy("model.norm", "ln_f")
-    return hf
+    return tensors

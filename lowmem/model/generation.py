@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ def generate(
     use_cache: bool = True,
     prompt_lengths: torch.Tensor | None = None,
     no_repeat_ngram_size: int = 0,
+    stop_together: Callable[[bool], bool] | None = None,
 ) -> torch.Tensor:
     """Continue each sequence in `idx` by up to `max_new_tokens` tokens; `GPT.generate` is this function.
 
@@ -95,6 +96,10 @@ def generate(
             different lengths: row b's prompt is its last `prompt_lengths[b]` tokens and whatever
             precedes them is padding (any ids), never attended to. Each row then gets the tokens it
             would get alone. None means every row is a full prompt.
+        stop_together: for a model sharded over processes, where each step is a collective that every process
+            takes part in: given whether this process's rows have all finished, says whether every process's have
+            (`lowmem.distributed.fsdp_units.all_ranks_finished`); the loop ends only then, and rows that finished
+            keep emitting padding meanwhile.
 
     Returns:
         LongTensor (B, T + n) holding the prompt (padding included) followed by the n <= max_new_tokens
@@ -110,7 +115,7 @@ def generate(
                          no_repeat_ngram_size, generator)
     state = _decoding_state(model, idx, max_new_tokens, use_cache, prompt_lengths)
     with _decoding(model, state):
-        return _decode(model, idx, max_new_tokens, sampling, eos_id, pad_id)
+        return _decode(model, idx, max_new_tokens, sampling, eos_id, pad_id, stop_together)
 
 
 def _check_settings(idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
@@ -156,7 +161,8 @@ def _decoding(model: GPT, state: DecodingState) -> Iterator[None]:
 
 
 def _decode(model: GPT, idx: torch.Tensor, max_new_tokens: int, sampling: _Sampling,
-            eos_id: int | Sequence[int] | None, pad_id: int | None) -> torch.Tensor:
+            eos_id: int | Sequence[int] | None, pad_id: int | None,
+            stop_together: Callable[[bool], bool] | None = None) -> torch.Tensor:
     """The decoding loop: `idx` (B, T) followed by up to `max_new_tokens` tokens, one per step (see `generate`)."""
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
     answer_start = idx.size(1)
@@ -168,7 +174,10 @@ def _decode(model: GPT, idx: torch.Tensor, max_new_tokens: int, sampling: _Sampl
         if stop is not None:
             next_id, finished = _pad_finished_rows(next_id, finished, stop, pad_id)
         idx = torch.cat([idx, next_id], dim=1)  # (B, T + 1)
-        if stop is not None and bool(finished.all()):
+        done = stop is not None and bool(finished.all())
+        if stop_together is not None:
+            done = stop_together(done)
+        if done:
             break
     return idx
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Iterable, cast
+from typing import Any, Callable, Iterable, cast
 
 import torch
 import torch.nn as nn
@@ -74,6 +74,37 @@ class SwiGLU(nn.Module):
         """(B, T, C) -> (B, T, C)."""
         x = F.silu(self.gate(x)) * self.up(x)  # (B, T, H)
         return self.dropout(self.out_proj(x))  # (B, T, C)
+
+
+class TokenEmbedding(nn.Embedding):
+    """The token embedding: vectors of token ids (B, T) -> (B, T, C), or, with `through`, a function of its weight.
+
+    A head tied to this embedding is computed through it (`GPT.head_in_embedding`) where the weight lives in an FSDP2
+    unit: a parameter belongs to one unit, and the unit gathers it around each of this module's calls only.
+    """
+
+    def forward(self, idx: torch.Tensor | None, through: Callable[[torch.Tensor], Any] | None = None) -> Any:
+        """The vectors of `idx`, or with `through` what it returns when given the weight (V, C)."""
+        if through is not None:
+            return through(self.weight)
+        assert idx is not None
+        return super().forward(idx)
+
+
+class OutputHead(nn.Linear):
+    """The language-model head: logits of hidden states (B, T, C) -> (B, T, V), or a function of its weight.
+
+    The chunked losses use the weight directly rather than the logits. They are given it inside this module's own
+    call (`through`), not read from the attribute: a wrapper that holds the weight in shards (an FSDP2 unit of its
+    own) gathers it around the module's call, and only there is it whole.
+    """
+
+    def forward(self, x: torch.Tensor | None, through: Callable[[torch.Tensor], Any] | None = None) -> Any:
+        """Logits of `x`, or with `through` what it returns when given the weight (V, C) (`x` is then unused)."""
+        if through is not None:
+            return through(self.weight)
+        assert x is not None
+        return F.linear(x, self.weight)
 
 
 def _norm(config: GPTConfig) -> nn.Module:
@@ -136,13 +167,13 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         V = config.padded_vocab_size
-        self.tok_emb = nn.Embedding(V, config.n_embd)
+        self.tok_emb = TokenEmbedding(V, config.n_embd)
         # Learned absolute positions (gpt2); the llama architecture rotates queries and keys instead.
         self.pos_emb = nn.Embedding(config.max_seq_len, config.n_embd) if config.architecture == "gpt2" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = _norm(config)
-        self.lm_head = nn.Linear(config.n_embd, V, bias=False)
+        self.lm_head = OutputHead(config.n_embd, V, bias=False)
         self.tie_weights()
 
         self.apply(self._init_weights)
@@ -159,6 +190,8 @@ class GPT(nn.Module):
         self.loss_chunk_tokens = 0
         # The kernel for attention within packed rows (see `use_attention`).
         self.packed_attention = "sdpa"
+        # The tied head computed through the embedding module, which alone holds the weight (`head_through_embedding`).
+        self.head_in_embedding = False
 
     def tie_weights(self) -> None:
         """Make the output layer's weight the token embedding's (unless `config.tie_embeddings` is False).
@@ -170,6 +203,25 @@ class GPT(nn.Module):
         """
         if self.config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+
+    def head_through_embedding(self) -> None:
+        """Compute the tied head through the embedding module, and give `lm_head` no parameter of its own.
+
+        For FSDP2, where each parameter belongs to one unit and a unit gathers it around its module's calls: the
+        embedding's unit then gathers the shared weight for the lookup and again for the head, and releases it
+        between them, instead of holding it whole from the first layer to the last. What the model computes does not
+        change; only the head's parameter name leaves the module tree (files keep writing the plain model's names).
+        """
+        if not self.config.tie_embeddings or self.head_in_embedding:
+            return
+        self.lm_head.register_parameter("weight", None)
+        self.head_in_embedding = True
+
+    def head(self, through: Callable[[torch.Tensor], Any]) -> Any:
+        """`through(weight)` of the language-model head's weight (V, C), inside the call of the module that holds it
+        (see `OutputHead`)."""
+        module = self.tok_emb if self.head_in_embedding else self.lm_head
+        return module(None, through=through)
 
     def use_attention(self, kind: str) -> GPT:
         """Choose the kernel for attention within packed rows (`segment_ids`); what it computes does not change.
@@ -355,6 +407,9 @@ class GPT(nn.Module):
         dpo_beta: float = 0.0,
         pair_weights: torch.Tensor | None = None,
         answer_logps: bool = False,
+        n_pad: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_logits: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits for every position without `targets`; the mean next-token loss with them; in preference training
         the DPO loss (`reference_logps`) or each answer's log-probability (`answer_logps`).
@@ -378,6 +433,10 @@ class GPT(nn.Module):
                 wrapped model's forward, so that DDP's and FSDP's hooks see it as any loss.
             answer_logps: with `targets`, each row's answer log-probability (B,), without gradients: the
                 reference's side of the DPO loss.
+            n_pad, cache: a step of generation (`next_token_logits`): as in `hidden_states`.
+            last_logits: return the logits of the last position only (B, V), without targets: what a step of
+                generation needs. Generation runs through `forward` so that a wrapper's hooks (FSDP2 gathering
+                the weights) run around each of its steps as around a training forward.
 
         Returns:
             (logits, loss): logits (B, T, padded_vocab_size), or None when `targets` is given without
@@ -385,18 +444,21 @@ class GPT(nn.Module):
             a float32 scalar, the weighted mean over counted positions (0.0 when no position counts, so a
             fully masked batch cannot turn the loss or the gradients into NaN), or None without targets.
             With `reference_logps`: (the DPO terms' sums, `DPOTerms.sums`, the surrogate whose gradient is the
-            loss's); with `answer_logps`: (the rows' log-probabilities, None).
+            loss's); with `answer_logps`: (the rows' log-probabilities, None); with `last_logits`: ((B, V), None).
         """
-        x = self.hidden_states(idx, segment_ids=segment_ids)  # (B, T, C)
+        x = self.hidden_states(idx, n_pad, cache, segment_ids)  # (B, T, C)
+        if last_logits:
+            # Only the last position is needed: skip the (B, T, V) logits tensor.
+            return self.head(lambda head: F.linear(x[:, -1, :], head)), None  # (B, V)
         if targets is None:
-            return self.lm_head(x), None  # (B, T, V)
+            return self.head(lambda head: F.linear(x, head)), None  # (B, T, V)
         if answer_logps:
-            return preference.answer_log_probs(x, self.lm_head.weight, targets, self.loss_chunk_tokens), None
+            return self.head(lambda head: preference.answer_log_probs(x, head, targets, self.loss_chunk_tokens)), None
         if reference_logps is not None:
             if reference_logps.dtype == torch.int32:  # float32 bits (`PreferenceLoss`): no wrapper casts them
                 reference_logps = reference_logps.view(torch.float32)
-            surrogate, terms = preference.dpo_loss(x, self.lm_head.weight, targets, reference_logps, dpo_beta,
-                                                   self.loss_chunk_tokens, pair_weights)
+            surrogate, terms = self.head(lambda head: preference.dpo_loss(
+                x, head, targets, reference_logps, dpo_beta, self.loss_chunk_tokens, pair_weights))
             return terms.sums(), surrogate
 
         if targets.shape != idx.shape:
@@ -410,10 +472,10 @@ class GPT(nn.Module):
             weights = weights * loss_mask.reshape(-1).float()
         logits = None
         if self.loss_chunk_tokens and not return_logits:
-            loss_sum = chunked_token_loss_sum(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                              weights, self.loss_chunk_tokens)
+            loss_sum = self.head(lambda head: chunked_token_loss_sum(
+                x.reshape(-1, x.size(-1)), head, targets.reshape(-1), weights, self.loss_chunk_tokens))
         else:
-            logits = self.lm_head(x)  # (B, T, V)
+            logits = self.head(lambda head: F.linear(x, head))  # (B, T, V)
             per_token = plain_token_losses(logits.view(-1, logits.size(-1)), targets.reshape(-1))  # (B*T,)
             loss_sum = (per_token * weights).sum()
         # Clamping the denominator (not the result) keeps 0 / 0 at 0 with a finite gradient.
@@ -483,17 +545,14 @@ class GPT(nn.Module):
             # step recomputes the window, exactly as without a cache.
             state.cache = cache = None
         if cache is not None:
-            # The whole prompt on the first step, then only the token chosen last.
-            x = self.hidden_states(idx[:, cache.length :], n_pad, cache)  # (B, T_new, C)
-        else:
-            if idx.size(1) > max_len:
-                cut = idx.size(1) - max_len
-                idx = idx[:, cut:]  # (B, max_seq_len)
-                if n_pad is not None:
-                    n_pad = (n_pad - cut).clamp_min(0)  # (B,), the padding that is still in the window
-            x = self.hidden_states(idx, n_pad)  # (B, T, C)
-        # Only the last position is needed: skip the (B, T, V) logits tensor.
-        return self.lm_head(x[:, -1, :])  # (B, V)
+            idx = idx[:, cache.length :]  # the whole prompt on the first step, then only the token chosen last
+        elif idx.size(1) > max_len:
+            cut = idx.size(1) - max_len
+            idx = idx[:, cut:]  # (B, max_seq_len)
+            if n_pad is not None:
+                n_pad = (n_pad - cut).clamp_min(0)  # (B,), the padding that is still in the window
+        logits, _ = self(idx, n_pad=n_pad, cache=cache, last_logits=True)  # through forward: see its last_logits
+        return logits  # (B, V)
 
     # Generation with a KV cache lives in lowmem.model.generation; as a method, `model.generate(idx, ...)`.
     generate = generation.generate

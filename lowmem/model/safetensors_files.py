@@ -172,3 +172,27 @@ def row_chunks(rows: int, row_bytes: int, chunk_bytes: int) -> Iterator[tuple[in
     step = max(1, chunk_bytes // max(row_bytes, 1))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
+
+
+def row_slices(files: SafetensorsFiles, names: tuple[str, ...], first_row: int, rows: int, chunk_bytes: int,
+               transpose: bool = False) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(start, stop, values) covering rows [first_row, first_row + rows) of one tensor stored as `names` stacked
+    by rows (a tensor in pieces: a fused projection's parts, or a sharded tensor's shards), in rows counted from
+    `first_row`; each slice at most `chunk_bytes` of the files, a view of their pages: copy or cast it, then the
+    generator hands the pages back (`release`) before the next. With `transpose`, the one tensor `names` holds is
+    stored transposed (GPT-2's Conv1D, (in, out) on file: small models only, read whole and transposed)."""
+    if transpose:
+        (name,) = names
+        whole_rows = files.entries[name].shape[0]
+        yield 0, rows, files.read_rows(name, 0, whole_rows).t()[first_row:first_row + rows]
+        files.release(name, 0, whole_rows)
+        return
+    offset = 0  # the first row of the current piece, in the tensor's rows
+    for name in names:
+        entry = files.entries[name]
+        low, high = max(first_row, offset), min(first_row + rows, offset + entry.shape[0])
+        for start, stop in row_chunks(max(0, high - low), entry.row_bytes, chunk_bytes):
+            begin = low - offset + start
+            yield low - first_row + start, low - first_row + stop, files.read_rows(name, begin, begin + stop - start)
+            files.release(name, begin, begin + stop - start)
+        offset += entry.shape[0]

@@ -36,6 +36,23 @@ def loaded_dtensor_type() -> type[DTensor] | None:
     return None if module is None else module.DTensor
 
 
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This process's part of a tensor and the global index of its first row: the whole tensor (row 0), or for a
+    DTensor sharded by rows (FSDP2) the local shard (rank r holds rows r x ceil(n / world) onward, as torch.chunk
+    splits), or for a replicated one the whole of its local copy."""
+    dtensor = loaded_dtensor_type()
+    if dtensor is None or not isinstance(tensor, dtensor):
+        return tensor.data, 0
+    local = tensor.to_local()
+    # The mesh dimension that shards rows (FSDP's one; HSDP replicates over another dimension first).
+    sharding = [dim for dim, placement in enumerate(tensor.placements) if placement.is_shard(0)]
+    if not sharding:
+        return local, 0
+    mesh = tensor.device_mesh
+    chunk = -(-tensor.shape[0] // mesh.size(sharding[0]))
+    return local, mesh.get_local_rank(sharding[0]) * chunk
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside torch.compile, DDP, DataParallel, DeepSpeed and FSDP1's outer wrappers.
 
@@ -86,6 +103,18 @@ def tied_names(module: torch.nn.Module) -> list[list[str]]:
     for name, parameter in module.named_parameters(remove_duplicate=False):
         groups.setdefault(id(parameter), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
+
+
+def empty_model(config: GPTConfig, device: torch.device | None = None) -> GPT:
+    """A GPT of `config` with uninitialised weights on `device` (the CPU by default): built on the meta device, then
+    given storage that nothing has written yet (on the CPU it takes no RSS until weights are written into it)."""
+    from lowmem.model.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device or torch.device("cpu"))
+    model.tie_weights()  # to_empty gave the embedding and the head a Parameter each
+    return model
 
 
 def load_model_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

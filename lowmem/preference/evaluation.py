@@ -6,6 +6,8 @@ sums are all-reduced, so each pair counts once whatever the number of ranks.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from accelerate import Accelerator
 
@@ -13,6 +15,7 @@ from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns
 from lowmem.data import ParquetStream, StreamLoader
 from lowmem.distributed.collectives import all_reduce_sum
+from lowmem.distributed.fsdp_units import is_sharded, lockstep
 from lowmem.distributed.performance import inference_autocast
 from lowmem.eval.validation import EvalResult
 from lowmem.model.preference import SUM_FIELDS, dpo_terms
@@ -31,15 +34,17 @@ def evaluate_preferences(model: torch.nn.Module, reference: Reference, tokenizer
     stream = ParquetStream(files, columns=columns, shuffle=False, drop_remainder=False,
                            rank=accelerator.process_index, world_size=accelerator.num_processes,
                            bad_text=config.bad_text)
-    loader = StreamLoader(stream, batch_size=config.batch_size_per_gpu,
-                          collate_fn=PreferenceCollate(tokenizer, config.max_seq_len, columns))
+    collate = PreferenceCollate(tokenizer, config.max_seq_len, columns)
+    loader = StreamLoader(stream, batch_size=config.batch_size_per_gpu, collate_fn=collate)
     device = accelerator.device
     totals = torch.zeros(len(SUM_FIELDS), dtype=torch.float64)
     skipped = 0
+    batches = itertools.islice(loader, config.eval_batches) if config.eval_batches else loader
     with evaluating(model), inference_autocast(device, config.bf16, config.bf16_on_cpu):
-        for index, batch in enumerate(loader):
-            if config.eval_batches and index >= config.eval_batches:
-                break
+        # A model sharded over the ranks runs as it trains: a rank whose pairs are done keeps stepping, on the padding
+        # pair of weight 0 an empty batch holds, until every rank's are (`lockstep`).
+        for batch in lockstep(batches, accelerator, together=is_sharded(model)):
+            batch = collate([]) if batch is None else batch
             input_ids, targets = batch["input_ids"].to(device), batch["targets"].to(device)
             reference_logps = reference.log_probs(batch, input_ids, targets, model=model)
             policy_logps, _ = model(input_ids, targets, answer_logps=True)

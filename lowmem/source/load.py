@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -24,8 +23,9 @@ from lowmem.adapters.lora import ADAPTER_MARK
 from lowmem.errors import ConfigError
 from lowmem.hf.weight_map import NOT_WEIGHTS, WeightSource, transformers_weight_map
 from lowmem.model import GPT, GPTConfig
-from lowmem.model.safetensors_files import SafetensorsFiles, row_chunks
-from lowmem.model.weights import loaded_dtensor_type, tied_names, uncompiled, unwrap
+from lowmem.model.safetensors_files import SafetensorsFiles, row_slices
+from lowmem.model.weights import empty_model as empty_model  # re-exported: where a source's weights go
+from lowmem.model.weights import local_rows, tied_names, uncompiled, unwrap
 from lowmem.source.locate import LOWMEM, ModelSource
 
 
@@ -47,17 +47,6 @@ def load_slice_bytes(source: ModelSource) -> int:
     largest tensor when all are smaller (each slice is cast straight into the weights, without a copy of its own)."""
     largest = max((entry.end - entry.start for entry in source.tensors.values()), default=0)
     return min(LOAD_CHUNK_BYTES, largest)
-
-
-def empty_model(config: GPTConfig, device: torch.device | None = None) -> GPT:
-    """A GPT of `config` with uninitialised weights on `device` (the CPU by default): built on the meta device, then
-    given storage that nothing has written yet (on the CPU it takes no RSS until the source's weights are written
-    into it)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device or torch.device("cpu"))
-    model.tie_weights()  # to_empty gave the embedding and the head a Parameter each
-    return model
 
 
 def _our_parameters(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -129,47 +118,12 @@ def fill_model(model: torch.nn.Module, source: ModelSource, plan: dict[str, Weig
         for name, parameter in uncompiled(unwrap(model)).named_parameters():
             if ADAPTER_MARK in name:  # adapters start as `add_adapters` made them: the source has none
                 continue
-            local, first_row = _local_part(parameter)
-            for start, stop, part in _local_slices(files, plan[name], first_row, local.shape[0]):
+            local, first_row = local_rows(parameter)
+            weight = plan[name]
+            for start, stop, part in row_slices(files, weight.names, first_row, local.shape[0], LOAD_CHUNK_BYTES,
+                                                weight.transpose):
                 local[start:stop].copy_(part)  # cast to the parameter's dtype on the way
                 written += part.numel() * local.element_size()
                 del part  # a view of the file's pages: the next slice's release hands them back
             parameters += local.numel()
     return LoadedWeights(parameters, written, time.perf_counter() - started)
-
-
-def _local_part(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This process's part of a parameter and the global index of its first row: the whole parameter (row 0), or
-    under FSDP2 the local shard of dim 0 (rank r holds rows r x ceil(n / world) onward, as torch.chunk splits)."""
-    dtensor = loaded_dtensor_type()
-    if dtensor is None or not isinstance(parameter, dtensor):
-        return parameter.data, 0
-    local = parameter.to_local()
-    # The mesh dimension that shards rows (FSDP's one; HSDP replicates over another dimension first).
-    sharding = [dim for dim, placement in enumerate(parameter.placements) if placement.is_shard(0)]
-    if not sharding:
-        return local, 0
-    mesh = parameter.device_mesh
-    chunk = -(-parameter.shape[0] // mesh.size(sharding[0]))
-    return local, mesh.get_local_rank(sharding[0]) * chunk
-
-
-def _local_slices(files: SafetensorsFiles, weight: WeightSource, first_row: int,
-                  rows: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(start, stop, values) covering our rows [first_row, first_row + rows) of one parameter, in local row numbers,
-    the values read from the file tensors that hold them, at most LOAD_CHUNK_BYTES at a time."""
-    if weight.transpose:  # GPT-2's Conv1D, (in, out) on file: small models only, read whole and transposed
-        (name,) = weight.names
-        whole_rows = files.entries[name].shape[0]
-        yield 0, rows, files.read_rows(name, 0, whole_rows).t()[first_row:first_row + rows]
-        files.release(name, 0, whole_rows)
-        return
-    offset = 0  # the first row of the current file tensor, in our rows
-    for name in weight.names:
-        entry = files.entries[name]
-        low, high = max(first_row, offset), min(first_row + rows, offset + entry.shape[0])
-        for start, stop in row_chunks(max(0, high - low), entry.row_bytes, LOAD_CHUNK_BYTES):
-            begin = low - offset + start
-            yield low - first_row + start, low - first_row + stop, files.read_rows(name, begin, begin + stop - start)
-            files.release(name, begin, begin + stop - start)
-        offset += entry.shape[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 from lowmem.adapters.files import BASE_DIR
 from lowmem.checkpoint.export import export_checkpoint, export_model
@@ -14,6 +14,7 @@ from lowmem.config.columns import data_columns, is_preference
 from lowmem.data import ParquetStream
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.disk_errors import writing
+from lowmem.distributed.sharded_checkpoint import MODEL_SHARDS
 from lowmem.eval.commands import answer
 from lowmem.model.weights import WEIGHTS_FILE
 from lowmem.program import command_line
@@ -21,25 +22,28 @@ from lowmem.program import command_line
 logger = logging.getLogger(__name__)
 
 
-def export_models(final_model: Any, config: TrainConfig, manifest: dict[str, Any],
+def export_models(final_model: Any | None, config: TrainConfig, manifest: dict[str, Any],
                   given: Collection[str] | None = None) -> None:
-    """final/: the model as trained; best/: the best checkpoint's model by `best_metric`, as the checkpoints'
-    `manifest` ranks them. Each folder's train_config.json records which fields were `given` (None: not known)."""
+    """final/: the model as trained (`final_model`, whole; None: a model sharded over the processes, whose last
+    checkpoint holds the trained weights and is exported tensor by tensor); best/: the best checkpoint's model by
+    `best_metric`, as the checkpoints' `manifest` ranks them. Each folder's train_config.json records which fields
+    were `given` (None: not known)."""
     output_dir = Path(config.output_dir)
     # The checkpoints hold the trained weights: a failed export loses nothing, and can be made again.
     latest = output_dir / str(manifest.get("latest"))
-    weights = latest / WEIGHTS_FILE
-    if not weights.is_file():  # a run of adapters: final/ holds the merged model, the size of its base
-        weights = output_dir / BASE_DIR / WEIGHTS_FILE
-    needed = weights.stat().st_size if weights.is_file() else None
+    needed = _weights_bytes(latest) or _weights_bytes(output_dir / BASE_DIR)  # adapters: the merged model, base-sized
     kept = f"The checkpoints in {output_dir} are complete; the partial folder was removed."
 
     def then(checkpoint: Path) -> str:
         return f"then export it with `{command_line(f'export --out=FOLDER --checkpoint={checkpoint}')}`"
 
     with writing("the final model", output_dir / "final", needed=needed, then=then(latest), kept=kept):
-        out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir,
-                               given=given)
+        if final_model is None:
+            out_dir = export_checkpoint(latest, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir,
+                                        given=given)
+        else:
+            out_dir = export_model(final_model, config, output_dir / "final", tokenizer_dir=config.tokenizer_dir,
+                                   given=given)
     logger.info("Model saved to %s", out_dir)
     best = manifest.get("best") or []
     if best:
@@ -50,7 +54,15 @@ def export_models(final_model: Any, config: TrainConfig, manifest: dict[str, Any
         logger.info("Best checkpoint by %s (%s) exported to %s", config.best_metric, best[0], best_dir)
 
 
-def sample_answer(final_model: Any, tokenizer: TextTokenizer, config: TrainConfig) -> dict[str, str]:
+def _weights_bytes(folder: Path) -> int | None:
+    """The bytes of a model folder's weights: its one file, or its shards; None when it has neither."""
+    shards = folder / MODEL_SHARDS
+    files = [folder / WEIGHTS_FILE] if (folder / WEIGHTS_FILE).is_file() else sorted(shards.glob("*.safetensors"))
+    return sum(path.stat().st_size for path in files) if files else None
+
+
+def sample_answer(final_model: Any, tokenizer: TextTokenizer, config: TrainConfig,
+                  stop_together: Callable[[bool], bool] | None = None) -> dict[str, str]:
     """The model's answer to the first validation prompt, logged beside the reference (the chosen answer of a
     preference row); with one text column,
     its continuation of the first third of the first validation text, beside the rest."""
@@ -65,6 +77,6 @@ def sample_answer(final_model: Any, tokenizer: TextTokenizer, config: TrainConfi
     # Sampled rather than greedy: a small model's greedy answers fall into loops of one phrase.
     sampled = answer(final_model, tokenizer, prompt, config.sample_max_new_tokens, temperature=0.8, top_k=40,
                      seed=config.seed, bf16=config.bf16, bf16_on_cpu=config.bf16_on_cpu,
-                     continue_text=bool(config.text_column))
+                     continue_text=bool(config.text_column), stop_together=stop_together)
     logger.info("Sample\n  prompt:    %s\n  model:     %s\n  reference: %s", prompt, sampled, reference)
     return {"prompt": prompt, "answer": sampled}

@@ -32,6 +32,8 @@ from lowmem.data.tokenizer_identity import (describe_files, describe_identity, r
 from lowmem.distributed.accelerator import log_launcher_precision_note
 from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main
 from lowmem.eval.validation import METRIC_MODES
+from lowmem.distributed.fsdp_units import is_sharded
+from lowmem.distributed.sharded_checkpoint import write_gathered
 from lowmem.distributed.strategy import (DEEPSPEED, FSDP, describe, full_model_state, prepare_model_and_optimizer,
                                          strategy)
 from lowmem.errors import ConfigError
@@ -42,10 +44,10 @@ from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
 from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
-from lowmem.model.weights import unwrap_gpt
+from lowmem.model.weights import WEIGHTS_FILE, unwrap_gpt
 from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
-from lowmem.adapters.files import BASE_DIR, write_base
+from lowmem.adapters.files import BASE_DIR, base_weights_file, finish_base, write_base
 from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters
 from lowmem.source.load import LoadedWeights, empty_model, fill_model
 from lowmem.source.settle import StartingPoint
@@ -241,12 +243,18 @@ def keep_starting_model(model: torch.nn.Module, config: TrainConfig, accelerator
     plain = unwrap_gpt(model)
     base = Path(config.output_dir) / BASE_DIR
     if start is not None and start.source is not None and not start.resumed:
-        state = full_model_state(model, accelerator)
-        source = start.source
+        source, run_dir = start.source, Path(config.output_dir)
         with writing("the adapters' base model" if spec is not None else "the DPO run's reference model", base):
-            run_on_main(accelerator, lambda: write_base(Path(config.output_dir), state or {}, plain,
-                                                        source.description, source.folder))
-        del state
+            if is_sharded(model):  # gathered a tensor at a time: no process holds the whole model
+                weights_file = run_on_main(accelerator, lambda: base_weights_file(run_dir))
+                write_gathered(weights_file or base / WEIGHTS_FILE, model, accelerator, skip=ADAPTER_MARK,
+                               dtype=torch.float32)
+                run_on_main(accelerator, lambda: finish_base(run_dir, plain.config, source.description, source.folder))
+            else:
+                state = full_model_state(model, accelerator)
+                run_on_main(accelerator, lambda: write_base(run_dir, state or {}, plain, source.description,
+                                                            source.folder))
+                del state
     if spec is None:
         logger.info("DPO: the starting model is kept once in %s, the frozen reference a resume reads (the source "
                     "may then be gone).", base)

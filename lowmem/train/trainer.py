@@ -45,6 +45,7 @@ from lowmem.disk_errors import writing
 from lowmem.errors import DataError
 from lowmem.distributed.accelerator import create_accelerator, ddp_settings
 from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, run_on_main)
+from lowmem.distributed.fsdp_units import all_ranks_finished, is_sharded
 from lowmem.distributed.peers import PeerWatch
 from lowmem.distributed.performance import check_cuda_graphs, release_compile_workers, run_speed_settings
 from lowmem.distributed.strategy import model_for_eval
@@ -491,10 +492,18 @@ class Trainer:
             logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.",
                         summary["val_loss_start"], summary["val_loss_end"], self.state.step,
                         summary["val_loss_start"] - summary["val_loss_end"], summary["seconds"])
-            def export_and_sample() -> None:  # a full disk there stops every rank, not the main process only
-                export_models(final_model, self.config, self.checkpoints.manifest, self.given)
-                summary["sample"] = sample_answer(final_model, self.tokenizer, self.config)
+            if is_sharded(self.model):
+                # The model stays in its shards: final/ is written from the last checkpoint, a tensor at a time, and
+                # every process answers the sample together (each step of generation is a collective).
+                run_on_main(self.accelerator, lambda: export_models(None, self.config, self.checkpoints.manifest,
+                                                                    self.given))
+                summary["sample"] = sample_answer(final_model, self.tokenizer, self.config,
+                                                  all_ranks_finished(self.accelerator))
+            else:
+                def export_and_sample() -> None:  # a full disk there stops every rank, not the main process only
+                    export_models(final_model, self.config, self.checkpoints.manifest, self.given)
+                    summary["sample"] = sample_answer(final_model, self.tokenizer, self.config)
 
-            run_on_main(self.accelerator, export_and_sample)
+                run_on_main(self.accelerator, export_and_sample)
         self.accelerator.wait_for_everyone()  # every rank is here before any ends the process group
         return summary
