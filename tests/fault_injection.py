@@ -33,11 +33,15 @@ STOP_AFTER_STEP_ENV = "LOWMEM_STOP_AFTER_STEP"
 
 
 def weights_checksum(model: torch.nn.Module) -> str:
-    """A checksum of every parameter's bytes, in name order: equal checksums mean identical weights."""
+    """A checksum of every parameter's bytes, in name order: equal checksums mean identical weights. A model sharded
+    by FSDP2 sums this rank's shards: runs of as many processes compare rank by rank."""
+    from lowmem.model.weights import local_rows
+
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
+        local, _ = local_rows(tensor)
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

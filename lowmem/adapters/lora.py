@@ -122,17 +122,25 @@ class LoRALinear(nn.Linear):
 
 
 def delta_weight(parts: tuple[tuple[str, int], ...], pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 in_features: int, scaling: float, device: torch.device | None = None) -> torch.Tensor:
-    """The update adapters make to a Linear's weight, (out, in) in float32: scaling x B A for each part (a name and a
-    number of rows) that has a pair (A, B) in `pairs` (by `part_key`), zeros for the others."""
-    blocks = []
-    for name, rows in parts:
-        pair = pairs.get(part_key(name))
-        if pair is not None:
-            a, b = pair
-            blocks.append(b.float() @ a.float())
-        else:
-            blocks.append(torch.zeros(rows, in_features, device=device))
+                 in_features: int, scaling: float, device: torch.device | None = None,
+                 rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The update adapters make to a Linear's weight, (out, in) in float32, or to its `rows` [start, stop) only:
+    scaling x B A for each part (a name and a number of rows) that has a pair (A, B) in `pairs` (by `part_key`), zeros
+    for the others."""
+    start, stop = rows if rows is not None else (0, sum(count for _, count in parts))
+    blocks, offset = [], 0
+    for name, count in parts:
+        low, high = max(start, offset), min(stop, offset + count)
+        if low < high:
+            pair = pairs.get(part_key(name))
+            if pair is not None:
+                a, b = pair
+                blocks.append(b[low - offset:high - offset].float() @ a.float())
+            else:
+                blocks.append(torch.zeros(high - low, in_features, device=device))
+        offset += count
+    if not blocks:
+        return torch.zeros(0, in_features, device=device)
     return torch.cat(blocks, dim=0) * scaling
 
 

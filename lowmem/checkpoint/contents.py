@@ -13,10 +13,12 @@ A checkpoint folder (made atomic and complete by `lowmem.checkpoint.folders.Chec
     optimizer/             torch.distributed.checkpoint's files instead, still read (as data)
     trainer_state.json     the shared parts (`train`: epoch, step, tokens seen; `schedule`: the learning rate's;
                            `checkpoints`: the manager's), the world size and workers, and the config the run had
-    rank<r>/<part>.json    each rank's own parts: `data` (the loader position), `memory` (the memory log)
-    rank<r>/rng.pt         each rank's random states (tensors and numbers)
+    rank<r>/<part>.json    each rank's own parts: `data` (the loader position), `memory` (the memory log), `rng` (its
+                           random states; `rng.pt`, a torch file of tensors, in checkpoints of earlier versions)
 
-Every file is read as data: a checkpoint never runs code when it loads (`lowmem.distributed.safe_load`).
+Every file is read as data: a checkpoint never runs code when it loads. A checkpoint of FSDP2 holds JSON and
+safetensors only; the torch files of the others (`optimizer.pt`, DeepSpeed's, earlier versions' `rng.pt`) are checked
+and read with an allow-list (`lowmem.distributed.safe_load`).
 
 Weights and optimizer state are the strategy's business (`lowmem.distributed.strategy`); every other part
 is an object with `state_dict()` / `load_state_dict()`. A part missing from an older checkpoint keeps its
@@ -116,11 +118,15 @@ class TrainingCheckpoint:
                 self.load_part(folder, name)
 
     def load_part(self, folder: Path, name: str) -> None:
-        """Load this rank's part `name` from `folder`, if the checkpoint has it."""
+        """Load this rank's part `name` from `folder`, if the checkpoint has it (in its file of today, else of an
+        earlier version: `legacy_suffixes`)."""
         part = self.per_rank[name]
-        path = _part_file(folder, self.accelerator.process_index, name, part)
-        if path.is_file():
-            part.load_state_dict(read_part_file(path))
+        rank = self.accelerator.process_index
+        for suffix in (getattr(part, "checkpoint_suffix", ".json"), *getattr(part, "legacy_suffixes", ())):
+            path = rank_part_file(folder, rank, name, suffix)
+            if path.is_file():
+                part.load_state_dict(read_part_file(path))
+                return
 
 
 # What only a resume reads, under each strategy: kept in the newest checkpoints only (see CheckpointManager).

@@ -23,10 +23,14 @@ from lowmem.adapters.targets import adapter_sites
 from lowmem.distributed.sharded_checkpoint import MODEL_SHARDS, has_sharded_weights
 from lowmem.errors import CheckpointError
 from lowmem.model import GPT, GPTConfig
-from lowmem.model.safetensors_files import SafetensorsFiles, TensorEntry, read_header
+from lowmem.model.safetensors_files import SafetensorsFiles, TensorEntry, read_header, row_slices
 from lowmem.model.safetensors_writer import PlannedTensor, SafetensorsWriter
 from lowmem.model.shards import ShardedTensors
 from lowmem.model.weights import WEIGHTS_FILE, load_model_config, tied_names
+
+# The most bytes of the files read (and, merging adapters, computed) at once: what exporting holds beyond a tensor's
+# slice being written.
+SLICE_BYTES = 64 * 2**20
 
 
 def has_model_weights(folder: Path) -> bool:
@@ -115,35 +119,57 @@ class ModelWeights:
         site = self._sites.get(name)
         return site is not None and any(f"{site.module}.lora_A." in key for key in self._adapters)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Tensor `name` whole, in host memory: a copy of its files' values (a base matrix with its adapters merged
-        in, in float32)."""
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name`, a copy in host memory read without the rest of the tensor (a base
+        matrix's rows with their adapters' update merged in, in float32)."""
+        shape, dtype = self._entry(name)
+        values = torch.empty((stop - start, *shape[1:]), dtype=dtype)
         if self._shards is not None:
-            return self._shards.whole(name)
-        assert self._files is not None
-        entry = self._files.entries[name]
-        rows = entry.shape[0] if entry.shape else 0
-        values = self._files.read_rows(name, 0, rows).clone()
-        self._files.release(name, 0, rows)
+            self._shards.fill(name, values, start)
+        else:
+            assert self._files is not None
+            for low, high, part in row_slices(self._files, (name,), start, stop - start, SLICE_BYTES):
+                values[low:high].copy_(part)
+                del part  # a view of the file's pages: handed back before the next slice
         if self.has_adapters and self._is_adapted(name):
-            assert self._spec is not None
-            site = self._sites[name]
-            pairs = {key.rpartition(".")[2]: (self._adapters[key], self._adapters[key.replace(".lora_A.", ".lora_B.")])
-                     for key in self._adapters if key.startswith(f"{site.module}.lora_A.")}
-            values = values.float() + delta_weight(site.parts, pairs, values.shape[1], self._spec.scaling)
+            values = values.float() + self._delta(name, start, stop, shape[1])
         return values
 
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) for every tensor, one at a time."""
-        for name in self.names:
-            yield name, self.tensor(name)
+    def slices(self, name: str, chunk_bytes: int = SLICE_BYTES) -> Iterator[torch.Tensor]:
+        """Tensor `name`'s rows in order, about `chunk_bytes` of them at a time (see `rows`); a scalar whole."""
+        shape, dtype = self._entry(name)
+        if not shape:
+            yield self._shards.whole(name) if self._shards is not None else self._scalar(name)
+            return
+        row_bytes = max(1, dtype.itemsize * (shape[0] and int(torch.Size(shape[1:]).numel())))
+        step = max(1, chunk_bytes // row_bytes)
+        for first in range(0, shape[0], step):
+            yield self.rows(name, first, min(shape[0], first + step))
+
+    def _scalar(self, name: str) -> torch.Tensor:
+        assert self._files is not None
+        return self._files.read_rows(name, 0, 0).clone()
+
+    def _delta(self, name: str, start: int, stop: int, in_features: int) -> torch.Tensor:
+        """Rows [start, stop) of the update the adapters make to matrix `name`."""
+        assert self._spec is not None
+        site = self._sites[name]
+        pairs = {key.rpartition(".")[2]: (self._adapters[key], self._adapters[key.replace(".lora_A.", ".lora_B.")])
+                 for key in self._adapters if key.startswith(f"{site.module}.lora_A.")}
+        return delta_weight(site.parts, pairs, in_features, self._spec.scaling, rows=(start, stop))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name` whole, in host memory (see `rows`)."""
+        shape, _ = self._entry(name)
+        return self.rows(name, 0, shape[0]) if shape else next(self.slices(name))
 
     def write(self, path: Path) -> None:
-        """Write the weights as one safetensors file, a tensor at a time."""
+        """Write the weights as one safetensors file, a slice of rows at a time: the host holds one slice."""
         with SafetensorsWriter(path, self.planned(), metadata={"format": "pt"}) as writer:
-            for name, values in self.items():
-                writer.write(name, values)
-                del values
+            for name in self.names:
+                for part in self.slices(name):
+                    writer.write(name, part)
+                    del part
 
     def load_into(self, model: GPT) -> None:
         """Fill a plain GPT of this config (its adapters, if any, left as they are) tensor by tensor: every parameter
@@ -158,9 +184,12 @@ class ModelWeights:
                 found = [candidate for candidate in sorted(group) if candidate in stored]
                 if not found:
                     raise CheckpointError(f"The weights in {self.folder} have no {name}: they do not fit the model.")
-                values = self.tensor(found[0])
-                if values.shape != parameter.shape:
-                    raise CheckpointError(f"{found[0]} in {self.folder} has shape {list(values.shape)} where the "
-                                          f"model has {list(parameter.shape)}.")
-                parameter.copy_(values)
-                del values
+                shape, _ = self._entry(found[0])
+                if shape != tuple(parameter.shape):
+                    raise CheckpointError(f"{found[0]} in {self.folder} has shape {list(shape)} where the model has "
+                                          f"{list(parameter.shape)}.")
+                first = 0
+                for part in self.slices(found[0]):  # a slice at a time: no second copy of the tensor
+                    parameter[first:first + part.shape[0]].copy_(part)
+                    first += part.shape[0]
+                    del part

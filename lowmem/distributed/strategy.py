@@ -332,11 +332,19 @@ def _read_full_weights(path: Path, model: torch.nn.Module) -> dict[str, torch.Te
     from safetensors.torch import load_file
 
     state = load_file(str(path))
+    # Every name the model gives the tied parameter (both, or the embedding's alone where the head is computed
+    # through it), from the one name the file holds.
+    names = {strip_prefixes(name) for name, _ in uncompiled(unwrap(model)).named_parameters(remove_duplicate=False)}
     for group in _plain_ties(model):
         present = next((name for name in group if name in state), None)
+        if present is None:
+            continue
+        value = state[present]
         for name in group:
-            if present is not None:
-                state.setdefault(name, state[present])
+            if name in names:
+                state[name] = value
+            else:
+                state.pop(name, None)
     return state
 
 

@@ -25,7 +25,7 @@ import torch
 from lowmem.atomic_files import folder_built_aside
 from lowmem.checkpoint.export import (check_has_adapters, export_adapter, find_model_folder, tokenizer_folder,
                                       trained_config)
-from lowmem.checkpoint.model_files import ModelWeights
+from lowmem.checkpoint.model_files import SLICE_BYTES, ModelWeights
 from lowmem.config import EvalConfig, TrainConfig
 from lowmem.config.settle import settled_for_model
 from lowmem.data.text_tokenizer import TextTokenizer, load_tokenizer
@@ -151,17 +151,12 @@ def _save_model(transformers: ModuleType, staged: Path, folder: Path, model_conf
         shapes = {planned.name: planned.shape for planned in weights.planned()}
         tensors = hf_tensors(shapes, model_config)
         _check_names(transformers, hf_config_object, hf_tensors(shapes, model_config, with_tied_head=True))
-        last: list[tuple[str, torch.Tensor]] = []  # the source tensor read last: q, k and v are slices of one
-
-        def read(name: str) -> torch.Tensor:
-            if not last or last[0][0] != name:
-                last[:] = [(name, weights.tensor(name))]
-            return last[0][1]
-
         planned = [PlannedTensor(tensor.name, torch.float32, tensor.shape) for tensor in tensors]
         with SafetensorsWriter(staged / WEIGHTS_FILE, planned, metadata={"format": "pt"}) as writer:
-            for tensor in tensors:
-                writer.write(tensor.name, tensor.value(read))
+            for tensor in tensors:  # a slice of rows at a time: the host never holds a whole tensor of the model
+                for part in tensor.slices(weights.rows, weights.tensor, SLICE_BYTES):
+                    writer.write(tensor.name, part)
+                    del part
     # Keys the installed version did not write (rope_theta, which transformers 5 moves into rope_parameters)
     # are added for readers of other versions; what it wrote is kept as it is.
     config_file = staged / "config.json"

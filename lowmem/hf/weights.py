@@ -20,7 +20,7 @@ Nothing here imports transformers: these are plain dicts and tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -93,6 +93,21 @@ class HFTensor:
         if self.transpose:
             values = values.t()
         return values.contiguous()
+
+    def slices(self, read_rows: Callable[[str, int, int], torch.Tensor], read: Callable[[str], torch.Tensor],
+               chunk_bytes: int) -> Iterator[torch.Tensor]:
+        """The tensor in slices of its rows, float32, about `chunk_bytes` each: from `read_rows(name, start, stop)` of
+        our tensors, so that neither ours nor theirs is ever whole in memory; a transposed one (GPT-2's Conv1D, small
+        models only) whole, from `read(name)`."""
+        if self.source is None or self.transpose or not self.shape:
+            yield self.value(read)
+            return
+        first = self.rows[0] if self.rows is not None else 0
+        row_bytes = 4 * max(1, int(torch.Size(self.shape[1:]).numel()))
+        step = max(1, chunk_bytes // row_bytes)
+        for start in range(0, self.shape[0], step):
+            stop = min(self.shape[0], start + step)
+            yield read_rows(self.source, first + start, first + stop).float().contiguous()
 
 
 def hf_tensors(shapes: dict[str, tuple[int, ...]], config: GPTConfig, with_tied_head: bool = False) -> list[HFTensor]:

@@ -74,7 +74,8 @@ class SafetensorsWriter:
         encoded += b" " * (-len(encoded) % 8)  # the values start 8-byte aligned, as safetensors' own writer pads
         self._header = struct.pack("<Q", len(encoded)) + encoded
         self._file: BinaryIO | None = None
-        self._next = 0
+        self._next = 0  # the planned tensor being written
+        self._written = 0  # its bytes written so far
 
     def __enter__(self) -> SafetensorsWriter:
         self._file = open(self.path, "wb")
@@ -82,19 +83,26 @@ class SafetensorsWriter:
         return self
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next planned tensor's values (from any device: copied to the host here, one tensor at a time)."""
+        """Write the next planned tensor's values (from any device: copied to the host here), whole or a slice of its
+        rows at a time (each call the rows after the last: a tensor is then never whole in host memory)."""
         if self._file is None:
             raise ValueError(f"{self.path} is not open: write inside the `with` block.")
         if self._next >= len(self.planned):
             raise ValueError(f"{self.path}: {name} was not planned (every planned tensor is written).")
         expected = self.planned[self._next]
-        if (name, tensor.dtype, tuple(tensor.shape)) != (expected.name, expected.dtype, expected.shape):
+        whole = tuple(tensor.shape) == expected.shape
+        rows_of = expected.shape and tuple(tensor.shape[1:]) == expected.shape[1:]
+        if name != expected.name or tensor.dtype != expected.dtype or not (whole or rows_of):
             raise ValueError(f"{self.path}: expected {expected.name} {expected.dtype} {list(expected.shape)} next, got "
                              f"{name} {tensor.dtype} {list(tensor.shape)}.")
+        if self._written + tensor.nbytes > expected.nbytes:
+            raise ValueError(f"{self.path}: more rows of {name} than its {list(expected.shape)}.")
         if tensor.numel():
             values = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             self._file.write(values.numpy().data)  # little-endian on every platform torch runs on
-        self._next += 1
+        self._written += tensor.nbytes
+        if self._written == expected.nbytes:
+            self._next, self._written = self._next + 1, 0
 
     def __exit__(self, *exc_info: object) -> None:
         assert self._file is not None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -167,6 +167,15 @@ class ShardedTensors:
                                                 READ_CHUNK_BYTES):
                 local[start:stop].copy_(part)
                 del part
+
+    def slices(self, name: str, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        """Tensor `name`'s rows in order, a slice of at most `chunk_bytes` at a time: views of the files' pages, handed
+        back after each (copy or write a slice before taking the next); a scalar whole."""
+        if not self.shape(name):
+            yield self._files.read_rows(self._pieces[name][0], 0, 0)
+            return
+        for _start, _stop, part in row_slices(self._files, self._pieces[name], 0, self.shape(name)[0], chunk_bytes):
+            yield part
 
     def whole(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor `name` whole, in host memory (in `dtype`, else its own)."""

@@ -3,6 +3,7 @@ and each process's random states."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import random
@@ -41,54 +42,69 @@ class TrainState:
 class RngState:
     """This process's Python, numpy and torch (CPU and CUDA) random states; each rank saves its own.
 
-    Stored as plain data (tensors, numbers, strings), so that the file loads with `weights_only=True` and never
-    runs code: Python's state as its version, its 625 words and the cached gaussian; numpy's as its generator's
-    name, key, position and cached gaussian. Checkpoints written before held the states as Python tuples and a
-    numpy array; they load too (see `lowmem.distributed.safe_load`).
+    Stored as JSON: Python's state as its version, its 625 words and the cached gaussian; numpy's as its generator's
+    name, key, position and cached gaussian; torch's generator states as their bytes in base64. Nothing in it can run
+    code when it loads. Checkpoints written before held them in a torch file (`rng.pt`: tensors and numbers, or, earlier
+    still, Python tuples and a numpy array); they load too (see `lowmem.distributed.safe_load`).
 
     Of the CUDA states only the current device's is saved: that is the generator this rank's work draws
     from, and a resume that sees fewer GPUs (one per process instead of all of them, say) can still load it.
     """
 
-    checkpoint_suffix = ".pt"  # tensors: a torch.save file read with weights_only=True
+    checkpoint_suffix = ".json"
+    legacy_suffixes = (".pt",)  # a torch file read with weights_only=True, in checkpoints of earlier versions
 
     def state_dict(self) -> dict[str, Any]:
         version, words, gauss_next = random.getstate()
         kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
         states: dict[str, Any] = {
-            "python": {"version": int(version), "words": torch.tensor(words, dtype=torch.int64),
-                       "gauss_next": gauss_next},
-            "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                      "position": int(position), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached_gaussian)},
-            "torch": torch.get_rng_state(),
+            "python": {"version": int(version), "words": [int(word) for word in words], "gauss_next": gauss_next},
+            "numpy": {"kind": str(kind), "keys": [int(key) for key in keys], "position": int(position),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+            "torch": _bytes_text(torch.get_rng_state()),
         }
         if torch.cuda.is_available():
-            states["cuda"] = torch.cuda.get_rng_state()  # the current device's
+            states["cuda"] = _bytes_text(torch.cuda.get_rng_state())  # the current device's
         return states
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
         random.setstate(_python_state(states["python"]))
         np.random.set_state(_numpy_state(states["numpy"]))
-        torch.set_rng_state(states["torch"])
+        torch.set_rng_state(_generator_state(states["torch"]))
         if "cuda" in states and torch.cuda.is_available():
-            cuda_state = _current_device_state(states["cuda"])
+            saved = states["cuda"]
+            cuda_state = _generator_state(saved) if isinstance(saved, str) else _current_device_state(saved)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state)
+
+
+def _bytes_text(state: torch.Tensor) -> str:
+    """A generator's state (a uint8 tensor) as base64 text."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _generator_state(saved: str | torch.Tensor) -> torch.Tensor:
+    """A generator's state from its base64 text (or the tensor an earlier checkpoint held)."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    return torch.frombuffer(bytearray(base64.b64decode(saved)), dtype=torch.uint8)
 
 
 def _python_state(saved: Any) -> tuple[Any, ...]:
     """`random.setstate`'s tuple from the stored data (or the tuple an earlier checkpoint held)."""
     if not isinstance(saved, dict):
         return tuple(saved)
-    return (saved["version"], tuple(saved["words"].tolist()), saved["gauss_next"])
+    words = saved["words"]
+    return (saved["version"], tuple(words.tolist() if isinstance(words, torch.Tensor) else words),
+            saved["gauss_next"])
 
 
 def _numpy_state(saved: Any) -> tuple[Any, ...]:
     """`np.random.set_state`'s tuple from the stored data (or the tuple an earlier checkpoint held)."""
     if not isinstance(saved, dict):
         return tuple(saved)
-    keys = saved["keys"].numpy().astype(np.uint32)
+    keys = np.asarray(saved["keys"].numpy() if isinstance(saved["keys"], torch.Tensor) else saved["keys"],
+                      dtype=np.uint32)
     return (saved["kind"], keys, saved["position"], saved["has_gauss"], saved["cached_gaussian"])
 
 

@@ -66,42 +66,45 @@ def test_fsdp_on_three_cpu_processes_resumes_exactly_after_sigkill(tmp_path, cha
     assert_losses_match(traced_losses(trace), traced_losses(reference_trace), start)
 
 
+PICKLE_MAGIC = b"\x80"  # the first byte of every pickle (protocol 2 and later), torch.save's zip files aside
+
+
 @pytest.mark.slow
 @needs_launcher
-def test_fsdp_checkpoints_keep_the_optimizer_state_sharded(reference):
-    from safetensors import safe_open
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+def test_fsdp_checkpoints_are_each_ranks_shards_and_hold_no_pickle(reference):
+    """No rank gathered the model or its optimizer state to save them: each wrote its own rows of every weight and
+    moment into a safetensors file, and the main process a JSON index of where they are; nothing is pickled."""
     reference_run, _, run_dir = reference
     assert STRATEGY_LINE in reference_run.stderr, "the log names the strategy that ran"
     checkpoints = sorted(run_dir.glob("checkpoint-*"))
     assert checkpoints, "the run kept no checkpoint"
     for checkpoint in checkpoints:
-        assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "optimizer.pt").exists()
-        with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as weights:
-            names = set(weights.keys())
-        assert "lm_head.weight" in names and "tok_emb.weight" not in names, "one name of the tied pair, as DDP's"
-        optimizer = checkpoint / "optimizer"
-        assert sorted(path.name for path in optimizer.glob("*.distcp")) == [f"__{rank}_0.distcp" for rank in range(3)]
-        # Every moment tensor is stored in 3 pieces, one per rank: no process wrote (or held) all of it.
-        metadata = FileSystemReader(str(optimizer)).read_metadata()
-        moments = {name: entry for name, entry in metadata.state_dict_metadata.items()
-                   if isinstance(entry, TensorStorageMetadata) and name.endswith(("exp_avg", "exp_avg_sq"))}
-        assert moments
-        for name, entry in moments.items():
-            files = {metadata.storage_data[index].relative_path for index in metadata.storage_data
-                     if index.fqn == name}
-            assert len(entry.chunks) == 3 and len(files) == 3, (name, entry.chunks, files)
+        assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer").exists()
+        assert not list(checkpoint.rglob("*.pt")) and not list(checkpoint.rglob(".metadata")), "a pickled file"
+        for folder in ("model_shards", "optimizer_shards"):
+            files = sorted(path.name for path in (checkpoint / folder).glob("*.safetensors"))
+            assert files == [f"rank{rank:05d}.safetensors" for rank in range(WORLD)], (checkpoint, folder, files)
+            index = json.loads((checkpoint / folder / "index.json").read_text())
+            assert index["format"] == "lowmem-shards/1" and index["files"] == files
+            for name, tensor in index["tensors"].items():
+                if tensor["shape"] and tensor["shape"][0] >= WORLD:  # split by rows: a piece in each rank's file
+                    assert sorted(piece["file"] for piece in tensor["pieces"]) == files, (name, tensor)
+        weights = json.loads((checkpoint / "model_shards" / "index.json").read_text())["tensors"]
+        assert "lm_head.weight" in weights and "tok_emb.weight" not in weights, "one name of the tied pair, as DDP's"
+        moments = json.loads((checkpoint / "optimizer_shards" / "index.json").read_text())
+        assert any(name.endswith("/exp_avg_sq") for name in moments["tensors"])
+        assert [group["weight_decay"] for group in moments["param_groups"]] == [0.1, 0.0]
 
 
 @pytest.mark.slow
 @needs_launcher
-def test_a_planted_pickle_in_the_sharded_optimizer_state_is_refused_and_runs_nothing(tmp_path, chat_data, reference):
-    """The optimizer state's metadata rewritten to run a command when unpickled (its marker's CRC too): the resume
-    stops on every rank with one message, exit code 2; `evaluate`, `generate` and `export`, which read the weights
-    and JSON only, run as before; the command never runs."""
-    from checkpoint_tampering import Planted, rewrite_as_saved
+def test_a_pickle_planted_in_a_sharded_checkpoint_is_never_unpickled(tmp_path, chat_data, reference):
+    """A pickle planted as torch.distributed.checkpoint's metadata beside the shards (its marker's CRC too) is never
+    read: the resume goes on and the command never runs; a shard replaced by a pickle stops the resume on every rank
+    with one message naming the file; `evaluate`, `generate` and `export` read the shards as data too."""
+    import pickle
+
+    from checkpoint_tampering import Planted, replace_as_saved
     from training_helpers import resume_overrides, run_command
 
     _, _, run_dir = reference
@@ -109,35 +112,28 @@ def test_a_planted_pickle_in_the_sharded_optimizer_state_is_refused_and_runs_not
     shutil.copytree(run_dir, tmp_path / "run")
     checkpoint = max((tmp_path / "run").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
     ran = tmp_path / "the-command-ran"
-    import pickle
-
-    metadata = checkpoint / "optimizer" / ".metadata"
-    metadata.write_bytes(pickle.dumps(Planted(ran)))
-    marker_file = checkpoint / "COMPLETE.json"
-    marker = json.loads(marker_file.read_text())
-    from lowmem.checkpoint.folders import file_crc32
-
-    size, crc = file_crc32(metadata)
-    marker["files"]["optimizer/.metadata"].update(size=size, crc32=crc)
-    marker_file.write_text(json.dumps(marker))
-
+    for folder in ("model_shards", "optimizer_shards"):
+        replace_as_saved(checkpoint / folder / ".metadata", pickle.dumps(Planted(ran)))
     args = ["train", *resume_overrides(tmp_path, chat_data, *EXTRA, "--is_keep_training=True",
                                        f"--resume_from_checkpoint={checkpoint}")]
-    resumed = run_command(args, cwd=tmp_path, env=CPU_ENV, launcher=FSDP_LAUNCHER)
-    assert resumed.returncode != 0, resumed.stderr[-3000:]
-    assert "optimizer/.metadata asks, when loaded, for Python code that a checkpoint lowmem writes never holds" \
-        in resumed.stderr
-    # One message, no traceback of lowmem's own (the launcher reports its failed worker in its way).
-    assert not re.search(r'File ".*/lowmem/', resumed.stderr), resumed.stderr[-3000:]
-    assert not ran.exists(), "resuming ran the planted command"
-    rewrite_as_saved(checkpoint / "rank0" / "rng.pt", {"torch": Planted(ran)})
     common = [f"--output_dir={tmp_path / 'run'}", f"--tokenizer_dir={tmp_path / 'tok'}", f"--checkpoint={checkpoint}"]
     for command in (["evaluate", *common, f"--test_file={chat_data[1]}", "--bleu_samples=2"],
                     ["generate", *common, "--prompt=春风", "--max_new_tokens=4"],
                     ["export", str(tmp_path / "exported"), *common]):
         done = run_command(command, cwd=tmp_path, env=CPU_ENV)
         assert done.returncode == 0, (command[0], done.stderr[-2000:])
-    assert not ran.exists(), "evaluate, generate or export ran the planted command"
+    resumed = run_command(args, cwd=tmp_path, env=CPU_ENV, launcher=FSDP_LAUNCHER)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resumed from {checkpoint}" in resumed.stderr
+    assert not ran.exists(), "a planted pickle was unpickled"
+
+    shard = checkpoint / "optimizer_shards" / "rank00001.safetensors"
+    replace_as_saved(shard, pickle.dumps({"state": Planted(ran)}))
+    refused = run_command(args, cwd=tmp_path, env=CPU_ENV, launcher=FSDP_LAUNCHER)
+    assert refused.returncode != 0
+    assert f"'{shard}' is not a readable safetensors file" in refused.stderr, refused.stderr[-3000:]
+    assert not re.search(r'File ".*/lowmem/', refused.stderr), refused.stderr[-3000:]
+    assert not ran.exists(), "a planted pickle was unpickled"
 
 
 # ----- loading the weights: the main process reads the file --------------------------------------------------
@@ -176,9 +172,24 @@ def moments(optimizer) -> list[torch.Tensor]:
             for key in ("exp_avg", "exp_avg_sq")]
 
 
+def save_legacy_layout(folder: Path, model, optimizer, accelerator) -> None:
+    """An FSDP checkpoint as the earlier version wrote it: the weights gathered into one model.safetensors by the main
+    process, the optimizer state through torch.distributed.checkpoint (a pickled .metadata beside its shards)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from lowmem.distributed.strategy import full_model_state, save_distributed
+    from lowmem.model.weights import save_weights, uncompiled
+
+    state = full_model_state(model, accelerator)
+    if accelerator.is_main_process:
+        save_weights(state, folder / "model.safetensors")
+    save_distributed({"optimizer": get_optimizer_state_dict(uncompiled(model), optimizer.optimizer)},
+                     folder / "optimizer")
+
+
 def load_worker(rank: int, port: int, folder: Path, launch_env: dict[str, str]) -> None:
-    """Train a step, save, and load into a model with other weights, where only rank 0 may read the weights file;
-    then load from a checkpoint whose weights file is missing."""
+    """Train a step and save it in both layouts; load each into a model with other weights, where only rank 0 may
+    read a whole weights file; then load from a checkpoint of the earlier layout whose weights file is missing."""
     import safetensors.torch
 
     from lowmem.distributed.accelerator import create_accelerator
@@ -198,48 +209,59 @@ def load_worker(rank: int, port: int, folder: Path, launch_env: dict[str, str]) 
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-    save_model_and_optimizer(folder, model, optimizer, accelerator)
+    sharded, legacy = folder / "sharded", folder / "legacy"
+    for path in (sharded, legacy):
+        path.mkdir(exist_ok=True)
+    save_model_and_optimizer(sharded, model, optimizer, accelerator)
+    save_legacy_layout(legacy, model, optimizer, accelerator)
     accelerator.wait_for_everyone()
     saved = full_model_state(model, accelerator, on_every_rank=True)
 
-    restored, restored_optimizer = prepared_gpt(1, accelerator)
+    read_whole = safetensors.torch.load_file
     if rank != 0:
         def refuse(*args, **kwargs):
-            raise AssertionError(f"rank {rank} read the weights file")
+            raise AssertionError(f"rank {rank} read a whole weights file")
         safetensors.torch.load_file = refuse
-    load_model_and_optimizer(folder, restored, restored_optimizer, accelerator)
-    loaded = full_model_state(restored, accelerator, on_every_rank=True)
-    plain = unwrap(restored)
+    results = {}
+    for layout, checkpoint in (("sharded", sharded), ("legacy", legacy)):
+        restored, restored_optimizer = prepared_gpt(1, accelerator)
+        load_model_and_optimizer(checkpoint, restored, restored_optimizer, accelerator)
+        loaded = full_model_state(restored, accelerator, on_every_rank=True)
+        results[layout] = {
+            "same_names": sorted(loaded) == sorted(saved),
+            "same_weights": all(torch.equal(loaded[name], saved[name]) for name in saved),
+            "same_moments": all(torch.equal(a, b) for a, b in zip(moments(optimizer), moments(restored_optimizer)))}
+    safetensors.torch.load_file = read_whole
 
-    missing = folder.parent / "missing"  # an FSDP checkpoint without its weights file
+    missing = folder / "missing"  # an FSDP checkpoint of the earlier layout without its weights file
     (missing / "optimizer").mkdir(parents=True, exist_ok=True)
     try:
         load_model_and_optimizer(missing, restored, restored_optimizer, accelerator)
         error = ""
     except CheckpointError as raised:
         error = str(raised)
-    result = {"strategy": describe(accelerator), "device": accelerator.device.type,
-              "same_names": sorted(loaded) == sorted(saved),
-              "same_weights": all(torch.equal(loaded[name], saved[name]) for name in saved),
-              "same_moments": all(torch.equal(a, b) for a, b in zip(moments(optimizer), moments(restored_optimizer))),
-              "still_tied": plain.lm_head.weight is plain.tok_emb.weight, "names": sorted(saved), "error": error}
-    (folder.parent / f"rank{rank}.json").write_text(json.dumps(result))
+    result = {"strategy": describe(accelerator), "device": accelerator.device.type, **results,
+              "head_in_embedding": unwrap(restored).head_in_embedding, "names": sorted(saved), "error": error}
+    (folder / f"rank{rank}.json").write_text(json.dumps(result))
     accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_fsdp_weights_are_read_by_the_main_process_only(tmp_path):
-    """Resuming an FSDP checkpoint: rank 0 reads model.safetensors and the weights reach the other ranks' shards
-    by broadcast (they never open the file), tied lm_head/tok_emb included; a file rank 0 cannot read fails on
-    every rank with a message instead of leaving the others waiting in the broadcast."""
+def test_fsdp_checkpoints_of_both_layouts_load_exactly(tmp_path):
+    """A sharded checkpoint loads each rank's rows of the weights and moments; one of the earlier layout (whole
+    weights, torch.distributed.checkpoint's optimizer state) still loads exactly, rank 0 reading its weights file and
+    broadcasting them a parameter at a time (the others never open it); tied lm_head/tok_emb included (one name in the
+    files, computed through the embedding's unit); a weights file rank 0 cannot read fails on every rank with a
+    message instead of leaving the others waiting in the broadcast."""
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     mp.spawn(load_worker, args=(free_port(), checkpoint, fsdp_launch_environment()), nprocs=WORLD, join=True)
     for rank in range(WORLD):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        result = json.loads((checkpoint / f"rank{rank}.json").read_text())
         assert result["strategy"] == "FSDP2, 3 processes" and result["device"] == "cpu", result
-        assert result["same_names"] and result["same_weights"] and result["same_moments"], (rank, result)
-        assert result["still_tied"], rank
+        for layout in ("sharded", "legacy"):
+            assert all(result[layout].values()), (rank, layout, result)
+        assert result["head_in_embedding"], rank
         assert "lm_head.weight" in result["names"] and "tok_emb.weight" not in result["names"]
         assert "The main process could not read" in result["error"] and "model.safetensors" in result["error"]

@@ -27,9 +27,11 @@ def tiny_gpt(seed: int = 0) -> GPT:
     return GPT(GPTConfig(vocab_size=100, max_seq_len=16, n_layer=2, n_head=2, n_embd=16))
 
 
-def stub_accelerator(kind: DistributedType = DistributedType.NO, **plugin: object) -> types.SimpleNamespace:
+def stub_accelerator(kind: DistributedType = DistributedType.NO, fsdp_version: int = 2,
+                     **plugin: object) -> types.SimpleNamespace:
     """What parallelism reads from an Accelerator, for one process."""
-    state = types.SimpleNamespace(deepspeed_plugin=types.SimpleNamespace(**plugin) if plugin else None)
+    state = types.SimpleNamespace(deepspeed_plugin=types.SimpleNamespace(**plugin) if plugin else None,
+                                  fsdp_plugin=types.SimpleNamespace(fsdp_version=fsdp_version))
     return types.SimpleNamespace(distributed_type=kind, is_main_process=True, process_index=0, num_processes=1,
                                  device=torch.device("cpu"), state=state)
 
@@ -147,9 +149,21 @@ def test_plain_checkpoint_round_trip(tmp_path, wrap):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_fsdp_checkpoint_code_on_one_process(tmp_path):
-    """The FSDP path (gathered weights, optimizer through torch.distributed.checkpoint) on an unsharded model."""
+def test_fsdp2_checkpoint_code_on_one_process(tmp_path):
+    """FSDP2's path (each rank's shards of the weights and of the optimizer state, with JSON indexes) on an unsharded
+    model: one piece of each tensor, nothing pickled."""
     model, optimizer, restored, restored_optimizer = round_trip(tmp_path, stub_accelerator(DistributedType.FSDP))
+    for folder in ("model_shards", "optimizer_shards"):
+        assert sorted(path.name for path in (tmp_path / folder).iterdir()) == ["index.json", "rank00000.safetensors"]
+    assert not (tmp_path / "optimizer.pt").exists() and not (tmp_path / "model.safetensors").exists()
+    assert same_weights(model, restored)
+    assert_same_optimizer(optimizer, restored_optimizer)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_fsdp1_checkpoint_code_on_one_process(tmp_path):
+    """FSDP1's path (gathered weights, optimizer through torch.distributed.checkpoint) on an unsharded model."""
+    model, optimizer, restored, restored_optimizer = round_trip(tmp_path, stub_accelerator(DistributedType.FSDP, 1))
     assert (tmp_path / "optimizer" / ".metadata").is_file() and list((tmp_path / "optimizer").glob("*.distcp"))
     assert not (tmp_path / "optimizer.pt").exists()
     assert same_weights(model, restored)
@@ -157,8 +171,9 @@ def test_fsdp_checkpoint_code_on_one_process(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_checkpoint_of_another_strategy_is_refused_with_a_message(tmp_path):
-    round_trip(tmp_path, stub_accelerator(DistributedType.FSDP))
+@pytest.mark.parametrize("version", [1, 2])
+def test_checkpoint_of_another_strategy_is_refused_with_a_message(tmp_path, version):
+    round_trip(tmp_path, stub_accelerator(DistributedType.FSDP, version))
     model = tiny_gpt()
     with pytest.raises(ConfigError, match="saved under fsdp and this run uses plain"):
         strategy.load_model_and_optimizer(tmp_path, model, model.configure_optimizer(0.1, 1e-3),
@@ -272,9 +287,11 @@ def test_plain_tensors_pass_through_plain_tensor():
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_fsdp_eval_model_is_a_whole_replica():
+def test_fsdp1_eval_model_is_a_whole_replica_and_fsdp2_runs_sharded():
     model = tiny_gpt().use_memory_savers(loss_chunk_tokens=64, checkpoint_activations=True)
-    with strategy.model_for_eval(model, stub_accelerator(DistributedType.FSDP)) as replica:
+    with strategy.model_for_eval(model, stub_accelerator(DistributedType.FSDP, 2)) as sharded:
+        assert sharded is model, "FSDP2: the training model itself, a unit at a time"
+    with strategy.model_for_eval(model, stub_accelerator(DistributedType.FSDP, 1)) as replica:
         assert isinstance(replica, GPT) and replica is not model and not replica.training
         assert same_weights(model, replica)
         assert replica.lm_head.weight is replica.tok_emb.weight

@@ -5,13 +5,16 @@ of the earlier format, whose random states are Python tuples and a numpy array, 
 
 from __future__ import annotations
 
+import base64
 import io
+import json
+import pickle
 import random
 
 import numpy as np
 import pytest
 import torch
-from checkpoint_tampering import Planted, rewrite_as_saved
+from checkpoint_tampering import Planted, replace_as_saved, rewrite_as_saved
 from fault_injection import StopAfterStep, TrainingTrace
 from trainer_fixtures import chat_data as chat_data, in_tmp as in_tmp, tokenizer_dir as tokenizer_dir  # fixtures
 from trainer_fixtures import tiny_config
@@ -29,10 +32,38 @@ def stopped_run(in_tmp, chat_data, tokenizer_dir):
     return config, in_tmp / "run" / "checkpoint-4"
 
 
+def as_earlier_version(checkpoint, earliest: bool = False) -> None:
+    """The checkpoint's random states as an earlier version wrote them, its marker to match: `rng.pt`, a torch file of
+    tensors and numbers, or with `earliest` of Python tuples and a numpy array, in place of `rng.json`."""
+    from checkpoint_tampering import replace_as_saved
+
+    json_file = checkpoint / "rank0" / "rng.json"
+    states = json.loads(json_file.read_text())
+    python, numpy = states["python"], states["numpy"]
+    torch_state = torch.frombuffer(bytearray(base64.b64decode(states["torch"])), dtype=torch.uint8)
+    if earliest:
+        saved = {"python": (python["version"], tuple(python["words"]), python["gauss_next"]),
+                 "numpy": (numpy["kind"], np.asarray(numpy["keys"], dtype=np.uint32), numpy["position"],
+                           numpy["has_gauss"], numpy["cached_gaussian"]),
+                 "torch": torch_state}
+    else:
+        saved = {"python": {**python, "words": torch.tensor(python["words"], dtype=torch.int64)},
+                 "numpy": {**numpy, "keys": torch.tensor(numpy["keys"], dtype=torch.int64)}, "torch": torch_state}
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    replace_as_saved(checkpoint / "rank0" / "rng.pt", buffer.getvalue())
+    json_file.unlink()
+    marker = json.loads((checkpoint / "COMPLETE.json").read_text())
+    del marker["files"]["rank0/rng.json"]
+    (checkpoint / "COMPLETE.json").write_text(json.dumps(marker))
+
+
 @pytest.mark.parametrize("part", ["rank0/rng.pt", "optimizer.pt"])
 def test_a_planted_pickle_is_refused_and_runs_nothing(stopped_run, tmp_path, part):
     config, checkpoint = stopped_run
     ran = tmp_path / "the-command-ran"
+    if part == "rank0/rng.pt":  # a checkpoint of an earlier version, whose random states are a torch file
+        as_earlier_version(checkpoint)
     saved = torch.load(checkpoint / part, weights_only=True)
     rewrite_as_saved(checkpoint / part, {**saved, "extra": Planted(ran)})
     trainer = Trainer(config)
@@ -46,25 +77,19 @@ def test_a_planted_pickle_is_refused_and_runs_nothing(stopped_run, tmp_path, par
     assert not ran.exists()
 
 
-def _earlier_format(states: dict) -> dict:
-    """The random states as the earlier writer stored them: Python's and numpy's as their own tuples."""
-    python, numpy = states["python"], states["numpy"]
-    return {"python": (python["version"], tuple(python["words"].tolist()), python["gauss_next"]),
-            "numpy": (numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
-                      numpy["has_gauss"], numpy["cached_gaussian"]),
-            "torch": states["torch"]}
-
-
-def test_a_checkpoint_of_the_earlier_format_resumes_exactly(in_tmp, chat_data, tokenizer_dir):
-    """Its random states (a numpy array inside) load through the one converter torch's data-only loader is given,
-    and training goes on with the uninterrupted run's losses (dropout draws from them)."""
+@pytest.mark.parametrize("earliest", [False, True], ids=["tensors", "tuples"])
+def test_a_checkpoint_of_an_earlier_version_resumes_exactly(in_tmp, chat_data, tokenizer_dir, earliest):
+    """Its random states in a torch file (of tensors, or earlier still of tuples with a numpy array inside, which load
+    through the one converter torch's data-only loader is given): training goes on with the uninterrupted run's losses
+    (dropout draws from them)."""
     whole = TrainingTrace(in_tmp / "whole")
     Trainer(tiny_config(in_tmp / "whole", chat_data, tokenizer_dir, max_steps=8), callbacks=[whole]).fit()
     config = tiny_config(in_tmp / "cut", chat_data, tokenizer_dir, max_steps=8)
     Trainer(config, callbacks=[StopAfterStep(4)]).fit()
-    rng_file = in_tmp / "cut" / "run" / "checkpoint-4" / "rank0" / "rng.pt"
-    rewrite_as_saved(rng_file, _earlier_format(torch.load(rng_file, weights_only=True)))
-    assert "numpy.ndarray" in safe_load.unsafe_globals(rng_file)  # as the earlier writer left it
+    checkpoint = in_tmp / "cut" / "run" / "checkpoint-4"
+    as_earlier_version(checkpoint, earliest)
+    if earliest:
+        assert "numpy.ndarray" in safe_load.unsafe_globals(checkpoint / "rank0" / "rng.pt")  # as that writer left it
     after = TrainingTrace(in_tmp / "after")
     resumed = Trainer(config, callbacks=[after])
     assert resumed.resume() is not None
@@ -73,13 +98,10 @@ def test_a_checkpoint_of_the_earlier_format_resumes_exactly(in_tmp, chat_data, t
     assert all(after.losses[step] == whole.losses[step] for step in after.losses)
 
 
-def test_the_random_states_are_stored_as_plain_data():
+def test_the_random_states_are_stored_as_json():
     from lowmem.train.state import RngState
 
-    buffer = io.BytesIO()
-    torch.save(RngState().state_dict(), buffer)
-    buffer.seek(0)
-    states = torch.load(buffer, weights_only=True)  # no global beyond torch's data types
+    states = json.loads(json.dumps(RngState().state_dict()))  # JSON, nothing else
     expected = (random.random(), np.random.rand(), torch.rand(1))
     RngState().load_state_dict(states)
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(1), expected[2])
@@ -155,7 +177,7 @@ def test_a_refused_checkpoint_named_to_resume_from_sets_nothing_aside(in_tmp, ch
     run = in_tmp / "run"
     before = sorted(path.name for path in run.iterdir())
     assert {"checkpoint-4", "checkpoint-8"} <= set(before)
-    rewrite_as_saved(run / "checkpoint-4" / "rank0" / "rng.pt", {"torch": Planted(tmp_path / "ran")})
+    replace_as_saved(run / "checkpoint-4" / "rank0" / "rng.pt", pickle.dumps({"torch": Planted(tmp_path / "ran")}))
     with pytest.raises(UnsafeCheckpointError):
         Trainer(config).resume(resume_from=run / "checkpoint-4")
     assert sorted(path.name for path in run.iterdir()) == before  # checkpoint-8 was not moved aside

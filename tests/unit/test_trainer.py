@@ -82,7 +82,7 @@ def test_request_stop_saves_where_training_stands_and_exports_nothing(in_tmp, ch
     assert not (run / "final").exists(), "a stopped run exports nothing"
     state = json.loads((run / "checkpoint-5" / "trainer_state.json").read_text())
     assert state["train"]["step"] == 5 and state["checkpoints"]["last_saved_step"] == 5
-    assert {p.name for p in (run / "checkpoint-5" / "rank0").iterdir()} == {"rng.pt", "data.json", "memory.json"}
+    assert {p.name for p in (run / "checkpoint-5" / "rank0").iterdir()} == {"rng.json", "data.json", "memory.json"}
 
 
 def test_a_stop_right_after_a_save_keeps_that_checkpoint_and_its_score(in_tmp, chat_data, tokenizer_dir):
