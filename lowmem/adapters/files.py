@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters
+from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec
 from lowmem.errors import ConfigError
-from lowmem.model import GPT, GPTConfig
-from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model_config, save_model_config,
-                                  strip_prefixes, tied_names, uncompiled, unwrap)
+from lowmem.model import GPTConfig
+from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, save_model_config,
+                                  strip_prefixes, uncompiled, unwrap)
 
 BASE_DIR = "base"
 BASE_RECORD = "base.json"
@@ -40,21 +40,6 @@ def file_sha256(path: Path, block: int = 8 * 2**20) -> str:
         while chunk := file.read(block):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def write_base(run_dir: Path, state: dict[str, torch.Tensor], model: GPT, came_from: str,
-               source_folder: Path) -> dict[str, Any]:
-    """Write `<run>/base/` from the model's base tensors (`state`, adapters left out) and return its record:
-    `came_from` says what the model was, `source_folder` is where it was read (peft's `base_model_name_or_path`)."""
-    from safetensors.torch import save_file
-
-    base = {strip_prefixes(name): tensor for name, tensor in state.items() if ADAPTER_MARK not in name}
-    for group in tied_names(model):  # one name per tied tensor, as every weights file of ours: dropped before the
-        for name in sorted(group)[1:]:  # copy to the host, which would give each name a tensor of its own
-            base.pop(name, None)
-    save_file({name: tensor.detach().float().contiguous().cpu() for name, tensor in base.items()},
-              str(base_weights_file(run_dir)), metadata={"format": "pt"})
-    return finish_base(run_dir, model.config, came_from, source_folder)
 
 
 def base_weights_file(run_dir: Path) -> Path:
@@ -144,34 +129,3 @@ def base_name(run_dir: Path) -> str:
         return str(json.loads(record.read_text(encoding="utf-8")).get("folder", ""))
     except (OSError, ValueError):
         return ""
-
-
-def _base_model(folder: Path) -> GPT:
-    """The GPT of a base folder, its weights read a tensor at a time through a memory map into storage nothing
-    initialised: one copy of the model in memory, as it will stay."""
-    from safetensors import safe_open
-
-    with torch.device("meta"):
-        model = GPT(load_model_config(folder))
-    model.to_empty(device=torch.device("cpu"))
-    model.tie_weights()
-    groups = tied_names(model)
-    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as file, torch.no_grad():
-        stored = set(file.keys())
-        for name, parameter in model.named_parameters():
-            group = next((group for group in groups if name in group), [name])
-            found = [candidate for candidate in sorted(group) if candidate in stored]
-            if not found:
-                raise ConfigError(f"{folder / WEIGHTS_FILE} has no tensor for {name}: the run's base is incomplete. "
-                                  "Restore the run folder from a copy, or start a new run.")
-            parameter.copy_(file.get_tensor(found[0]))
-    return model
-
-
-def adapted_checkpoint_model(folder: Path) -> GPT:
-    """The GPT of an adapter checkpoint, with its adapters: the run's base (`checked_base`) and the checkpoint's
-    adapters on it."""
-    adapted = _base_model(checked_base(folder.parent))
-    add_adapters(adapted, saved_spec(folder / ADAPTERS_FILE))
-    load_adapters(adapted, folder / ADAPTERS_FILE)
-    return adapted

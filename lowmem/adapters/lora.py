@@ -202,20 +202,6 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
-@torch.no_grad()
-def merge_in_place(model: GPT) -> GPT:
-    """Fold every adapter into its base weight and put a plain Linear back in its place (sharing the weight): the
-    model becomes a plain GPT, with no second copy of its weights made. Returns it."""
-    for name, layer in list(adapter_layers(model)):
-        layer.weight.add_(layer.delta_weight().to(layer.weight.dtype))
-        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-        plain.weight, plain.bias = layer.weight, layer.bias
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, plain)
-    setattr(model, _SPEC_ATTRIBUTE, None)
-    return model
-
-
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """Within the block, the model computes as its base (the adapters add nothing); on again after."""

@@ -12,16 +12,16 @@ from typing import Any, Callable, Collection
 import torch
 
 from lowmem.adapters.files import ADAPTERS_FILE, base_name, is_adapter_checkpoint, saved_spec
-from lowmem.adapters.lora import LoRASpec, adapter_spec, merged_state_dict
+from lowmem.adapters.lora import LoRASpec, adapter_spec
 from lowmem.adapters.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from lowmem.atomic_files import folder_built_aside
 from lowmem.config import TrainConfig
 from lowmem.config.sources import saved_config_record
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig
-from lowmem.checkpoint.model_files import ModelWeights, has_model_weights
+from lowmem.checkpoint.model_files import ModelWeights, has_model_weights, write_model
 from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, empty_model, load_model_config, save_model_config,
-                                  save_weights, unwrap_gpt)
+                                  unwrap_gpt)
 from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer, tokenizer_files
 from lowmem.program import command_line
 
@@ -61,12 +61,10 @@ def export_model(model: GPT, config: TrainConfig, out_dir: Path, tokenizer_dir: 
     """
     plain = unwrap_gpt(model)
     spec = adapter_spec(plain)
-    if spec is not None:  # the adapters merged in, and kept in peft's files beside
-        return _write_model_folder(out_dir, plain.config, config, tokenizer_dir,
-                                   lambda path: save_weights(merged_state_dict(plain), path), given,
-                                   adapters=(spec, plain))
-    return _write_model_folder(out_dir, plain.config, config, tokenizer_dir, lambda path: save_weights(model, path),
-                               given)
+    # A tensor at a time (the adapters merged in, and kept in peft's files beside): on a GPU only the tensor being
+    # written is copied to the host.
+    return _write_model_folder(out_dir, plain.config, config, tokenizer_dir, lambda path: write_model(plain, path),
+                               given, adapters=None if spec is None else (spec, plain))
 
 
 def export_checkpoint(checkpoint: Path, config: TrainConfig, out_dir: Path, tokenizer_dir: str,

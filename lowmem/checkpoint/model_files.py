@@ -193,3 +193,26 @@ class ModelWeights:
                     parameter[first:first + part.shape[0]].copy_(part)
                     first += part.shape[0]
                     del part
+
+
+def write_model(model: GPT, path: Path) -> None:
+    """Write a whole GPT's weights (plain, or with adapters: merged into their base matrices, in float32) as one
+    safetensors file under the plain model's names, a tensor at a time: each is copied to the host (and an adapted
+    one merged) only while it is written, never the model at once."""
+    from lowmem.adapters.lora import adapter_layers
+
+    adapted = {f"{name}.weight": layer for name, layer in adapter_layers(model)}
+    kept = {name: sorted(group)[0] for group in tied_names(model) for name in group}
+    chosen: dict[str, tuple[str, torch.Tensor]] = {}  # the name written → (the model's name, the tensor)
+    for name, tensor in model.state_dict().items():
+        if ADAPTER_MARK not in name:
+            chosen.setdefault(kept.get(name, name), (name, tensor))
+    unique = [(stored, name, tensor) for stored, (name, tensor) in chosen.items()]
+    planned = [PlannedTensor(stored, torch.float32 if name in adapted else tensor.dtype, tuple(tensor.shape))
+               for stored, name, tensor in unique]
+    with SafetensorsWriter(path, planned, metadata={"format": "pt"}) as writer, torch.no_grad():
+        for stored, name, tensor in unique:
+            layer = adapted.get(name)
+            values = tensor if layer is None else tensor.float() + layer.delta_weight()
+            writer.write(stored, values)
+            del values

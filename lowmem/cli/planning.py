@@ -10,7 +10,7 @@ from lowmem.config import TrainConfig
 
 
 def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str = "", device: str = "",
-         gpu_memory_gb: float = 0.0, is_keep_training: bool = False, **overrides: Any) -> None:
+         gpu_memory_gb: float = 0.0, is_keep_training: bool = False, largest: bool = False, **overrides: Any) -> None:
     """Print the memory plan of `train` with the same flags: each process's high-water by part, this machine's
     total against its budget, and the memory savers `train` would turn on (or why nothing fits).
 
@@ -25,6 +25,8 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
         device: cpu or cuda (default: cuda when a GPU is visible).
         gpu_memory_gb: one GPU's memory (default: read from the GPU when there is one).
         is_keep_training: plan the resume of the run in output_dir (its model and memory savers are kept).
+        largest: also say the largest model of these proportions this host trains, in full and with adapters (its
+            width and depth scaled together, the memory savers chosen for each size); an FSDP plan always says it.
         overrides: any config field, as for `train`.
     """
     import accelerate  # noqa: F401 - measured with the interpreter, as a training process has it
@@ -36,7 +38,7 @@ def plan(use_large_config: bool = False, num_processes: int = 1, strategy: str =
                          planned_layout(config, num_processes, strategy, device, gpu_memory_gb))))
     layout = planned_layout(config, num_processes, strategy, device, gpu_memory_gb)
     # The run as `train` would settle it: a resume's architecture and savers, a source model's shape and load.
-    config, decision, _ = settle_and_plan(config, given, is_keep_training, layout)
+    config, decision, _ = settle_and_plan(config, given, is_keep_training, layout, largest=bool(largest))
     length = run_length_line(config, given, decision, layout)
     for line in decision.lines + decision.warnings + ([length] if length else []):
         print(line)

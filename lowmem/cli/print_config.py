@@ -36,10 +36,11 @@ def launched_layout() -> tuple[int, str]:
     return processes, ""
 
 
-def settle_and_plan(config: TrainConfig, given: Collection[str], is_keep_training: bool, layout: Any
-                    ) -> tuple[TrainConfig, Any, bool]:
+def settle_and_plan(config: TrainConfig, given: Collection[str], is_keep_training: bool, layout: Any,
+                    largest: bool = False) -> tuple[TrainConfig, Any, bool]:
     """The run as `train` settles it (a resume's saved settings, a source model's shape and load) and the memory
-    plan's decision for `layout`; the third value says whether the run starts from a model."""
+    plan's decision for `layout` (with `largest`, the largest model of its proportions the host trains); the third
+    value says whether the run starts from a model."""
     from lowmem.config.overrides import explicit_fields
     from lowmem.train.memory_fit import decide
     from lowmem.train.startup import SavedRun, read_saved_run, settle_run
@@ -47,7 +48,7 @@ def settle_and_plan(config: TrainConfig, given: Collection[str], is_keep_trainin
     saved = read_saved_run(config.output_dir) if is_keep_training else SavedRun()
     settled, start = settle_run(config, given, saved)
     decision = decide(settled, layout, explicit_fields(settled, given), saved.memory_choice(allow_config_change=False),
-                      start=start)
+                      start=start, largest=largest)
     return settled, decision, start is not None
 
 

@@ -293,13 +293,14 @@ def no_fit_message(choice: SaverChoice, explicit: Collection[str], launch_hint: 
     """One paragraph for a run that fits nowhere: the plan, the shortfall, and what would fit."""
     plan, inputs = choice.plan, choice.plan.inputs
     usable = choice.budget_bytes * (1 - PLAN_MARGIN)
+    needed, limit = plan.machine_total, f"{gib_text(choice.budget_bytes)} budget"
     where = "this machine"
-    shortfall = plan.machine_total - usable
     if plan.machine_total <= usable and plan.device:
-        where, shortfall = "each GPU", plan.device_peak - inputs.gpu_bytes * (1 - PLAN_MARGIN)
-    text = (f"The memory plan does not fit: {where} needs about {(shortfall + usable) / MB:,.0f} MB where "
-            f"{usable / MB:,.0f} MB can be used ({gib_text(choice.budget_bytes)} budget less "
-            f"{PLAN_MARGIN:.0%}), {shortfall / MB:,.0f} MB short")
+        usable = inputs.gpu_bytes * (1 - PLAN_MARGIN)
+        where, needed, limit = "each GPU", plan.device_peak, f"{inputs.gpu_bytes / MB:,.0f} MB GPU"
+    shortfall = needed - usable
+    text = (f"The memory plan does not fit: {where} needs about {needed / MB:,.0f} MB where {usable / MB:,.0f} MB can "
+            f"be used ({limit} less {PLAN_MARGIN:.0%}), {shortfall / MB:,.0f} MB short")
     text += (f", even with {'; '.join(choice.steps)}." if choice.steps else ".")
     fixes = []
     strongest: dict[str, object] = {}  # every lever that has a strongest setting at it, explicit or not

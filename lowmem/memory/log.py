@@ -10,20 +10,23 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from lowmem.memory.phases import PhasePeak
 from lowmem.memory.probe import MemorySnapshot, reset_cuda_peak
 from lowmem.units import MB
 
 logger = logging.getLogger(__name__)
 
-EVENTS = ("start", "record", "watchdog", "end")
+EVENTS = ("start", "record", "watchdog", "phase", "end")
 # Every record has every field, null where a figure does not apply (CUDA on the CPU, USS where denied).
 # cuda_peak is the peak since the previous record of the same log (see `MemoryLogger.log`). `continues` is set
-# on a resumed run's start record: the ids of the runs it continues, oldest first (memlog joins them).
+# on a resumed run's start record: the ids of the runs it continues, oldest first (memlog joins them). A "phase"
+# record ends one occurrence of a phase (load, step, validation, save, export: `lowmem.memory.phases`): `phase`,
+# its own peak RSS `phase_high_water` and the memory plan's high-water for it, `phase_planned`.
 RECORD_FIELDS = (
     "time", "run", "continues", "rank", "world_size", "epoch", "step", "event",
     "rss", "uss", "workers", "workers_rss", "workers_uss", "sys_available", "budget",
     "cuda_allocated", "cuda_reserved", "cuda_peak", "arrow_bytes", "freed", "rss_high_water",
-    "predicted_high_water", "python_objects",
+    "predicted_high_water", "python_objects", "phase", "phase_high_water", "phase_planned",
 )
 RUN_ID_FORMAT = "%Y%m%d-%H%M%S"  # local time: ids of later runs sort after earlier ones
 LOG_NAME = "memory_{run}_rank{rank}.jsonl"  # one file per rank per run
@@ -62,15 +65,20 @@ def parse_log_name(path: str | Path) -> tuple[str, int] | None:
 
 def make_record(snapshot: MemorySnapshot, *, run: str, rank: int, world_size: int, epoch: int, step: int,
                 event: str, budget: int, freed: int = 0, now: float | None = None,
-                predicted_high_water: int | None = None, continues: list[str] | None = None) -> dict[str, Any]:
+                predicted_high_water: int | None = None, continues: list[str] | None = None,
+                phase: PhasePeak | None = None) -> dict[str, Any]:
     """One memory record (a dict with RECORD_FIELDS, in that order) from a snapshot and where training stands;
-    `predicted_high_water` is the memory plan's figure for this process (None when there is no plan)."""
+    `predicted_high_water` is the memory plan's figure for this process (None when there is no plan); a "phase"
+    record carries the `phase` that ended."""
     if event not in EVENTS:
         raise ValueError(f"event must be one of {EVENTS}, not {event!r}")
     figures = snapshot.as_dict()
     context = {"time": time.time() if now is None else now, "run": run, "rank": rank, "world_size": world_size,
                "epoch": epoch, "step": step, "event": event, "budget": budget, "freed": freed,
-               "predicted_high_water": predicted_high_water, "continues": continues}
+               "predicted_high_water": predicted_high_water, "continues": continues,
+               "phase": None if phase is None else phase.phase,
+               "phase_high_water": None if phase is None else phase.peak,
+               "phase_planned": None if phase is None else phase.planned}
     return {field: context[field] if field in context else figures[field] for field in RECORD_FIELDS}
 
 
@@ -80,6 +88,11 @@ def _mb(value: int | None) -> str:
 
 def format_line(record: dict[str, Any]) -> str:
     """The record as one readable line for the training log, figures in MB (MiB)."""
+    if record.get("event") == "phase":
+        planned = record.get("phase_planned")
+        error = "" if not planned else f" ({(record['phase_high_water'] - planned) / planned:+.0%})"
+        return (f"memory phase rank {record.get('rank')} step {record.get('step')} | {record.get('phase')}: peak "
+                f"{_mb(record.get('phase_high_water'))}" + (f", plan {_mb(planned)}{error}" if planned else ""))
     parts = [f"memory {record.get('event', 'record')} rank {record.get('rank')} epoch {record.get('epoch')} "
              f"step {record.get('step')}"]
     rss, uss = record.get("rss"), record.get("uss")
@@ -162,7 +175,7 @@ class MemoryLogger:
                        "disk to keep the next run's memory log.", self.path, error)
 
     def log(self, snapshot: MemorySnapshot, epoch: int, step: int, event: str = "record",
-            freed: int = 0) -> dict[str, Any]:
+            freed: int = 0, phase: PhasePeak | None = None) -> dict[str, Any]:
         """Write one record from `snapshot` and return it (for `format_line`).
 
         The CUDA peak is reset after a record that has one, so that each record's `cuda_peak` is the highest
@@ -171,7 +184,7 @@ class MemoryLogger:
         record = make_record(snapshot, run=self.run_id, rank=self.rank, world_size=self.world_size, epoch=epoch,
                              step=step, event=event, budget=self.budget_bytes, freed=freed,
                              predicted_high_water=self.predicted_high_water,
-                             continues=self.continues if event == "start" else None)
+                             continues=self.continues if event == "start" else None, phase=phase)
         if self._file is None and self.lost is None:
             raise ValueError(f"The memory log {self.path} is closed.")
         if self._file is not None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from lowmem.memory.cleanup import cleanup_memory, release_cuda_cache
 from lowmem.memory.collector import GrowthCollector
 from lowmem.memory.log import MemoryLogger, format_line
+from lowmem.memory.phases import PhaseMeter
 from lowmem.memory.probe import MemorySnapshot, take_snapshot
 from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.program import command_line
@@ -29,11 +31,13 @@ class MemoryMonitor:
 
     def __init__(self, memory_logger: MemoryLogger, watchdog: MemoryWatchdog | None, on_gpu: bool,
                  cleanup_steps: int = 50, memory_log_steps: int = 200,
-                 cleanup: Callable[[bool], int] = cleanup_memory) -> None:
+                 cleanup: Callable[[bool], int] = cleanup_memory, phases: PhaseMeter | None = None) -> None:
         self.memory_logger, self.watchdog, self.on_gpu = memory_logger, watchdog, on_gpu
         self.cleanup_steps, self.memory_log_steps, self.cleanup = cleanup_steps, memory_log_steps, cleanup
         self.earlier_runs: list[str] = []  # ids of the runs this one resumed, oldest first
         self.collector = GrowthCollector()
+        # The phase the process is in (begun with the load, before this monitor existed) and each one's peak.
+        self.phases = phases or PhaseMeter()
 
     def state_dict(self) -> dict[str, Any]:
         """Which memory logs hold this training's records: a resumed run writes a new log under a new id."""
@@ -59,8 +63,30 @@ class MemoryMonitor:
             self._watch(take_snapshot(include_uss=False), epoch, step, freed)
         return None
 
+    def enter_phase(self, phase: str | None, epoch: int, step: int) -> None:
+        """Begin `phase` (None: none); the phase that ends gets its record in the memory log: its own peak and the
+        plan's figure for it (see `lowmem.memory.phases`)."""
+        ended = self.phases.enter(phase)
+        if ended is not None:
+            record = self.memory_logger.log(take_snapshot(include_uss=False), epoch, step, event="phase", phase=ended)
+            logger.debug(format_line(record))
+
+    @contextlib.contextmanager
+    def phase(self, phase: str, epoch: int, step: int) -> Iterator[None]:
+        """`phase` for the duration of the block, the phase it interrupts begun again after it."""
+        interrupted = self.phases.current
+        self.enter_phase(phase, epoch, step)
+        try:
+            yield
+        finally:
+            self.enter_phase(interrupted, epoch, step)
+
     def end(self, epoch: int, step: int) -> dict[str, Any]:
-        """Log the memory after training and close the memory log."""
+        """Log the memory after training (the phase under way ended first) and close the memory log."""
+        self.enter_phase(None, epoch, step)
+        if self.phases.peaks:
+            logger.info("Memory by phase, rank %d: %s.", self.memory_logger.rank, self.phases.describe(),
+                        extra={"all_ranks": True})
         record = self._record(epoch, step, "end", freed=self.cleanup(self.on_gpu))
         self.memory_logger.close()
         return record

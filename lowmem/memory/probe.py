@@ -23,13 +23,39 @@ _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess)
 _NOT_WORKER_SCRIPT = re.compile(r"[/\\]torch[/\\]_inductor[/\\]")
 
 
+# The highest VmHWM read before the kernel's mark was last reset (`reset_high_water`): the process's own high-water
+# is the larger of it and the mark now.
+_HIGH_WATER_BEFORE_RESET = [0]
+
+
 def own_high_water() -> int:
-    """This process's highest RSS so far, in bytes: /proc/self/status VmHWM, or `ru_maxrss` off Linux.
+    """This process's highest RSS so far, in bytes: /proc/self/status VmHWM, or `ru_maxrss` off Linux; over the whole
+    life of the process, also across `reset_high_water`.
 
     `ru_maxrss` is not this process's own on Linux: exec keeps the high-water mark of the process that forked
     it, so a child started by an 800 MB parent reports at least 800 MB however little it holds. VmHWM
     belongs to the address space, which exec replaces.
     """
+    return max(_HIGH_WATER_BEFORE_RESET[0], high_water_since_reset())
+
+
+def reset_high_water() -> bool:
+    """Start the kernel's high-water mark (VmHWM) again from the RSS now, to measure a phase's own peak with
+    `high_water_since_reset`; the peak so far is kept for `own_high_water`. False where the kernel has no such reset
+    (`/proc/self/clear_refs` missing or not writable): the mark then runs on, and a phase's peak reads as the peak so
+    far."""
+    current = high_water_since_reset()
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+            clear.write("5")  # 5: reset the peak RSS (Linux 4.0 and later)
+    except OSError:
+        return False
+    _HIGH_WATER_BEFORE_RESET[0] = max(_HIGH_WATER_BEFORE_RESET[0], current)
+    return True
+
+
+def high_water_since_reset() -> int:
+    """The kernel's high-water mark of this process's RSS (VmHWM), since it last reset it; see `own_high_water`."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:

@@ -31,81 +31,14 @@ from lowmem.model import generation, preference
 # ARCHITECTURES is re-exported: the architectures this module builds, defined with the config that checks them.
 from lowmem.model.config import ARCHITECTURES as ARCHITECTURES
 from lowmem.model.attention import CausalSelfAttention, Rotary, segment_mask, segment_positions
+from lowmem.model.ends import OutputHead, TokenEmbedding
+from lowmem.model.mlp import MLP, SwiGLU
 from lowmem.model.config import GPTConfig
 from lowmem.model.flex import document_block_mask
 from lowmem.model.generation import DecodingState, attention_mask
 from lowmem.model.kv_cache import KVCache, LayerKVCache
 from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
 from lowmem.model.rotary import rotary_angles
-
-class MLP(nn.Module):
-    """Position-wise feed-forward network: widen 4x, GELU, project back."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
-        self.act = nn.GELU()
-        # Writes into the residual stream (scaled at init, see GPT._init_weights).
-        self.out_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) -> (B, T, C)."""
-        x = self.act(self.fc(x))  # (B, T, 4C)
-        return self.dropout(self.out_proj(x))  # (B, T, C)
-
-
-class SwiGLU(nn.Module):
-    """The Llama-style feed-forward network: SiLU(gate(x)) * up(x), projected back.
-
-    The gate lets each hidden unit scale its own value; at the same parameter count (see
-    `GPTConfig.mlp_hidden`) it trains to a lower loss than a GELU MLP in the PaLM and Llama reports.
-    """
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.gate = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
-        self.up = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
-        # Writes into the residual stream (scaled at init, see GPT._init_weights).
-        self.out_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) -> (B, T, C)."""
-        x = F.silu(self.gate(x)) * self.up(x)  # (B, T, H)
-        return self.dropout(self.out_proj(x))  # (B, T, C)
-
-
-class TokenEmbedding(nn.Embedding):
-    """The token embedding: vectors of token ids (B, T) -> (B, T, C), or, with `through`, a function of its weight.
-
-    A head tied to this embedding is computed through it (`GPT.head_in_embedding`) where the weight lives in an FSDP2
-    unit: a parameter belongs to one unit, and the unit gathers it around each of this module's calls only.
-    """
-
-    def forward(self, idx: torch.Tensor | None, through: Callable[[torch.Tensor], Any] | None = None) -> Any:
-        """The vectors of `idx`, or with `through` what it returns when given the weight (V, C)."""
-        if through is not None:
-            return through(self.weight)
-        assert idx is not None
-        return super().forward(idx)
-
-
-class OutputHead(nn.Linear):
-    """The language-model head: logits of hidden states (B, T, C) -> (B, T, V), or a function of its weight.
-
-    The chunked losses use the weight directly rather than the logits. They are given it inside this module's own
-    call (`through`), not read from the attribute: a wrapper that holds the weight in shards (an FSDP2 unit of its
-    own) gathers it around the module's call, and only there is it whole.
-    """
-
-    def forward(self, x: torch.Tensor | None, through: Callable[[torch.Tensor], Any] | None = None) -> Any:
-        """Logits of `x`, or with `through` what it returns when given the weight (V, C) (`x` is then unused)."""
-        if through is not None:
-            return through(self.weight)
-        assert x is not None
-        return F.linear(x, self.weight)
-
 
 def _norm(config: GPTConfig) -> nn.Module:
     """The normalisation layer of `config.architecture`: LayerNorm (gpt2) or RMSNorm (llama, no mean, no bias)."""

@@ -15,6 +15,7 @@ a partial load (`strict=False`) never happens.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from lowmem.errors import ConfigError
 from lowmem.hf.weight_map import NOT_WEIGHTS, WeightSource, transformers_weight_map
 from lowmem.model import GPT, GPTConfig
 from lowmem.model.safetensors_files import SafetensorsFiles, row_slices
+from lowmem.model.safetensors_writer import PlannedTensor, SafetensorsWriter
 from lowmem.model.weights import empty_model as empty_model  # re-exported: where a source's weights go
 from lowmem.model.weights import local_rows, tied_names, uncompiled, unwrap
 from lowmem.source.locate import LOWMEM, ModelSource
@@ -127,3 +129,23 @@ def fill_model(model: torch.nn.Module, source: ModelSource, plan: dict[str, Weig
                 del part  # a view of the file's pages: the next slice's release hands them back
             parameters += local.numel()
     return LoadedWeights(parameters, written, time.perf_counter() - started)
+
+
+def write_source_weights(path: Path, source: ModelSource, plan: dict[str, WeightSource], config: GPTConfig) -> None:
+    """One safetensors file of the source's weights under our names (one name of a tied pair, the alphabetically
+    first, as every weights file of ours), each in the dtype the source stores it in: what a model filled from it
+    holds, written from the files by this process alone, `LOAD_CHUNK_BYTES` at a time (no model, no gathering)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    groups = tied_names(model)
+    kept = {name: sorted(group)[0] for group in groups for name in group}
+    chosen = [(kept.get(name, name), name, tuple(parameter.shape)) for name, parameter in model.named_parameters()]
+    planned = [PlannedTensor(stored, source.tensors[plan[name].names[0]].dtype, shape)
+               for stored, name, shape in chosen]
+    with SafetensorsFiles(source.tensors) as files, SafetensorsWriter(path, planned, {"format": "pt"}) as writer:
+        for (stored, name, shape), tensor in zip(chosen, planned):
+            weight = plan[name]
+            for _start, _stop, part in row_slices(files, weight.names, 0, shape[0], LOAD_CHUNK_BYTES,
+                                                  weight.transpose):
+                writer.write(stored, part.to(tensor.dtype).contiguous())
+                del part

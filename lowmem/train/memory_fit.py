@@ -37,6 +37,7 @@ from lowmem.distributed.performance import SpeedSettings
 from lowmem.errors import ConfigError, LowmemError
 from lowmem.memory.budget import budget_source
 from lowmem.memory.data_settings import MemorySettings, decide_memory_settings
+from lowmem.memory.largest import largest_line, largest_models
 from lowmem.memory.levers import LEVER_FIELDS, SaverChoice, choose_savers, no_fit_message, plan_inputs_of_levers
 from lowmem.memory.plan import (CUDA_CONTEXT_DEVICE_BYTES, DDP, DEEPSPEED, FSDP, SINGLE, MemoryPlan, ModelShape,
                                 PlanInputs, format_plan, plan_memory)
@@ -73,7 +74,7 @@ def model_shape(config: TrainConfig, vocab_size: int, start: StartingPoint | Non
     return ModelShape(n_layer=gpt.n_layer, n_embd=gpt.n_embd, n_head=gpt.n_head, mlp_hidden=gpt.mlp_hidden,
                       padded_vocab=gpt.padded_vocab_size, max_seq_len=gpt.max_seq_len, architecture=gpt.architecture,
                       params=params, block_params=block_params, adapter_params=adapters,
-                      adapter_dropout_bytes=dropout_bytes)
+                      adapter_dropout_bytes=dropout_bytes, tied_head=gpt.tie_embeddings)
 
 
 def measure_base_bytes() -> int:
@@ -166,9 +167,10 @@ class Planned:
 
 def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None = None,
                 tokenizer: TextTokenizer | None = None,
-                start: StartingPoint | None = None) -> Planned:
+                start: StartingPoint | None = None, resuming: bool = False) -> Planned:
     """The plan's inputs for `config` run as `layout` (starting from `start`'s model when given, with `tokenizer`
-    when one exists), and the speed and data settings decided on the way."""
+    when one exists; `resuming` a checkpoint, whose optimizer state is loaded with the weights), and the speed and
+    data settings decided on the way."""
     from lowmem.distributed.performance import compile_worker_processes, speed_settings
 
     speed = speed_settings(config, layout.device, sharded=layout.strategy in (FSDP, DEEPSPEED))
@@ -213,7 +215,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         compiled=speed.compile, compile_workers=compile_worker_processes(settings.low_budget) if speed.compile else 0,
         load_chunk_bytes=load_slice_bytes(start.source) if start is not None and start.source is not None else 0,
         static_shapes=speed.static_shapes and not preference,
-        reference_bytes=_reference_copy_bytes(config, layout, shape),
+        reference_bytes=_reference_copy_bytes(config, layout, shape), resuming=resuming,
     )
     measured = Measured(tokenizer=tokenizer, index=index, sizes=sizes)
     return Planned(inputs, positions_for_rows, speed, settings, measured)
@@ -279,18 +281,35 @@ class MemoryDecision:
 
 def decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str],
            saved_choice: dict[str, Any] | None = None, base_bytes: int | None = None,
-           start: StartingPoint | None = None) -> MemoryDecision:
+           start: StartingPoint | None = None, largest: bool = False) -> MemoryDecision:
     """Plan the run and choose its memory savers (rank 0's work in `settle_memory`); errors come back as data.
     A resume keeps `saved_choice`, the choice saved with the checkpoint it continues from
-    (`lowmem.train.startup.SavedRun.memory_choice`); a run started from a model plans that model (`start`)."""
+    (`lowmem.train.startup.SavedRun.memory_choice`); a run started from a model plans that model (`start`). With
+    `largest`, and under FSDP always, the plan says the largest model of these proportions the host trains."""
     try:
-        return _decide(config, layout, explicit, saved_choice, base_bytes, start)
+        return _decide(config, layout, explicit, saved_choice, base_bytes, start, largest)
     except LowmemError as error:
         return MemoryDecision(error=str(error))
 
 
+def _largest_line(config: TrainConfig, planned: Planned, budget: int, explicit: Collection[str],
+                  start: StartingPoint | None) -> str:
+    """`lowmem.memory.largest`'s line for this run: its model scaled, trained in full and with adapters (the run's
+    own, else rank 16 on every projection), the savers chosen for each size."""
+    inputs = planned.inputs
+    rank = config.lora_rank or 16
+    if inputs.model.adapter_params:
+        adapters = inputs.model
+    else:
+        tokenizer = planned.measured.tokenizer
+        vocab = tokenizer.vocab_size if tokenizer is not None else config.vocab_size
+        adapters = model_shape(dataclasses.replace(config, lora_rank=rank), vocab, start)
+    found = largest_models(inputs, adapters, rank, budget, explicit, planned.positions_for_rows)
+    return largest_line(found, inputs.model.architecture)
+
+
 def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], saved: dict[str, Any] | None,
-            base_bytes: int | None, start: StartingPoint | None = None) -> MemoryDecision:
+            base_bytes: int | None, start: StartingPoint | None = None, largest: bool = False) -> MemoryDecision:
     budget = int(config.memory_budget_gb * GIB) if config.memory_budget_gb > 0 else None
     if budget is None:
         from lowmem.memory.budget import memory_budget_bytes
@@ -303,7 +322,8 @@ def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], s
         decision.changes = {name: value for name, value in saved.get("changes", {}).items()
                             if name in LEVER_FIELDS and name not in explicit}
         config = dataclasses.replace(config, **decision.changes)
-    planned = plan_inputs(config, layout, base_bytes, existing_tokenizer(config, start), start)
+    planned = plan_inputs(config, layout, base_bytes, existing_tokenizer(config, start), start,
+                          resuming=saved is not None)
     inputs, positions_for_rows = planned.inputs, planned.positions_for_rows
     decision.speed, decision.settings, decision.measured = planned.speed, planned.settings, planned.measured
     decision.measured.tokenizer_folder = tokenizer_folder(config, start)
@@ -327,6 +347,8 @@ def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], s
                                  "train ...") + " (your flags)"
             decision.error = no_fit_message(choice, explicit, launch, positions_for_rows)
     decision.lines.insert(0, format_plan(decision.plan, budget, source))
+    if largest or layout.strategy == FSDP:
+        decision.lines.insert(1, _largest_line(config, planned, budget, explicit, start))
     return decision
 
 

@@ -14,12 +14,32 @@ from lowmem.config.columns import data_columns, is_preference
 from lowmem.data import ParquetStream
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.disk_errors import writing
+from lowmem.distributed.collectives import run_on_main
+from lowmem.distributed.fsdp_units import all_ranks_finished, is_sharded
 from lowmem.distributed.sharded_checkpoint import MODEL_SHARDS
 from lowmem.eval.commands import answer
 from lowmem.model.weights import WEIGHTS_FILE
 from lowmem.program import command_line
 
 logger = logging.getLogger(__name__)
+
+
+def export_final(final_model: Any, model: Any, config: TrainConfig, manifest: dict[str, Any],
+                 given: Collection[str] | None, accelerator: Any) -> None:
+    """`export_models` at the end of a finished run, every rank calling it (`model`: the training model,
+    `final_model` its eval form) while the main process writes: a model sharded over the processes stays in its
+    shards, and final/ is written from the last checkpoint, a tensor at a time. A full disk stops every rank."""
+    run_on_main(accelerator, lambda: export_models(None if is_sharded(model) else final_model, config, manifest, given))
+
+
+def answer_sample(final_model: Any, model: Any, tokenizer: TextTokenizer, config: TrainConfig,
+                  accelerator: Any) -> dict[str, str]:
+    """`sample_answer` at the end of a finished run, every rank calling it; the sample (an empty dict on the ranks that
+    did not answer). A model sharded over the processes answers on every one together (each step of generation is a
+    collective); otherwise the main process answers while the others wait."""
+    if is_sharded(model):
+        return sample_answer(final_model, tokenizer, config, all_ranks_finished(accelerator))
+    return run_on_main(accelerator, lambda: sample_answer(final_model, tokenizer, config)) or {}
 
 
 def export_models(final_model: Any | None, config: TrainConfig, manifest: dict[str, Any],

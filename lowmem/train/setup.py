@@ -32,9 +32,7 @@ from lowmem.data.tokenizer_identity import (describe_files, describe_identity, r
 from lowmem.distributed.accelerator import log_launcher_precision_note
 from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main
 from lowmem.eval.validation import METRIC_MODES
-from lowmem.distributed.fsdp_units import is_sharded
-from lowmem.distributed.sharded_checkpoint import write_gathered
-from lowmem.distributed.strategy import (DEEPSPEED, FSDP, describe, full_model_state, prepare_model_and_optimizer,
+from lowmem.distributed.strategy import (DEEPSPEED, FSDP, describe, prepare_model_and_optimizer,
                                          strategy)
 from lowmem.errors import ConfigError
 from lowmem.memory.cleanup import set_malloc_mmap_threshold
@@ -42,14 +40,16 @@ from lowmem.memory.data_settings import MemorySettings, decide_memory_settings
 from lowmem.disk_errors import writing
 from lowmem.memory.log import MemoryLogger, new_run_id
 from lowmem.memory.monitor import MemoryMonitor
+from lowmem.memory.phases import PhaseMeter
+from lowmem.memory.plan import LOAD, PHASES, MemoryPlan
 from lowmem.memory.watchdog import MemoryWatchdog
 from lowmem.model import GPT, GPTConfig
-from lowmem.model.weights import WEIGHTS_FILE, unwrap_gpt
+from lowmem.model.weights import unwrap_gpt
 from lowmem.program import command_line
 from lowmem.run_files import LAUNCH_LOG_DIR, run_log_dir
-from lowmem.adapters.files import BASE_DIR, base_weights_file, finish_base, write_base
+from lowmem.adapters.files import BASE_DIR, base_weights_file, finish_base
 from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, add_adapters
-from lowmem.source.load import LoadedWeights, empty_model, fill_model
+from lowmem.source.load import LoadedWeights, empty_model, fill_model, write_source_weights
 from lowmem.source.settle import StartingPoint
 from lowmem.train.log import StepLog
 from lowmem.distributed.performance import SpeedSettings, enable_tf32, maybe_compile, run_speed_settings
@@ -244,17 +244,12 @@ def keep_starting_model(model: torch.nn.Module, config: TrainConfig, accelerator
     base = Path(config.output_dir) / BASE_DIR
     if start is not None and start.source is not None and not start.resumed:
         source, run_dir = start.source, Path(config.output_dir)
+        def write() -> None:  # from the source's files, as the model was filled: no model is gathered or copied
+            write_source_weights(base_weights_file(run_dir), source, start.weights, plain.config)
+            finish_base(run_dir, plain.config, source.description, source.folder)
+
         with writing("the adapters' base model" if spec is not None else "the DPO run's reference model", base):
-            if is_sharded(model):  # gathered a tensor at a time: no process holds the whole model
-                weights_file = run_on_main(accelerator, lambda: base_weights_file(run_dir))
-                write_gathered(weights_file or base / WEIGHTS_FILE, model, accelerator, skip=ADAPTER_MARK,
-                               dtype=torch.float32)
-                run_on_main(accelerator, lambda: finish_base(run_dir, plain.config, source.description, source.folder))
-            else:
-                state = full_model_state(model, accelerator)
-                run_on_main(accelerator, lambda: write_base(run_dir, state or {}, plain, source.description,
-                                                            source.folder))
-                del state
+            run_on_main(accelerator, write)
     if spec is None:
         logger.info("DPO: the starting model is kept once in %s, the frozen reference a resume reads (the source "
                     "may then be gone).", base)
@@ -331,8 +326,16 @@ def steps_per_epoch(loader: StreamLoader, config: OptimConfig) -> int:
     return steps
 
 
+def begin_load_phase(plan: MemoryPlan | None, is_main: bool) -> PhaseMeter:
+    """The meter of this process's phases, the load begun (each phase's peak goes to the memory log beside the plan's
+    figure for it: `lowmem.memory.phases`)."""
+    phases = PhaseMeter({phase: plan.phase_high_water(phase, is_main) for phase in PHASES} if plan is not None else {})
+    phases.enter(LOAD)
+    return phases
+
+
 def make_memory_monitor(config: TrainConfig, accelerator: Accelerator, settings: MemorySettings,
-                        predicted_high_water: int | None = None) -> MemoryMonitor:
+                        predicted_high_water: int | None = None, phases: PhaseMeter | None = None) -> MemoryMonitor:
     """Cleanups, memory records and the watchdog for this rank, on the budget share rank 0 decided.
 
     The run id (a timestamp) is chosen by rank 0, so that every rank's memory log carries the same one; every
@@ -346,7 +349,7 @@ def make_memory_monitor(config: TrainConfig, accelerator: Accelerator, settings:
                                  link_dir=LAUNCH_LOG_DIR)
     watchdog = MemoryWatchdog(share, fraction=config.memory_watchdog_fraction)
     return MemoryMonitor(memory_logger, watchdog, on_gpu=accelerator.device.type == "cuda",
-                         cleanup_steps=config.cleanup_steps, memory_log_steps=config.memory_log_steps)
+                         cleanup_steps=config.cleanup_steps, memory_log_steps=config.memory_log_steps, phases=phases)
 
 
 def make_checkpoint_manager(config: TrainConfig, accelerator: Accelerator, all_ok: Callable[[bool], bool],

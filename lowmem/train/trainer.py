@@ -7,15 +7,15 @@ A Trainer is made of small parts, each keeping its own state and saying itself w
     checkpoints  CheckpointManager: atomic folders, retention, `due(step)`   (checkpoint: shared)
     data         LoaderPosition: the training loader and its exact position (checkpoint: per rank)
     rng          RngState: this process's random states                     (checkpoint: per rank)
-    memory       MemoryMonitor: cleanups, memory records, the watchdog      (checkpoint: per rank)
+    memory       MemoryMonitor: cleanups, memory records, phases, watchdog  (checkpoint: per rank)
     validator    Validator: validation loss and BLEU-4, `due(step)`
     step_log     StepLog: one readable line per logging step
     tracking     Tracking: the training curves (--report_to), from the main process
     stopper      GracefulStop: SIGINT/SIGTERM, or `request_stop(reason)`
 
-A checkpoint is the model, the optimizer and the dict of the stateful parts (`TrainingCheckpoint`); a resume
-(`lowmem.train.resume`) loads them back. `fit()` is the whole loop, one step at a time: take the step's batches,
-agree with every rank (a stop, the end of the epoch), train, then validate and save when due.
+A checkpoint is the model, the optimizer and the stateful parts (`TrainingCheckpoint`); a resume (`lowmem.train.resume`)
+loads them back. `fit()` is the whole loop, a step at a time: take the step's batches, agree with every rank (a stop,
+the end of the epoch), train, then validate and save when due.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ from lowmem.preference.loss import preference_loss
 from lowmem.disk_errors import writing
 from lowmem.errors import DataError
 from lowmem.distributed.accelerator import create_accelerator, ddp_settings
-from lowmem.distributed.collectives import (all_reduce_max, all_reduce_sum, run_on_main)
-from lowmem.distributed.fsdp_units import all_ranks_finished, is_sharded
+from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum, run_on_main
 from lowmem.distributed.peers import PeerWatch
 from lowmem.distributed.performance import check_cuda_graphs, release_compile_workers, run_speed_settings
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.validation import EvalResult
 from lowmem.eval.validator import Validator
 from lowmem.memory.collector import freeze_set_up_objects
+from lowmem.memory.plan import EXPORT, SAVE, STEP, VALIDATION
 from lowmem.model.weights import unwrap_gpt
 from lowmem.program import command_line
 from lowmem.progress import progress_bar
@@ -61,12 +61,12 @@ from lowmem.train.memory_fit import SAVED_KEY, MemoryDecision, log_decision, set
 from lowmem.train.resume import (ResumeDecision, choose_checkpoint, data_position_to_load, decide_resume,
                                  epoch_may_restart, rescale_line, steps_after_rescale)
 from lowmem.train.schedule import LearningRateSchedule, total_steps, warmup_kept_by
-from lowmem.train.setup import (build_model_and_optimizer, ensure_tokenizer, keep_starting_model,
+from lowmem.train.setup import (begin_load_phase, build_model_and_optimizer, ensure_tokenizer, keep_starting_model,
                                 log_processes, make_checkpoint_manager, make_collate, make_loader, make_memory_monitor,
                                 make_step_log, shared_memory_settings, steps_per_epoch)
 from lowmem.source.settle import StartingPoint, describe_start
 from lowmem.train.startup import SavedRun, settle_run
-from lowmem.train.run_end import export_models, sample_answer
+from lowmem.train.run_end import answer_sample, export_final
 from lowmem.train.state import LoaderPosition, RngState, TrainState
 from lowmem.train.step import (Batch, StepAgreement, StepResult, attention_pairs, compile_each_shape, count_rows,
                                count_tokens, train_step)
@@ -121,9 +121,9 @@ class Trainer:
             _, memory = settle_memory(dataclasses.replace(config, memory_savers="off"), self.accelerator, explicit=())
             log_decision(memory)
         self.memory_decision = memory
+        phases = begin_load_phase(memory.plan, self.is_main)  # the model is built and filled next
         self.peers = PeerWatch.gather(self.accelerator, plan_line=memory.summary())
-        # What the memory plan decided on the way is the run's: nothing of it is decided again here.
-        measured = memory.measured
+        measured = memory.measured  # what the memory plan decided on the way is the run's: nothing of it again here
         self.speed = memory.speed or run_speed_settings(config, self.accelerator)
         check_cuda_graphs(config, self.speed)
         logger.info("Speed settings: %s.", self.speed.describe())
@@ -152,7 +152,7 @@ class Trainer:
         self.checkpoints = make_checkpoint_manager(config, self.accelerator, self._all_ok, self.saved_run.folders)
         self.data, self.rng = LoaderPosition(loader), RngState()
         self.memory = make_memory_monitor(config, self.accelerator, settings,
-                                          predicted_high_water=memory.predicted_high_water(self.is_main))
+                                          predicted_high_water=memory.predicted_high_water(self.is_main), phases=phases)
         self.validator = Validator(config, self.tokenizer, self.accelerator,
                                    pair_scorer(self.preference, self.tokenizer, self.accelerator, config))
         self.step_log = make_step_log(config, self.accelerator, unwrap_gpt(self.model), planned_steps)
@@ -316,7 +316,8 @@ class Trainer:
 
     def validate(self, with_bleu: bool = True) -> EvalResult:
         """Validate at the current step (every rank together); the result goes to the training curves too."""
-        result = self.validator.run(self.model, self.state.step, with_bleu=with_bleu)
+        with self.memory.phase(VALIDATION, self.state.epoch, self.state.step):
+            result = self.validator.run(self.model, self.state.step, with_bleu=with_bleu)
         if with_bleu:
             self.validated_step = self.state.step
         self.tracking.log_validation(self.state.step, result)
@@ -359,8 +360,9 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_checkpoint_write(self, folder)
 
-        folder = self.checkpoints.save(self.state.step, write, score=score,
-                                       info={"epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen})
+        with self.memory.phase(SAVE, self.state.epoch, self.state.step):
+            folder = self.checkpoints.save(self.state.step, write, score=score,
+                                           info={"epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen})
         self.saved_step = self.state.step
         return folder
 
@@ -431,9 +433,9 @@ class Trainer:
         warmup = self.schedule.warmup_line()  # after a resume: the warmup the run started with
         if warmup:
             logger.warning(warmup)
-        # The set-up's memory, before the first validation and step (and, under FSDP, the whole replica a
-        # validation gathers): what a run started from a model holds once it is loaded.
+        # The set-up's memory, before the first validation and step: what a run started from a model holds loaded.
         self.memory.start(self.state.epoch, self.state.step)
+        self.memory.enter_phase(STEP, self.state.epoch, self.state.step)  # the load (and a resume's) ends
         if self.resumed_from is None:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
         if self.speed.compile and self.fixed_shapes is not None:
@@ -464,21 +466,16 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """Validation losses, steps, tokens and seconds of the run so far, and what stopped it."""
         self.count_skipped_steps()
-        last = self.validator.last
-        summary = {
-            "val_loss_start": self.state.val_loss_start,
-            "val_loss_end": last.loss if last is not None else self.state.val_loss_start,
-            "steps": self.state.step, "bleu4_end": self.validator.last_score("bleu4"),
-            "tokens_seen": self.state.tokens_seen, "seconds": time.perf_counter() - self.started,
-            "processes": self.accelerator.num_processes, "stopped_by": self.stopper.requested_by,
-            "skipped_steps": self.state.skipped_steps, "rows_not_trained": self.state.rows_not_trained,
-        }
-        return summary
+        last, state = self.validator.last, self.state
+        return {"val_loss_start": state.val_loss_start, "steps": state.step, "tokens_seen": state.tokens_seen,
+                "val_loss_end": last.loss if last is not None else state.val_loss_start,
+                "bleu4_end": self.validator.last_score("bleu4"), "seconds": time.perf_counter() - self.started,
+                "processes": self.accelerator.num_processes, "stopped_by": self.stopper.requested_by,
+                "skipped_steps": state.skipped_steps, "rows_not_trained": state.rows_not_trained}
 
     def finish(self) -> dict[str, Any]:
-        """After the loop; returns the summary. Stopped: say how to continue. Done: the callbacks see the whole
-        model, the main process exports final/ and best/ and logs a sampled answer. Every rank enters
-        together: under FSDP the model is gathered."""
+        """After the loop; returns the summary. Stopped: say how to continue. Done: the callbacks see the model as
+        evaluation runs it, final/ and best/ are exported and a sampled answer logged. Every rank enters together."""
         summary = self.summary()
         if self.stopped:
             logger.info("Stopped by %s at step %d; the checkpoint is saved. Continue with `%s` (your flags, and "
@@ -492,18 +489,12 @@ class Trainer:
             logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.",
                         summary["val_loss_start"], summary["val_loss_end"], self.state.step,
                         summary["val_loss_start"] - summary["val_loss_end"], summary["seconds"])
-            if is_sharded(self.model):
-                # The model stays in its shards: final/ is written from the last checkpoint, a tensor at a time, and
-                # every process answers the sample together (each step of generation is a collective).
-                run_on_main(self.accelerator, lambda: export_models(None, self.config, self.checkpoints.manifest,
-                                                                    self.given))
-                summary["sample"] = sample_answer(final_model, self.tokenizer, self.config,
-                                                  all_ranks_finished(self.accelerator))
-            else:
-                def export_and_sample() -> None:  # a full disk there stops every rank, not the main process only
-                    export_models(final_model, self.config, self.checkpoints.manifest, self.given)
-                    summary["sample"] = sample_answer(final_model, self.tokenizer, self.config)
-
-                run_on_main(self.accelerator, export_and_sample)
+            epoch, step = self.state.epoch, self.state.step
+            with self.memory.phase(EXPORT, epoch, step):
+                export_final(final_model, self.model, self.config, self.checkpoints.manifest, self.given,
+                             self.accelerator)
+            with self.memory.phase(VALIDATION, epoch, step):  # generation, as validation's
+                summary["sample"] = answer_sample(final_model, self.model, self.tokenizer, self.config,
+                                                  self.accelerator)
         self.accelerator.wait_for_everyone()  # every rank is here before any ends the process group
         return summary

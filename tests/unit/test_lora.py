@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lowmem.adapters import LoRALinear, LoRASpec, add_adapters, adapters_off, merged_state_dict
-from lowmem.adapters.lora import adapter_state_dict, base_state_dict
+from lowmem.adapters.lora import adapter_spec, adapter_state_dict, base_state_dict
 from lowmem.adapters.peft_files import ADAPTER_CONFIG, write_peft_adapter
 from lowmem.errors import ConfigError
 from lowmem.hf.weights import hf_config, hf_state_dict
@@ -194,31 +194,49 @@ def test_the_plan_gives_gradients_and_moments_to_the_adapters_only(strategy):
     assert "2.4 M in adapters that train" in format_plan(lora)
 
 
-def test_the_runs_base_holds_one_tensor_per_tied_weight_even_from_copies_of_it(tmp_path):
-    """On a GPU the weights reach the host as copies, one per name of the tied embedding and head: the base keeps
-    one, so that the resume's strict check of the base's tensors accepts it."""
-    from lowmem.adapters.files import BASE_DIR, adapted_checkpoint_model, checked_base, write_base
-    from lowmem.source.load import weight_plan
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_runs_base_is_written_from_the_source_one_tensor_per_tied_weight(tmp_path, dtype):
+    """The base is written from the source's files as the model was filled from them, by one process a slice at a
+    time: one tensor per tied weight (the resume's strict check of the base's tensors accepts it), in the source's
+    dtype; a checkpoint of adapters on it loads as the plain model with them merged."""
+    from lowmem.adapters.files import ADAPTERS_FILE, BASE_DIR, base_weights_file, checked_base, finish_base, \
+        save_adapters
+    from lowmem.checkpoint.model_files import ModelWeights
+    from lowmem.model.weights import empty_model, save_model_config, save_weights
+    from lowmem.source.load import weight_plan, write_source_weights
     from lowmem.source.locate import find_source
 
     model = base_model("llama-gqa")
-    copies = {name: value.clone() for name, value in model.state_dict().items()}  # what .cpu() of GPU tensors gives
-    assert "lm_head.weight" in copies and "tok_emb.weight" in copies
-    write_base(tmp_path, copies, model, "a test model", tmp_path)
-    base = find_source(str(checked_base(tmp_path)))
+    source_folder = tmp_path / "source"
+    source_folder.mkdir()
+    save_weights({name: value.to(dtype) for name, value in model.state_dict().items() if name != "tok_emb.weight"},
+                 source_folder / "model.safetensors")  # one name of the tied pair, as lowmem's files keep
+    save_model_config(model.config, source_folder)
+    source = find_source(str(source_folder))
+    run = tmp_path / "run"
+    write_source_weights(base_weights_file(run), source, weight_plan(source, model.config), model.config)
+    finish_base(run, model.config, "a test model", source_folder)
+    base = find_source(str(checked_base(run)))
     assert weight_plan(base, model.config)  # every tensor used, none left over
-    assert (tmp_path / BASE_DIR / "base.json").is_file()
-
-    # A checkpoint of adapters on that base loads as the plain model with them merged.
-    from lowmem.adapters.files import ADAPTERS_FILE, save_adapters
+    assert {entry.dtype for entry in base.tensors.values()} == {dtype}
+    assert "lm_head.weight" in base.tensors and "tok_emb.weight" not in base.tensors
+    assert (run / BASE_DIR / "base.json").is_file()
 
     _, adapted = with_adapters("llama-gqa")
-    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint = run / "checkpoint-4"
     checkpoint.mkdir()
     save_adapters(adapted.state_dict(), checkpoint / ADAPTERS_FILE, SMALL_ADAPTERS)
-    loaded = adapted_checkpoint_model(checkpoint)
+    save_model_config(model.config, checkpoint)
+    with ModelWeights(checkpoint) as weights:
+        loaded = empty_model(weights.config)
+        weights.load_into(loaded)
+    with torch.no_grad():  # the adapters on the base as the source stores it
+        for name, parameter in adapted.named_parameters():
+            if ".lora_" not in name:
+                parameter.copy_(parameter.to(dtype))
     idx = tokens()
     assert torch.allclose(logits(loaded, idx), logits(adapted, idx), atol=1e-6)
+    assert adapter_spec(loaded) is None, "merged: a plain model"
 
 
 def test_a_model_without_adapters_has_none_to_export(tmp_path):

@@ -182,11 +182,17 @@ def test_model_states_per_strategy():
     assert part(fsdp, "model weights").bytes == 4 * P // 3
     assert part(fsdp, "AdamW moments").bytes == 8 * P // 3
     assert part(fsdp, "gradients").bytes == 4 * P // 3
-    # The embedding (tied to the head) gathered whole with its gradient, three blocks of weights and gradients.
-    assert part(fsdp, "gathered weights and gradients").bytes == 4 * (2 * LARGE.root_params + 3 * LARGE.block_params)
-    # The replica, and beside it the larger of the evaluation and the gathered weights it is loaded from.
-    assert part(fsdp, "whole replica for evaluation").bytes == 4 * P
-    assert part(fsdp, "evaluation").bytes >= 4 * P
+    # A unit at a time (the embedding's or the head's) and three blocks gathered, two blocks' gradients unsharded.
+    V, C, B = LARGE.padded_vocab, LARGE.n_embd, LARGE.block_params
+    assert part(fsdp, "gathered weights and gradients").bytes == 4 * (V * C + 3 * B) + 8 * B
+    # Validation runs the sharded model: no whole copy of the weights, two blocks and a unit gathered.
+    assert part(fsdp, "gathered weights (evaluation)").bytes == 4 * (V * C + 2 * B)
+    assert not [item for item in fsdp.host if "replica" in item.name or item.phase == "save"], "no whole copy"
+    # The moments are made by the first step: the load phase holds none of them, a resume's does.
+    assert fsdp.phase_high_water("load") == fsdp.phase_high_water("step") - sum(
+        item.bytes for item in fsdp.host if item.phase == "step") - 8 * P // 3
+    resumed = plan_memory(large_inputs(strategy=FSDP, resuming=True))
+    assert resumed.phase_high_water("load") == fsdp.phase_high_water("load") + 8 * P // 3
 
 
 def test_activations_with_and_without_checkpointing():
