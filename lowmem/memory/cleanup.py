@@ -122,6 +122,16 @@ def cleanup_memory(on_gpu: bool, empty_cuda_cache: bool = False, collect: bool |
     return max(0, before - process.memory_info().rss)
 
 
+def return_free_heap() -> None:
+    """Hand back to the OS what the Arrow pool and glibc's heap keep free (no garbage collection, no CUDA cache): a
+    few milliseconds, done as a phase of the run begins (`lowmem.memory.phases`), so that what the last training steps
+    freed is not held through a validation or a save."""
+    release_arrow_memory()
+    trim = _find_malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def forced_cleanup(on_gpu: bool) -> int:
     """`cleanup_memory` with a full collection and the CUDA cache emptied too: the watchdog's cleanup, when a rank
     is near its limit."""

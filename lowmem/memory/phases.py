@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lowmem.memory.cleanup import return_free_heap
 from lowmem.memory.probe import high_water_since_reset, reset_high_water
 
 
@@ -36,11 +37,14 @@ class PhaseMeter:
     peaks: dict[str, int] = field(default_factory=dict)  # each phase's highest peak so far, in the order first seen
 
     def enter(self, phase: str | None) -> PhasePeak | None:
-        """End the current phase (its peak returned) and begin `phase` (None: none), the kernel's mark reset."""
+        """End the current phase (its peak returned) and begin `phase` (None: none): what the heap keeps free is handed
+        back first (without a fixed mmap threshold glibc keeps what a training step freed, which the phase would
+        otherwise hold), then the kernel's mark is reset."""
         ended = None
         if self.current is not None:
             ended = PhasePeak(self.current, high_water_since_reset(), self.planned.get(self.current))
             self.peaks[ended.phase] = max(self.peaks.get(ended.phase, 0), ended.peak)
+        return_free_heap()
         reset_high_water()
         self.current = phase
         return ended

@@ -41,6 +41,10 @@ CUDA_ALLOCATOR_OVERHEAD = 0.10
 # Under bf16 autocast the matmul outputs are bf16 while norms and the residual stream stay float32: about
 # this share of the float32 activation bytes (reasoned, not measured).
 BF16_ACTIVATION_SHARE = 0.6
+# What an FSDP process keeps once it trains, beyond the model states: the collectives' and the autograd engine's
+# buffers, the freed small blocks the C heap keeps. Measured 150-200 MB on 3 FSDP processes of a model of
+# Qwen2.5-0.5B's shapes on the CPU (the RSS after the first steps against before them), trained in full or adapters.
+FSDP_TRAINING_BYTES = 160 * MB
 # What writing a model a slice of rows at a time holds beyond the slice itself (lowmem.checkpoint.model_files): the
 # slice read, its cast or merged copy, the adapters' update of its rows.
 EXPORT_SLICE_BYTES = 3 * 64 * MB
@@ -79,16 +83,33 @@ def _moments(inputs: PlanInputs, count: int, share: str) -> PlanPart:
                     absent_in=() if inputs.resuming else (LOAD,))
 
 
-def _gathered(inputs: PlanInputs, blocks: int, trained: bool) -> PlanPart:
-    """FSDP's gathered weights during a step: `blocks` blocks' worth (the one computing and those prefetched) and
-    the embedding's or the head's unit (one at a time, released after use), in the dtype they compute in; with
-    `trained`, two blocks' unsharded gradients on their way to the reduce-scatter."""
-    model, each = inputs.model, inputs.gathered_bytes
-    weights = each * (blocks * model.block_params + model.embedding_params)
-    grads = 2 * FLOAT32 * model.block_params if trained else 0
-    basis = (f"{each} B x ({blocks} blocks' worth + the embedding's or the head's unit, one at a time)"
-             + (", and 2 blocks' gradients before their reduce-scatter" if trained else ""))
-    return PlanPart("gathered weights" + (" and gradients" if trained else ""), weights + grads, basis, STEP)
+def _fsdp_step(inputs: PlanInputs, step: list[PlanPart]) -> list[PlanPart]:
+    """What FSDP holds during a step beyond the activations and the loss's chunk (`step`): the larger of two moments,
+    which never coexist. At the loss, three blocks' weights gathered (the one computing and those prefetched) and the
+    head's unit twice while it is gathered (its all-gather's buffer and the weight copied out of it), with the head's
+    gradient when it trains; at the end of the backward pass, every parameter's sharded gradient, and an embedding
+    that trains gathered again, twice, for its dense gradient (the activations are freed by then)."""
+    model, each, shards = inputs.model, inputs.gathered_bytes, inputs.shards
+    unit, blocks = model.embedding_params, 3 * model.block_params
+    trained_head = not model.adapter_params
+    at_loss = each * (blocks + 2 * unit) + (FLOAT32 * unit if trained_head else 0)
+    trained = model.adapter_params or model.params
+    at_end = FLOAT32 * trained // shards + ((each * 2 + FLOAT32) * unit if trained_head else 0)
+    beside = sum(part.bytes for part in step)  # the activations and the loss, held at the loss only
+    basis = (f"the larger of the loss's moment ({at_loss / MB:,.0f} MB: 3 blocks' weights and the head's unit twice, "
+             f"{each} B a parameter" + (", the head's gradient" if trained_head else "") + ") and the backward pass's "
+             f"end ({at_end / MB:,.0f} MB: the sharded gradients" + (", the embedding gathered twice and its "
+             "gradient" if trained_head else "") + ")")
+    return [PlanPart("gathered weights and gradients", max(at_loss, at_end - beside), basis, STEP)]
+
+
+def _fsdp_training_heap(inputs: PlanInputs) -> list[PlanPart]:
+    """What an FSDP process keeps once it trains: the collectives' and the autograd engine's buffers, the freed small
+    blocks the C heap keeps (made by the first step)."""
+    if inputs.strategy != FSDP:
+        return []
+    return [PlanPart("kept once training", FSDP_TRAINING_BYTES, f"{FSDP_TRAINING_BYTES / MB:,.0f} MB, measured",
+                     absent_in=(LOAD,))]
 
 
 def _states(inputs: PlanInputs, where: str) -> list[PlanPart]:
@@ -110,11 +131,9 @@ def _states(inputs: PlanInputs, where: str) -> list[PlanPart]:
             parts.append(PlanPart("optimizer (host offload)", 16 * params // shards,
                                   f"16 B x {_millions(params)}{share} (master weights, moments, gradients)"))
         return parts
-    if inputs.strategy == FSDP:
+    if inputs.strategy == FSDP:  # the gradients: with the gathered weights (`_fsdp_step`)
         parts.append(PlanPart("model weights", FLOAT32 * params // shards, f"4 B x {_millions(params)}{share}"))
         parts.append(_moments(inputs, params, share))
-        parts.append(PlanPart("gradients", FLOAT32 * params // shards, f"4 B x {_millions(params)}{share}", STEP))
-        parts.append(_gathered(inputs, 3, trained=True))
         return parts
     parts.append(PlanPart("model weights", FLOAT32 * params, f"4 B x {_millions(params)}"))
     parts.append(_moments(inputs, params, ""))
@@ -149,11 +168,11 @@ def _adapter_states(inputs: PlanInputs) -> list[PlanPart]:
     parts = [PlanPart("model weights", (frozen * model.params + FLOAT32 * adapters) // shards,
                       f"({frozen} B x {_millions(model.params)} frozen + 4 B x {_millions(adapters)} adapters){share}"),
              _moments(inputs, adapters, f"{share}, the adapters only")]
+    if inputs.strategy == FSDP:  # the gradients: with the gathered weights (`_fsdp_step`)
+        return parts
     when = RESIDENT if inputs.strategy == DDP else STEP
     parts.append(PlanPart("gradients", FLOAT32 * adapters // shards, f"4 B x {_millions(adapters)}{share}, the "
                           "adapters", when))
-    if inputs.strategy == FSDP:
-        parts.append(_gathered(inputs, 3, trained=False))
     return parts
 
 
@@ -174,8 +193,10 @@ def _step(inputs: PlanInputs, share: float) -> list[PlanPart]:
     parts = [PlanPart("activations", int(kept), basis, STEP)]
     V, C = model.padded_vocab, model.n_embd
     around = positions * (3 * C * FLOAT32 + (model.max_seq_len if inputs.masked_attention else 0))
-    # The head's gradient, twice (its buffer in the chunked loss and the parameter's): none for a frozen head.
-    head_grads, head_text = (0, "") if model.adapter_params else (2 * V * C * FLOAT32, ", the head's gradient")
+    # The head's gradient (the chunked loss's buffer, which becomes the parameter's): none for a frozen head, and under
+    # FSDP counted with the gathered weights (`_fsdp_step`).
+    counted = not model.adapter_params and inputs.strategy != FSDP
+    head_grads, head_text = (V * C * FLOAT32, ", the head's gradient") if counted else (0, "")
     if inputs.loss_chunk_tokens and inputs.on_gpu and inputs.bf16:
         # Under bf16 autocast a chunk's logits come out of the matmul in bf16 and are read again in float32 with
         # their softmax's gradient (about 8 B a logit), and the head's weight is cast to a bf16 copy for it (FSDP
@@ -211,10 +232,20 @@ def _validation(inputs: PlanInputs, where: str) -> list[PlanPart]:
     basis = "key/value cache of a generation batch" if cache > forward else "a no-grad forward pass"
     parts = [PlanPart("evaluation", int(evaluation), basis, VALIDATION)]
     if inputs.strategy == FSDP:
+        # The embedding's (or the head's) unit twice while it is gathered: the all-gather's buffer, then the weight
+        # copied out of it.
         each = inputs.gathered_bytes
-        parts.append(PlanPart("gathered weights (evaluation)", each * (2 * model.block_params + model.embedding_params),
-                              f"{each} B x (2 blocks' worth + the embedding's or the head's unit): run sharded, "
-                              "never gathered whole", VALIDATION))
+        gathered = each * (2 * model.block_params + 2 * model.embedding_params)
+        parts.append(PlanPart("gathered weights (evaluation)", gathered,
+                              f"{each} B x (2 blocks' worth + the embedding's or the head's unit and its all-gather "
+                              "buffer): run sharded, never gathered whole", VALIDATION))
+        if inputs.malloc_mmap_threshold_mb <= 0 and where == "host":
+            # Without a fixed mmap threshold the C heap keeps what the gathered pieces and the forward pass freed, as
+            # in a step: measured +350-800 MB on the first forward pass of a model of Qwen2.5-0.5B's shapes, 3 ranks.
+            kept = int(HEAP_RETENTION * (gathered + evaluation))
+            parts.append(PlanPart("freed memory the C heap keeps (evaluation)", kept,
+                                  f"{HEAP_RETENTION:.0%} of what a validation allocates (no fixed mmap threshold)",
+                                  VALIDATION))
     return parts
 
 
@@ -300,18 +331,21 @@ def plan_parts(inputs: PlanInputs) -> tuple[list[PlanPart], list[PlanPart], list
     if inputs.on_gpu:
         host.append(PlanPart("CUDA runtime", CUDA_HOST_BYTES, "reasoned, not measured"))
         share = BF16_ACTIVATION_SHARE if inputs.bf16 else 1.0
+        step = _step(inputs, share)
         device = [PlanPart("CUDA context", CUDA_CONTEXT_DEVICE_BYTES, "reasoned, not measured"),
-                  *_states(inputs, "device"), *_reference(inputs), *_step(inputs, share),
-                  *_validation(inputs, "device")]
+                  *_states(inputs, "device"), *_reference(inputs), *step,
+                  *(_fsdp_step(inputs, step) if inputs.strategy == FSDP else []), *_validation(inputs, "device")]
         allocator = int(CUDA_ALLOCATOR_OVERHEAD * sum(part.bytes for part in device if part.phase != RESIDENT))
         device.append(PlanPart("caching allocator", allocator, f"{CUDA_ALLOCATOR_OVERHEAD:.0%} of what comes and goes",
                                STEP))
         if inputs.strategy == DEEPSPEED and inputs.deepspeed_offload:
             host += _states(inputs, "host")
     else:
-        host += _states(inputs, "host") + _reference(inputs) + _step(inputs, 1.0)
-        host += _heap(host, inputs) + _validation(inputs, "host")
-    host += _save_copy(inputs) + _export(inputs) + _load(inputs)
+        step = _step(inputs, 1.0)
+        host += _states(inputs, "host") + _reference(inputs) + step
+        host += (_fsdp_step(inputs, step) if inputs.strategy == FSDP else []) + _heap(host, inputs)
+        host += _validation(inputs, "host")
+    host += _fsdp_training_heap(inputs) + _save_copy(inputs) + _export(inputs) + _load(inputs)
     return host, device, machine
 
 

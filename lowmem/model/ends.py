@@ -25,11 +25,17 @@ class TokenEmbedding(nn.Embedding):
     """
 
     def forward(self, idx: torch.Tensor | None, through: Callable[[torch.Tensor], Any] | None = None) -> Any:
-        """The vectors of `idx`, or with `through` what it returns when given the weight (V, C)."""
+        """The vectors of `idx`, or with `through` what it returns when given the weight (V, C).
+
+        A weight held in bf16 (a frozen base in a bf16 run) gives float32 vectors under autocast, as a float32 weight
+        does: the residual stream stays float32 where autocast keeps it so."""
         if through is not None:
             return through(self.weight)
         assert idx is not None
-        return super().forward(idx)
+        vectors = super().forward(idx)
+        if vectors.dtype != torch.float32 and torch.is_autocast_enabled(vectors.device.type):
+            return vectors.float()
+        return vectors
 
 
 class OutputHead(nn.Linear):

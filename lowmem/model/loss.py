@@ -95,9 +95,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # The loss is a scalar: the chain rule only scales the gradients computed in the forward pass.
-        weight_grad = (grad_weight * grad_output).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return (grad_hidden * grad_output).to(ctx.hidden_dtype), weight_grad, None, None, None
+        # The loss is a scalar: the chain rule only scales the gradients computed in the forward pass. Scaled in
+        # place (the backward pass runs once): a (V, C) gradient is not held twice.
+        weight_grad = grad_weight.mul_(grad_output).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden.mul_(grad_output).to(ctx.hidden_dtype), weight_grad, None, None, None
 
 
 def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

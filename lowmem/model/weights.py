@@ -105,13 +105,20 @@ def tied_names(module: torch.nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def empty_model(config: GPTConfig, device: torch.device | None = None) -> GPT:
+def empty_model(config: GPTConfig, device: torch.device | None = None,
+                matrices_dtype: torch.dtype | None = None) -> GPT:
     """A GPT of `config` with uninitialised weights on `device` (the CPU by default): built on the meta device, then
-    given storage that nothing has written yet (on the CPU it takes no RSS until weights are written into it)."""
+    given storage that nothing has written yet (on the CPU it takes no RSS until weights are written into it). With
+    `matrices_dtype`, its matrices (every Linear's weight and the embedding) take that dtype, the norms and biases
+    float32: a frozen base in the dtype a bf16 run computes it in."""
     from lowmem.model.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(config)
+    if matrices_dtype is not None:
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module.weight is not None:
+                module.weight.data = module.weight.data.to(matrices_dtype)
     model.to_empty(device=device or torch.device("cpu"))
     model.tie_weights()  # to_empty gave the embedding and the head a Parameter each
     return model

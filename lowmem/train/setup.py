@@ -160,17 +160,19 @@ def shared_memory_settings(config: TrainConfig, accelerator: Accelerator,
 
 
 def build_model(config: TrainConfig, vocab_size: int, start: StartingPoint | None = None,
-                device: torch.device | None = None) -> GPT:
+                device: torch.device | None = None, bf16: bool = False) -> GPT:
     """The plain GPT a config asks for, with its memory savers (and the C allocator's threshold) set. A new run
     started from a model gets it unwritten, on `device` (the CPU by default), for its source to fill
-    (`lowmem.source.load.empty_model`)."""
+    (`lowmem.source.load.empty_model`); the frozen base of adapters in a `bf16` run gets its matrices in bf16, the
+    dtype they compute in (2 B a parameter; the adapters, norms and optimizer stay float32)."""
     if set_malloc_mmap_threshold(config.malloc_mmap_threshold_mb):
         logger.info("C allocations of %g MB or more are mapped apart and returned when freed "
                     "(--malloc_mmap_threshold_mb).", config.malloc_mmap_threshold_mb)
     model_config = model_config_for(config, vocab_size, start)
     empty = start is not None and start.source is not None
-    model = (empty_model(model_config, device) if empty else GPT(model_config)).use_memory_savers(
-        config.loss_chunk_tokens, config.activation_checkpointing)
+    halved = bf16 and bool(config.lora_rank)
+    model = (empty_model(model_config, device, torch.bfloat16 if halved else None) if empty else GPT(model_config))
+    model.use_memory_savers(config.loss_chunk_tokens, config.activation_checkpointing)
     logger.info("Model: %s architecture, %.2f M parameters (%.2f M without embeddings); loss: %s; "
                 "activation checkpointing: %s.", model.config.architecture, model.num_params() / 1e6,
                 model.num_params(exclude_embeddings=True) / 1e6,
@@ -204,7 +206,8 @@ def build_model_and_optimizer(config: TrainConfig, accelerator: Accelerator, voc
     sharded = strategy(accelerator) == FSDP
     # Unsharded, the model is built where it trains, so that the host never holds a copy a GPU will hold; FSDP
     # shards it from the CPU, where the unwritten storage takes no memory.
-    model = build_model(config, vocab_size, start, torch.device("cpu") if sharded else accelerator.device)
+    model = build_model(config, vocab_size, start, torch.device("cpu") if sharded else accelerator.device,
+                        bf16=accelerator.mixed_precision == "bf16")
     loaded = None
     if start is not None and source is not None and not sharded:
         loaded = fill_model(model, source, start.weights)
