@@ -7,6 +7,7 @@ safetensors in bf16 (no transformers model in memory)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -204,5 +205,55 @@ def qwen25_half_billion_folder(folder: Path, seed: int = 0) -> Path:
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
               "torch_dtype": "bfloat16", "use_sliding_window": False, "sliding_window": 32768, "bos_token_id": 151643,
               "eos_token_id": 151643, "rope_scaling": None, **s}
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder
+
+
+# The shapes of the models the reference host's plan is asked about (their config.json on the hub).
+QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def sparse_qwen2_folder(folder: Path, sizes: dict[str, Any]) -> Path:
+    """A Qwen2 folder of `sizes` whose weights file is a header and a hole: its tensors' bytes are never written (the
+    file takes no disk), which is all a memory plan reads of it. Nothing can train from it."""
+    import struct
+
+    folder.mkdir(parents=True, exist_ok=True)
+    qwen2_tokenizer(folder)
+    hidden, heads, kv, inner = (sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"],
+                                sizes["intermediate_size"])
+    head = hidden // heads
+    shapes = {"model.embed_tokens.weight": (sizes["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    if not sizes["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (sizes["vocab_size"], hidden)
+    for i in range(sizes["num_hidden_layers"]):
+        layer = f"model.layers.{i}"
+        shapes.update({f"{layer}.input_layernorm.weight": (hidden,),
+                       f"{layer}.post_attention_layernorm.weight": (hidden,),
+                       f"{layer}.self_attn.o_proj.weight": (hidden, heads * head),
+                       f"{layer}.mlp.gate_proj.weight": (inner, hidden), f"{layer}.mlp.up_proj.weight": (inner, hidden),
+                       f"{layer}.mlp.down_proj.weight": (hidden, inner)})
+        for name, rows in (("q", heads * head), ("k", kv * head), ("v", kv * head)):
+            shapes.update({f"{layer}.self_attn.{name}_proj.weight": (rows, hidden),
+                           f"{layer}.self_attn.{name}_proj.bias": (rows,)})
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 2 * math.prod(shape)  # bf16
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(folder / "model.safetensors", "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)) + encoded)
+        file.truncate(8 + len(encoded) + offset)  # a hole: no block of the tensors is written
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+              "torch_dtype": "bfloat16", "use_sliding_window": False, "sliding_window": 32768,
+              "bos_token_id": 151643, "eos_token_id": 151643, "rope_scaling": None, **sizes}
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return folder

@@ -106,60 +106,83 @@ def _plain_value(value: Any) -> Any:
     return value
 
 
+def _named_parameters(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) → the name files keep it under, for the parameters of `model` (see `file_names`)."""
+    names = file_names(model)
+    return {id(parameter): names[name] for name, parameter in uncompiled(unwrap(model)).named_parameters()}
+
+
 def save_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            accelerator: Accelerator) -> None:
-    """Every rank writes its rows of AdamW's state into `<folder>/optimizer_shards`, the groups' settings in the
-    index; every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    module = uncompiled(model)
-    names = file_names(model)
-    # torch types the result as any of its value kinds; for an optimizer it is {"state": ..., "param_groups": ...}.
-    state: Any = get_optimizer_state_dict(module, _inner(optimizer))
+    """Every rank writes its rows of AdamW's state (`<name>/exp_avg`, `<name>/exp_avg_sq`, `<name>/step`) into
+    `<folder>/optimizer_shards`, the parameter groups' settings in the index; every rank calls it. A parameter not
+    stepped yet has no state, and none is written."""
+    inner, names = _inner(optimizer), _named_parameters(model)
     parts = []
-    for fqn, values in state["state"].items():
-        for key, value in values.items():
-            if not isinstance(value, torch.Tensor):
-                raise CheckpointError(f"The optimizer's state of {fqn} holds a {type(value).__name__} ({key}), which "
-                                      "lowmem's sharded checkpoints do not store.")
-            local, first_row = local_rows(value)
-            parts.append(LocalPart(f"{names.get(fqn, fqn)}/{key}", local.detach(), first_row, tuple(value.shape)))
-    groups = [{key: ([names.get(fqn, fqn) for fqn in value] if key == "params" else _plain_value(value))
-               for key, value in group.items()} for group in state["param_groups"]]
+    groups = []
+    for group in inner.param_groups:
+        groups.append({key: ([names[id(parameter)] for parameter in value] if key == "params" else _plain_value(value))
+                       for key, value in group.items()})
+        for parameter in group["params"]:
+            for key, value in inner.state.get(parameter, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise CheckpointError(f"The optimizer's state of {names[id(parameter)]} holds a "
+                                          f"{type(value).__name__} ({key}), which lowmem's sharded checkpoints do not "
+                                          "store.")
+                local, first_row = local_rows(value)
+                parts.append(LocalPart(f"{names[id(parameter)]}/{key}", local.detach(), first_row, tuple(value.shape)))
     _write_parts(folder / OPTIMIZER_SHARDS, parts, accelerator, extra={"param_groups": groups})
 
 
 def load_sharded_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's state from `<folder>/optimizer_shards`, each rank its own shards' rows; every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    module, inner = uncompiled(model), _inner(optimizer)
-    names = file_names(model)
-    # The state as the optimizer holds it now (a fresh one is stepped once with a learning rate of 0 to make it):
-    # each tensor is sharded as this run shards it, and is filled with its rows from the files.
-    template: Any = get_optimizer_state_dict(module, inner)
+    """AdamW's state from `<folder>/optimizer_shards`, each rank its own shards' rows, made as AdamW makes it (each
+    tensor sharded as its parameter is; the step where AdamW keeps it) and filled from the files: no gradient is made
+    and no step taken to shape it. Every rank calls it."""
+    inner, names = _inner(optimizer), _named_parameters(model)
     with ShardedTensors(folder / OPTIMIZER_SHARDS) as shards, torch.no_grad():
-        for fqn, values in template["state"].items():
-            for key, value in values.items():
-                stored = f"{names.get(fqn, fqn)}/{key}"
-                if stored not in shards.tensors:
-                    raise CheckpointError(f"{folder / OPTIMIZER_SHARDS} has no {stored}: the optimizer's state does "
-                                          "not fit the model (resume with the settings it was saved with).")
-                local, first_row = local_rows(value)
-                shards.fill(stored, local, first_row)
         saved_groups = shards.index.get("param_groups", [])
-    if len(saved_groups) != len(template["param_groups"]):
-        raise CheckpointError(f"{folder / OPTIMIZER_SHARDS} holds {len(saved_groups)} parameter groups where the "
-                              f"optimizer has {len(template['param_groups'])}: resume with the settings it was saved "
-                              "with.")
-    for group, saved in zip(template["param_groups"], saved_groups):
-        for key, value in saved.items():
-            if key == "params" or key not in group:
-                continue
-            current = group[key]
-            if isinstance(current, torch.Tensor):  # a tensor learning rate stays one, where it was
-                group[key] = torch.as_tensor(value, dtype=current.dtype, device=current.device)
-            else:
-                group[key] = tuple(value) if isinstance(current, tuple) else value
-    set_optimizer_state_dict(module, inner, optim_state_dict=template)
+        if len(saved_groups) != len(inner.param_groups):
+            raise CheckpointError(f"{folder / OPTIMIZER_SHARDS} holds {len(saved_groups)} parameter groups where the "
+                                  f"optimizer has {len(inner.param_groups)}: resume with the settings it was saved "
+                                  "with.")
+        stored = {name.rpartition("/")[0] for name in shards.names}
+        for group, saved in zip(inner.param_groups, saved_groups):
+            if sorted(names[id(parameter)] for parameter in group["params"]) != sorted(saved.get("params", [])):
+                raise CheckpointError(f"{folder / OPTIMIZER_SHARDS} holds the state of other parameters than the "
+                                      "model's: resume with the settings it was saved with.")
+            for key, value in saved.items():
+                if key != "params" and key in group:
+                    group[key] = _restored_setting(group[key], value)
+            for parameter in group["params"]:
+                name = names[id(parameter)]
+                if name not in stored:  # not stepped when it was saved: AdamW makes its state at the next step
+                    inner.state.pop(parameter, None)
+                    continue
+                inner.state[parameter] = _adamw_state(shards, name, parameter, group)
 
+
+def _restored_setting(current: Any, saved: Any) -> Any:
+    """A parameter group's setting as saved, in the form it has now (a tensor learning rate stays one)."""
+    if isinstance(current, torch.Tensor):
+        return torch.as_tensor(saved, dtype=current.dtype, device=current.device)
+    return tuple(saved) if isinstance(current, tuple) else saved
+
+
+def _adamw_state(shards: ShardedTensors, name: str, parameter: torch.Tensor, group: dict[str, Any]) -> dict:
+    """One parameter's AdamW state from the files: the moments shaped and sharded as the parameter is, the step a
+    float32 scalar where AdamW keeps it (on the parameter's device when fused or capturable, else on the host)."""
+    state: dict[str, torch.Tensor] = {}
+    prefix = f"{name}/"
+    for stored in (key for key in shards.names if key.startswith(prefix)):
+        key = stored[len(prefix):]
+        if shards.shape(stored):  # a moment: as the parameter
+            value = torch.zeros_like(parameter, dtype=shards.dtype(stored))
+            local, first_row = local_rows(value)
+            shards.fill(stored, local, first_row)
+        else:  # the step
+            on_device = group.get("fused") or group.get("capturable")
+            device = local_rows(parameter)[0].device if on_device else torch.device("cpu")
+            value = torch.zeros((), dtype=shards.dtype(stored), device=device)
+            shards.fill(stored, value, 0)
+        state[key] = value
+    return state

@@ -136,6 +136,28 @@ def test_a_pickle_planted_in_a_sharded_checkpoint_is_never_unpickled(tmp_path, c
     assert not ran.exists(), "a planted pickle was unpickled"
 
 
+@pytest.mark.slow
+@needs_launcher
+def test_a_damaged_shard_sets_its_checkpoint_aside_and_the_resume_falls_back(tmp_path, chat_data, reference):
+    """One byte of one rank's weights shard flipped: the completeness marker's CRC finds it, the checkpoint is moved
+    aside as any damaged one is, and the run resumes from the newest intact checkpoint."""
+    from training_helpers import resume_overrides, run_command
+
+    _, _, run_dir = reference
+    shutil.copytree(run_dir.parent / "tok", tmp_path / "tok")
+    shutil.copytree(run_dir, tmp_path / "run")
+    newest, older = sorted((tmp_path / "run").glob("checkpoint-*"), key=lambda path: -int(path.name.split("-")[1]))[:2]
+    shard = newest / "model_shards" / "rank00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # a value's byte: the header still reads
+    shard.write_bytes(bytes(data))
+    resumed = run_command(["train", *resume_overrides(tmp_path, chat_data, *EXTRA, "--is_keep_training=True")],
+                          cwd=tmp_path, env=CPU_ENV, launcher=FSDP_LAUNCHER)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(rf"Damaged checkpoint \S*{newest.name} moved to", resumed.stderr), resumed.stderr[-3000:]
+    assert resumed_from(resumed.stderr) == int(older.name.split("-")[1])
+
+
 # ----- loading the weights: the main process reads the file --------------------------------------------------
 def fsdp_launch_environment() -> dict[str, str]:
     """The variables `accelerate launch --config_file configs/accelerate/fsdp.yaml` sets for its processes."""

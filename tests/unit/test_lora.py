@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from hf_models import qwen as qwen  # the fixture: a tiny Qwen2 folder
 
 from lowmem.adapters import LoRALinear, LoRASpec, add_adapters, adapters_off, merged_state_dict
 from lowmem.adapters.lora import adapter_spec, adapter_state_dict, base_state_dict
@@ -274,3 +275,48 @@ def test_plan_refuses_adapters_under_deepspeed_as_train_does():
     with pytest.raises(ConfigError, match="not under DeepSpeed"):
         planned_layout(TrainConfig(lora_rank=8), num_processes=3, strategy="deepspeed", device="cpu")
     assert planned_layout(TrainConfig(lora_rank=8), num_processes=3, strategy="fsdp", device="cpu").strategy == "fsdp"
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one state per process, its precision fixed when first made: a test that trains in another
+    precision than the rest of the tier makes its own, and leaves none behind."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "float32"])
+def test_the_frozen_base_is_held_in_the_dtype_a_bf16_run_computes_in(tmp_path, monkeypatch, qwen, bf16,
+                                                                      fresh_accelerator_state):
+    """In a bf16 run (on the CPU: --bf16_on_cpu) the frozen matrices take 2 B a parameter, the adapters, norms and
+    biases float32, and training changes the adapters alone; a float32 run keeps every weight in float32."""
+    from trainer_fixtures import tiny_config
+    from training_helpers import write_chat_rows
+
+    from lowmem.config import TrainConfig
+    from lowmem.model.weights import unwrap_gpt
+    from lowmem.train.trainer import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    data = (write_chat_rows(tmp_path / "train.parquet", 64, seed=1), write_chat_rows(tmp_path / "valid.parquet", 8, 2))
+    defaults = TrainConfig()  # the model's shape comes from the source: the tiny run's own shape left out
+    config = tiny_config(tmp_path, data, defaults.tokenizer_dir, init_from=str(qwen), lora_rank=4, bf16=bf16,
+                         bf16_on_cpu=bf16, max_steps=2, dropout=0.0, n_head=defaults.n_head, n_embd=defaults.n_embd,
+                         n_layer=defaults.n_layer, vocab_size=defaults.vocab_size)
+    trainer = Trainer(config)
+    plain = unwrap_gpt(trainer.model)
+    parameters = dict(plain.named_parameters())
+    frozen_matrices = {name for name, p in parameters.items() if p.dim() == 2 and ".lora_" not in name}
+    assert frozen_matrices and "tok_emb.weight" in frozen_matrices
+    expected = torch.bfloat16 if bf16 else torch.float32
+    assert {parameters[name].dtype for name in frozen_matrices} == {expected}
+    assert {p.dtype for name, p in parameters.items() if name not in frozen_matrices} == {torch.float32}
+    base = {name: parameters[name].detach().clone() for name in frozen_matrices}
+    adapters = {name: p.detach().clone() for name, p in parameters.items() if ".lora_B." in name}
+    summary = trainer.fit()
+    assert summary["steps"] == 2 and summary["val_loss_end"] == summary["val_loss_end"]  # not NaN
+    assert all(torch.equal(parameters[name], value) for name, value in base.items()), "the base stays as it was"
+    assert any(not torch.equal(parameters[name], value) for name, value in adapters.items()), "the adapters train"

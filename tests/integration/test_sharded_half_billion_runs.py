@@ -1,0 +1,190 @@
+"""A model no process holds whole, on this CPU as on the reference host: three FSDP2 processes (gloo,
+configs/accelerate/fsdp.yaml) train a model of Qwen2.5-0.5B's shapes (random bf16 weights) inside a real memory cgroup
+with the memory savers `train` chooses, adapters in 12 GB and a full fine-tune in 16 GB. Each run validates (the loss
+and BLEU on a few prompts, the model run sharded), saves its shards, is SIGKILLed during the next step, resumes on two
+processes and finishes (its last save, final/ and best/ written a tensor at a time): no OOM kill, no row trained twice,
+the losses of the same continuation never killed (from a copy of the run folder taken at the save), every phase's
+peak of every process within 15% of the plan's figure for it in the memory log, and an export that transformers
+loads with lowmem's logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import qwen25_half_billion_folder  # noqa: E402
+from training_helpers import FSDP_CONFIG, FSDP_CPU_ENV, chat_project, command_line, kill_all  # noqa: E402
+
+from lowmem.checkpoint.export import load_model_folder  # noqa: E402
+
+CGROUPS = Path("/sys/fs/cgroup/memory")
+# 3 steps of 2 rows a process, a save at step 2; a validation of one batch and BLEU on 2 prompts of 2 new tokens.
+FLAGS = ["--max_steps=3", "--save_steps=2", "--max_seq_len=64", "--batch_size_per_gpu=2", "--eval_batches=1",
+         "--eval_bleu_samples=2", "--eval_max_new_tokens=2", "--sample_max_new_tokens=1", "--logging_steps=1",
+         "--keep_latest_n_ckp=1"]
+KINDS = {"adapters": (12, ["--lora_rank=16"]), "full": (16, [])}
+VALIDATION_LINE = re.compile(r"Validation at step (\d+): loss ([\d.]+)")
+TOLERANCE = 0.15  # a phase's peak against the plan's figure for it
+
+
+def fsdp_launcher(processes: int) -> list[str]:
+    return ["accelerate", "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", str(processes),
+            "--main_process_port", "0"]
+
+
+def _cgroups_writable() -> bool:
+    return os.geteuid() == 0 and (CGROUPS / "cgroup.procs").is_file() and os.access(CGROUPS, os.W_OK)
+
+
+@contextmanager
+def memory_cgroup(limit_gb: int) -> Iterator[Path]:
+    """A cgroup v1 memory group of `limit_gb` for the commands run in it (`in_group`), removed after."""
+    group = CGROUPS / f"lowmem-half-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit_gb * 2**30))
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            subprocess.run(["kill", "-9", pid], check=False)
+        group.rmdir()
+
+
+def oom_kills(group: Path) -> int:
+    return int(re.search(r"oom_kill (\d+)", (group / "memory.oom_control").read_text()).group(1))
+
+
+def in_group(group: Path, command: list[str]) -> list[str]:
+    """`command` started inside `group`: the shell puts itself in, then becomes the command (every rank starts in
+    it)."""
+    return ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh", *command]
+
+
+def train_args(project: Path, model: Path, kind: str, output_dir: Path, *extra: str) -> list[str]:
+    return ["train", f"--init_from={model}", f"--output_dir={output_dir}", *FLAGS, *KINDS[kind][1], *extra]
+
+
+def environment(trace: Path) -> dict[str, str]:
+    return {**os.environ, **FSDP_CPU_ENV, "LOWMEM_TRACE_DIR": str(trace)}
+
+
+def run(group: Path, project: Path, args: list[str], processes: int, trace: Path) -> subprocess.CompletedProcess:
+    command = in_group(group, command_line(args, {"LOWMEM_TRACE_DIR": str(trace)}, fsdp_launcher(processes)))
+    done = subprocess.run(command, cwd=project, env=environment(trace), capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def trace_of(trace: Path, rank: int = 0) -> dict:
+    return json.loads((trace / f"trace-rank{rank}.json").read_text())
+
+
+def rows_of(trace: Path) -> list[str]:
+    return [row for path in sorted(trace.glob("trace-rank*.json")) for row in json.loads(path.read_text())["rows"]]
+
+
+def phase_peaks(logs: Path) -> dict[tuple[str, str], tuple[int, int]]:
+    """(memory log, phase) → (the highest peak of the phase's records, the plan's figure) from a run folder's memory
+    logs: one per rank per launch."""
+    found: dict[tuple[str, str], tuple[int, int]] = {}
+    for path in logs.glob("memory_*_rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by the SIGKILL
+                continue
+            if record.get("event") == "phase" and record.get("phase_planned"):
+                key = (path.name, record["phase"])
+                peak = max(found.get(key, (0, 0))[0], record["phase_high_water"])
+                found[key] = (peak, record["phase_planned"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def half_billion(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("half-billion")
+    yield qwen25_half_billion_folder(folder / "qwen2.5-0.5b-shapes")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cgroups_writable(), reason="needs root and a writable cgroup v1 memory hierarchy")
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_three_fsdp_processes_train_a_half_billion_model_in_a_small_cgroup(tmp_path, half_billion, kind):
+    limit, _ = KINDS[kind]
+    project = chat_project(tmp_path / "project")
+    run_dir, copy_dir = project / "model_save" / "half", project / "model_save" / "never-killed"
+    try:
+        with memory_cgroup(limit) as group:
+            # Killed during step 3, after the save at step 2; the run folder copied as the save left it.
+            trace = tmp_path / "trace-killed"
+            command = in_group(group, command_line(train_args(project, half_billion, kind, run_dir),
+                                                   {"LOWMEM_TRACE_DIR": str(trace)}, fsdp_launcher(3)))
+            killed = subprocess.Popen(command, cwd=project, env=environment(trace), stderr=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+            before_kill = []
+            for line in killed.stderr:
+                before_kill.append(line)
+                if "Saved checkpoint" in line and "checkpoint-2" in line:
+                    break
+            else:
+                raise AssertionError("the run ended before its save at step 2:\n" + "".join(before_kill)[-4000:])
+            shutil.copytree(run_dir, copy_dir, ignore=shutil.ignore_patterns(".lowmem.lock"))
+            kill_all(killed)
+            resumed = run(group, project, train_args(project, half_billion, kind, run_dir, "--is_keep_training=True"),
+                          2, tmp_path / "trace-resumed")
+            assert oom_kills(group) == 0, "the kernel's OOM killer ended a process"
+        with memory_cgroup(limit) as group:
+            reference = run(group, project, train_args(project, half_billion, kind, copy_dir,
+                                                       "--is_keep_training=True"), 2, tmp_path / "trace-reference")
+
+        assert "Parallelism: FSDP2, 3 processes." in "".join(before_kill)
+        for done in (resumed, reference):
+            assert re.search(r"Resumed from \S*checkpoint-2:", done.stderr), done.stderr[-3000:]
+            assert "Resuming on 2 process(es)" in done.stderr
+        # No row twice: the steps before the kill and after the resume; the resume trains the never-killed run's rows
+        # with its losses and its validation.
+        before, after = rows_of(trace), rows_of(tmp_path / "trace-resumed")
+        assert before and after and not set(before) & set(after) and len(set(after)) == len(after)
+        assert sorted(after) == sorted(rows_of(tmp_path / "trace-reference"))
+        assert trace_of(tmp_path / "trace-resumed")["losses"] == trace_of(tmp_path / "trace-reference")["losses"]
+        assert VALIDATION_LINE.findall(resumed.stderr) == VALIDATION_LINE.findall(reference.stderr)
+        assert re.search(r"Validation at step 2: .*BLEU-4", "".join(before_kill)), "validated with BLEU, sharded"
+
+        # Every phase's peak within the plan's figure for it, on every rank of both layouts.
+        for logs in (run_dir / "logs", copy_dir / "logs"):
+            peaks = phase_peaks(logs)
+            phases = {phase for _, phase in peaks}
+            assert {"load", "step", "validation", "save", "export"} <= phases, phases
+            off = {key: (peak >> 20, planned >> 20) for key, (peak, planned) in peaks.items()
+                   if abs(peak - planned) > TOLERANCE * planned}
+            assert not off, f"phases off the plan by more than {TOLERANCE:.0%} (MB measured, planned): {off}"
+
+        # final/, exported for transformers, answers with lowmem's logits.
+        exported = subprocess.run(command_line(["export", str(tmp_path / "hf"), f"--checkpoint={run_dir / 'final'}",
+                                                f"--output_dir={run_dir}"]), cwd=project, capture_output=True,
+                                  text=True, timeout=900)
+        assert exported.returncode == 0, exported.stderr[-3000:]
+        ours, _ = load_model_folder(run_dir / "final", run_dir / "tokenizer", torch.device("cpu"))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        ids = torch.randint(0, 600, (1, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            difference = (theirs(ids).logits - ours(ids)[0][..., :theirs.config.vocab_size]).abs().max().item()
+        assert difference <= 1e-4, difference
+        if kind == "adapters":
+            assert (run_dir / "final" / "adapter_model.safetensors").is_file()
+    finally:
+        shutil.rmtree(project / "model_save", ignore_errors=True)
