@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -247,6 +247,9 @@ class RankSummary:
     verdict: str  # FLAT, GROWING or UNKNOWN
     projected_step: int | None  # GROWING: the step at which RSS reaches the budget share at this rate
     explanation: str
+    # Each phase's highest peak RSS and the plan's figure for it (None: no plan), from the phase records, in the order
+    # first seen; empty in logs written before them.
+    phases: dict[str, list[int | None]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -342,8 +345,9 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
     rss = [record["rss"] for record in records]
     first_step, last_step = min(steps), max(steps)
     warmup = warmup_steps if warmup_steps is not None else warmup_fraction * (last_step - first_step)
+    # The phase records are for each phase's peak (`_phases`): the trend is the regular records'.
     fit = [(step, value) for step, value, record in zip(steps, rss, records)
-           if step >= first_step + warmup and record.get("event") != "end"]
+           if step >= first_step + warmup and record.get("event") not in ("end", "phase")]
     slope, stderr = _slope_mb_per_1k(fit) or (None, None)
     recent = _slope_mb_per_1k(fit[len(fit) // 2:])
     recent_slope = recent[0] if recent else None
@@ -369,8 +373,20 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
         peak_gpu=_peak_gpu(records), min_sys_available=min(available) if available else None,
         freed_total=sum(_values(records, "freed")), budget=budget,
         watchdog_events=sum(record.get("event") == "watchdog" for record in records),
-        verdict=verdict, projected_step=projected, explanation=explanation,
+        verdict=verdict, projected_step=projected, explanation=explanation, phases=_phases(records),
     )
+
+
+def _phases(records: list[dict[str, Any]]) -> dict[str, list[int | None]]:
+    """Phase → [its highest peak, the plan's figure for it] from a rank's phase records."""
+    phases: dict[str, list[int | None]] = {}
+    for record in records:
+        if record.get("event") != "phase" or record.get("phase") is None:
+            continue
+        peak, planned = phases.get(record["phase"], [0, None])
+        phases[record["phase"]] = [max(peak or 0, record.get("phase_high_water") or 0),
+                                   record.get("phase_planned") or planned]
+    return phases
 
 
 # ----- output ---------------------------------------------------------------------------------------------
@@ -415,9 +431,23 @@ def render_table(summaries: Sequence[RankSummary], notes: Sequence[str]) -> str:
             watchdog = f"; the watchdog fired {summary.watchdog_events} time(s)" if summary.watchdog_events else ""
             since = f" after step {summary.fit_from_step:,}" if summary.fit_from_step is not None else ""
             lines.append(f"rank {summary.rank}: {summary.verdict}{since}: {summary.explanation}{watchdog}")
+    phases = list(dict.fromkeys(phase for summary in summaries for phase in summary.phases))
+    if phases:
+        lines += ["", "By phase: each phase's peak RSS, against the plan's figure for it", "",
+                  _format_table(("rank", *phases), [[str(summary.rank), *(_phase_cell(summary.phases.get(phase))
+                                                                          for phase in phases)]
+                                                    for summary in summaries])]
     if notes:
         lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
     return "\n".join(lines)
+
+
+def _phase_cell(figures: list[int | None] | None) -> str:
+    """A phase's peak and how far it is from the plan's figure ("1,102 MB (+2%)"), or "n/a"."""
+    if not figures:
+        return "n/a"
+    peak, planned = figures
+    return _mb(peak) + (f" ({((peak or 0) - planned) / planned:+.0%})" if planned else "")
 
 
 def to_json(summaries: Sequence[RankSummary], notes: Sequence[str], plot_path: str | Path | None = None) -> str:

@@ -510,3 +510,20 @@ def test_each_record_has_the_cuda_peak_of_its_interval(tmp_path, monkeypatch):
     records, _ = read_log(log.path)
     assert [r["cuda_peak"] for r in records] == [900 * MB, 500 * MB, None]
     assert summarize(records).peak_gpu == 900 * MB  # memlog's peak column: still the highest of all
+
+
+def test_each_phase_shows_its_peak_against_the_plan_and_stays_out_of_the_trend(tmp_path):
+    """The phase records' peaks become memlog's table by phase (the highest of each, against the plan's figure);
+    their snapshots, taken at phase ends, do not count in the FLAT/GROWING trend."""
+    regular = [record(step, 500 + (0.1 if step % 200 else 0)) for step in range(0, 2001, 100)]
+    phases = [record(step, 9000, event="phase", phase=phase, phase_high_water=int(peak * MB),
+                     phase_planned=int(planned * MB))
+              for step, phase, peak, planned in ((0, "load", 1102, 1077), (0, "validation", 2500, 2600),
+                                                 (1000, "validation", 2700, 2600), (2000, "save", 900, 1000))]
+    write_log(tmp_path, 0, sorted(regular + phases, key=lambda item: item["step"]))
+    summary = summarize(read_log(tmp_path / f"memory_{RUN}_rank0.jsonl")[0])
+    assert summary.verdict == "FLAT", "a phase record's RSS (9,000 MB here) is not part of the trend"
+    assert summary.phases == {"load": [1102 * MB, 1077 * MB], "validation": [2700 * MB, 2600 * MB],
+                              "save": [900 * MB, 1000 * MB]}
+    table = memlog_command(str(tmp_path / f"memory_{RUN}_rank0.jsonl"))
+    assert re.search(r"rank +load +validation +save\n +0 +1,102 MB \(\+2%\) +2,700 MB \(\+4%\) +900 MB \(-10%\)", table)
