@@ -173,21 +173,15 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-def qwen25_half_billion_folder(folder: Path, seed: int = 0) -> Path:
-    """A folder of Qwen2.5-0.5B's shapes with random bf16 weights, written tensor group by tensor group into one
-    safetensors file as transformers names them, with a config.json as the hub's (transformers 4 keys) and the
-    small Qwen2-like tokenizer (its ids fit the embedding's rows)."""
-    import torch
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    qwen2_tokenizer(folder)
-    s = QWEN25_05B
-    hidden, heads, kv, inner = s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"], \
-        s["intermediate_size"]
+def qwen2_shapes(sizes: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen2 of `sizes` (a config.json's keys), under transformers' names, with its shape."""
+    hidden, heads, kv, inner = (sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"],
+                                sizes["intermediate_size"])
     head = hidden // heads
-    shapes = {"model.embed_tokens.weight": (s["vocab_size"], hidden), "model.norm.weight": (hidden,)}
-    for i in range(s["num_hidden_layers"]):
+    shapes = {"model.embed_tokens.weight": (sizes["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    if not sizes["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (sizes["vocab_size"], hidden)
+    for i in range(sizes["num_hidden_layers"]):
         layer = f"model.layers.{i}"
         shapes.update({f"{layer}.input_layernorm.weight": (hidden,),
                        f"{layer}.post_attention_layernorm.weight": (hidden,),
@@ -197,15 +191,32 @@ def qwen25_half_billion_folder(folder: Path, seed: int = 0) -> Path:
         for name, rows in (("q", heads * head), ("k", kv * head), ("v", kv * head)):
             shapes.update({f"{layer}.self_attn.{name}_proj.weight": (rows, hidden),
                            f"{layer}.self_attn.{name}_proj.bias": (rows,)})
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {name: (torch.randn(shape, generator=generator) * (1.0 if len(shape) == 1 else 0.02)).to(torch.bfloat16)
-               for name, shape in shapes.items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    return shapes
+
+
+def _write_qwen2_config(folder: Path, sizes: dict[str, Any]) -> None:
+    """config.json as the hub's (transformers 4 keys), for bf16 weights of `sizes`."""
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
               "torch_dtype": "bfloat16", "use_sliding_window": False, "sliding_window": 32768, "bos_token_id": 151643,
-              "eos_token_id": 151643, "rope_scaling": None, **s}
+              "eos_token_id": 151643, "rope_scaling": None, **sizes}
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+def qwen25_half_billion_folder(folder: Path, seed: int = 0) -> Path:
+    """A folder of Qwen2.5-0.5B's shapes with random bf16 weights, written tensor group by tensor group into one
+    safetensors file as transformers names them, with a config.json as the hub's (transformers 4 keys) and the
+    small Qwen2-like tokenizer (its ids fit the embedding's rows)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    qwen2_tokenizer(folder)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: (torch.randn(shape, generator=generator) * (1.0 if len(shape) == 1 else 0.02)).to(torch.bfloat16)
+               for name, shape in qwen2_shapes(QWEN25_05B).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    _write_qwen2_config(folder, QWEN25_05B)
     return folder
 
 
@@ -225,22 +236,7 @@ def sparse_qwen2_folder(folder: Path, sizes: dict[str, Any]) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     qwen2_tokenizer(folder)
-    hidden, heads, kv, inner = (sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"],
-                                sizes["intermediate_size"])
-    head = hidden // heads
-    shapes = {"model.embed_tokens.weight": (sizes["vocab_size"], hidden), "model.norm.weight": (hidden,)}
-    if not sizes["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (sizes["vocab_size"], hidden)
-    for i in range(sizes["num_hidden_layers"]):
-        layer = f"model.layers.{i}"
-        shapes.update({f"{layer}.input_layernorm.weight": (hidden,),
-                       f"{layer}.post_attention_layernorm.weight": (hidden,),
-                       f"{layer}.self_attn.o_proj.weight": (hidden, heads * head),
-                       f"{layer}.mlp.gate_proj.weight": (inner, hidden), f"{layer}.mlp.up_proj.weight": (inner, hidden),
-                       f"{layer}.mlp.down_proj.weight": (hidden, inner)})
-        for name, rows in (("q", heads * head), ("k", kv * head), ("v", kv * head)):
-            shapes.update({f"{layer}.self_attn.{name}_proj.weight": (rows, hidden),
-                           f"{layer}.self_attn.{name}_proj.bias": (rows,)})
+    shapes = qwen2_shapes(sizes)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
@@ -252,8 +248,5 @@ def sparse_qwen2_folder(folder: Path, sizes: dict[str, Any]) -> Path:
     with open(folder / "model.safetensors", "wb") as file:
         file.write(struct.pack("<Q", len(encoded)) + encoded)
         file.truncate(8 + len(encoded) + offset)  # a hole: no block of the tensors is written
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-              "torch_dtype": "bfloat16", "use_sliding_window": False, "sliding_window": 32768,
-              "bos_token_id": 151643, "eos_token_id": 151643, "rope_scaling": None, **sizes}
-    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    _write_qwen2_config(folder, sizes)
     return folder
