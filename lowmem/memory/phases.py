@@ -10,9 +10,11 @@ process's peak over its whole life is still known (`own_high_water`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lowmem.memory.cleanup import return_free_heap
 from lowmem.memory.probe import high_water_since_reset, reset_high_water
+from lowmem.units import MB
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,25 @@ class PhaseMeter:
                 text += f" (plan {planned / 2**20:,.0f} MB, {(peak - planned) / planned:+.0%})"
             texts.append(text)
         return ", ".join(texts)
+
+
+def phase_peaks(records: list[dict[str, Any]]) -> dict[str, list[int | None]]:
+    """Phase → [its highest peak, the plan's figure for it] from one rank's memory records (its phase records), in the
+    order first seen."""
+    phases: dict[str, list[int | None]] = {}
+    for record in records:
+        if record.get("event") != "phase" or record.get("phase") is None:
+            continue
+        peak, planned = phases.get(record["phase"], [0, None])
+        phases[record["phase"]] = [max(peak or 0, record.get("phase_high_water") or 0),
+                                   record.get("phase_planned") or planned]
+    return phases
+
+
+def phase_cell(figures: list[int | None] | None) -> str:
+    """A phase's peak and how far it is from the plan's figure ("1,102 MB (+2%)"), or "n/a"."""
+    if not figures:
+        return "n/a"
+    peak, planned = figures
+    text = f"{(peak or 0) / MB:,.0f} MB"
+    return text + (f" ({((peak or 0) - planned) / planned:+.0%})" if planned else "")

@@ -17,6 +17,7 @@ import numpy as np
 
 from lowmem.errors import DataError, LowmemError
 from lowmem.memory.log import LOG_GLOB, LOG_NAME, parse_log_name, run_id_time
+from lowmem.memory.phases import phase_cell, phase_peaks
 from lowmem.run_files import run_log_dir
 from lowmem.units import MB
 
@@ -373,20 +374,8 @@ def summarize(records: list[dict[str, Any]], budget_bytes: int | None = None, wa
         peak_gpu=_peak_gpu(records), min_sys_available=min(available) if available else None,
         freed_total=sum(_values(records, "freed")), budget=budget,
         watchdog_events=sum(record.get("event") == "watchdog" for record in records),
-        verdict=verdict, projected_step=projected, explanation=explanation, phases=_phases(records),
+        verdict=verdict, projected_step=projected, explanation=explanation, phases=phase_peaks(records),
     )
-
-
-def _phases(records: list[dict[str, Any]]) -> dict[str, list[int | None]]:
-    """Phase → [its highest peak, the plan's figure for it] from a rank's phase records."""
-    phases: dict[str, list[int | None]] = {}
-    for record in records:
-        if record.get("event") != "phase" or record.get("phase") is None:
-            continue
-        peak, planned = phases.get(record["phase"], [0, None])
-        phases[record["phase"]] = [max(peak or 0, record.get("phase_high_water") or 0),
-                                   record.get("phase_planned") or planned]
-    return phases
 
 
 # ----- output ---------------------------------------------------------------------------------------------
@@ -434,20 +423,12 @@ def render_table(summaries: Sequence[RankSummary], notes: Sequence[str]) -> str:
     phases = list(dict.fromkeys(phase for summary in summaries for phase in summary.phases))
     if phases:
         lines += ["", "By phase: each phase's peak RSS, against the plan's figure for it", "",
-                  _format_table(("rank", *phases), [[str(summary.rank), *(_phase_cell(summary.phases.get(phase))
+                  _format_table(("rank", *phases), [[str(summary.rank), *(phase_cell(summary.phases.get(phase))
                                                                           for phase in phases)]
                                                     for summary in summaries])]
     if notes:
         lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
     return "\n".join(lines)
-
-
-def _phase_cell(figures: list[int | None] | None) -> str:
-    """A phase's peak and how far it is from the plan's figure ("1,102 MB (+2%)"), or "n/a"."""
-    if not figures:
-        return "n/a"
-    peak, planned = figures
-    return _mb(peak) + (f" ({((peak or 0) - planned) / planned:+.0%})" if planned else "")
 
 
 def to_json(summaries: Sequence[RankSummary], notes: Sequence[str], plot_path: str | Path | None = None) -> str:
