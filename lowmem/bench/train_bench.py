@@ -171,7 +171,7 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
 
     from lowmem.bench.data_bench import generate_file
     from lowmem.distributed.accelerator import create_accelerator, ddp_settings
-    from lowmem.distributed.collectives import broadcast_from_main
+    from lowmem.distributed.collectives import broadcast_from_main, end_process_group
     from lowmem.config import validate_config
     from lowmem.train.setup import decide_fixed_shapes, ensure_tokenizer, make_loader, shared_memory_settings
     from lowmem.memory.plan import STEP, plan_memory
@@ -223,6 +223,9 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
     per_rank = gather_object([{"data": data, "data_rss": data_rss, "ceiling": ceiling, "pipeline": through_pipeline,
                                "trainer": loop, "reference": plain_loop, "reference_ran": reference,
                                "high_water": high_water, "predicted": predicted}])
+    # Ended while every rank is still here (the gather is a collective), as `train` ends the group it made, rather
+    # than leaving gloo's connections to the exit of processes that end one after another.
+    end_process_group()
     if not accelerator.is_main_process:
         return ""
     header = describe_run(config, accelerator, settings, n_params, _device_name(on_gpu), steps, skip_steps)

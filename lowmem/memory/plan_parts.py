@@ -45,10 +45,11 @@ BF16_ACTIVATION_SHARE = 0.6
 # first forward pass of a model of Qwen2.5-0.5B's shapes on 3 ranks peaked 0-800 MB above the later ones (the heap's
 # state decides), counted as this share of what a validation allocates.
 VALIDATION_HEAP_RETENTION = 0.15
-# What an FSDP process keeps once it trains, beyond the model states: the collectives' and the autograd engine's
-# buffers, the freed small blocks the C heap keeps. Measured 150-200 MB on 3 FSDP processes of a model of
-# Qwen2.5-0.5B's shapes on the CPU (the RSS after the first steps against before them), trained in full or adapters.
-FSDP_TRAINING_BYTES = 160 * MB
+# What an FSDP process keeps once it trains, beyond the model states (the collectives' and the autograd engine's
+# buffers, the freed blocks the C heap keeps), in blocks' worth of weights as they are gathered: measured 150-200 MB
+# on 3 FSDP processes of a model of Qwen2.5-0.5B's shapes on the CPU, whose blocks are 60 MB (the RSS after the first
+# steps against before them), trained in full or with adapters.
+FSDP_TRAINING_BLOCKS = 3
 # What writing a model a slice of rows at a time holds beyond the slice itself (lowmem.checkpoint.model_files): the
 # slice read, its cast or merged copy, the adapters' update of its rows.
 EXPORT_SLICE_BYTES = 3 * 64 * MB
@@ -112,8 +113,10 @@ def _fsdp_training_heap(inputs: PlanInputs) -> list[PlanPart]:
     blocks the C heap keeps (made by the first step)."""
     if inputs.strategy != FSDP:
         return []
-    return [PlanPart("kept once training", FSDP_TRAINING_BYTES, f"{FSDP_TRAINING_BYTES / MB:,.0f} MB, measured",
-                     absent_in=(LOAD,))]
+    each = inputs.gathered_bytes
+    kept = FSDP_TRAINING_BLOCKS * each * inputs.model.block_params
+    return [PlanPart("kept once training", kept, f"{FSDP_TRAINING_BLOCKS} blocks' worth of weights at {each} B, "
+                     "measured", absent_in=(LOAD,))]
 
 
 def _states(inputs: PlanInputs, where: str) -> list[PlanPart]:
