@@ -13,11 +13,12 @@ case starts with a clean heap and its own peak RSS.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import psutil
@@ -27,6 +28,9 @@ import pyarrow.parquet as pq
 
 from lowmem.memory.probe import own_high_water
 from lowmem.units import DECIMAL_MB, GIB
+
+if TYPE_CHECKING:
+    from lowmem.config import TrainConfig
 
 CASES = ("ceiling", "normal", "ultra", "resume", "resume10")
 _SAMPLE_WORDS = ["春风", "明月", "江南", "归去", "相思", "落花", "流水", "千里", "故人", "长亭", "夜雨", "西楼",
@@ -178,3 +182,15 @@ def bench_data(files: Sequence[str | Path] | None = None, rows: int = 2_000_000,
             "(each case in a fresh process with the same imports; peak RSS includes the interpreter and torch)\n"
             + format_table(results))
 
+
+def config_on_data(config: TrainConfig, accelerator: Any, folder: Path, data_file: str | None,
+                   rows: int) -> TrainConfig:
+    """The config training on `data_file`, or on `rows` synthetic rows generated into `folder` by the main process."""
+    from lowmem.distributed.collectives import broadcast_from_main
+
+    if rows > 0:
+        data_file = broadcast_from_main(accelerator, lambda: str(generate_file(folder / "rows.parquet", rows)))
+    config = dataclasses.replace(config, train_file=data_file or config.train_file)
+    if rows > 0 and config.text_column:
+        config = dataclasses.replace(config, text_column="response")  # the synthetic rows' longer column
+    return config

@@ -169,7 +169,7 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
     """
     from accelerate.utils import gather_object
 
-    from lowmem.bench.data_bench import generate_file
+    from lowmem.bench.data_bench import config_on_data
     from lowmem.distributed.accelerator import create_accelerator, ddp_settings
     from lowmem.distributed.collectives import broadcast_from_main, end_process_group
     from lowmem.config import validate_config
@@ -184,12 +184,7 @@ def bench_train(config: TrainConfig, steps: int | None = None, skip_steps: int =
     on_gpu = accelerator.device.type == "cuda"
     steps = steps or DEFAULT_STEPS[accelerator.device.type if on_gpu else "cpu"]
     with tempfile.TemporaryDirectory(prefix="lowmem-bench-train-") as folder:
-        if rows > 0:
-            data_file = broadcast_from_main(
-                accelerator, lambda: str(generate_file(Path(folder) / "rows.parquet", rows)))
-        config = dataclasses.replace(config, train_file=data_file or config.train_file)
-        if rows > 0 and config.text_column:
-            config = dataclasses.replace(config, text_column="response")  # the synthetic rows' longer column
+        config = config_on_data(config, accelerator, Path(folder), data_file, rows)
         split = ""
         if on_gpu:  # the micro-batches training would take on this GPU (the fewest that fit, `settle_memory`)
             config, decision = settle_memory(config, accelerator, explicit_fields(config))
