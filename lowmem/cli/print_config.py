@@ -37,10 +37,10 @@ def launched_layout() -> tuple[int, str]:
 
 
 def settle_and_plan(config: TrainConfig, given: Collection[str], is_keep_training: bool, layout: Any,
-                    largest: bool = False) -> tuple[TrainConfig, Any, bool]:
+                    largest: bool = False) -> tuple[TrainConfig, Any, Any]:
     """The run as `train` settles it (a resume's saved settings, a source model's shape and load) and the memory
     plan's decision for `layout` (with `largest`, the largest model of its proportions the host trains); the third
-    value says whether the run starts from a model."""
+    value is the model the run starts from (`lowmem.source.settle.StartingPoint`; None: random weights)."""
     from lowmem.config.overrides import explicit_fields
     from lowmem.train.memory_fit import decide
     from lowmem.train.startup import SavedRun, read_saved_run, settle_run
@@ -49,7 +49,7 @@ def settle_and_plan(config: TrainConfig, given: Collection[str], is_keep_trainin
     settled, start = settle_run(config, given, saved)
     decision = decide(settled, layout, explicit_fields(settled, given), saved.memory_choice(allow_config_change=False),
                       start=start, largest=largest)
-    return settled, decision, start is not None
+    return settled, decision, start
 
 
 def settled_printout(config: TrainConfig, given: Collection[str], is_keep_training: bool, layout: Any
@@ -62,7 +62,8 @@ def settled_printout(config: TrainConfig, given: Collection[str], is_keep_traini
         is_keep_training: settle the resume of the run in output_dir (its saved settings are kept).
         layout: the `RunLayout` to plan for (`lowmem.train.memory_fit`).
     """
-    settled, decision, from_model = settle_and_plan(config, given, is_keep_training, layout)
+    settled, decision, start = settle_and_plan(config, given, is_keep_training, layout)
+    stage = start.stage if start is not None else None  # a new run from a model: what its stage chose
     settled_values = dataclasses.asdict(settled)
     values = {**settled_values, **decision.changes}
     at_start: dict[str, Any] = {}
@@ -76,11 +77,15 @@ def settled_printout(config: TrainConfig, given: Collection[str], is_keep_traini
         if name in values and values[name] is None:
             values[name] = value
     before = dataclasses.asdict(config)
+    by_stage = stage.chosen if stage is not None else {}
     from_run = sorted(name for name, value in settled_values.items()
-                      if value != before[name] and name not in given and name not in decision.changes)
-    source = ("the saved run, the source model or the data" if is_keep_training or from_model
+                      if value != before[name] and name not in given and name not in decision.changes
+                      and name not in by_stage)
+    source = ("the saved run, the source model or the data" if is_keep_training or start is not None
               else "the data and tokenizer")
     lines = [f"Given (preset aside): {', '.join(sorted(given)) or 'nothing'}."]
+    if stage is not None:
+        lines += [stage.line()] + ([stage.warning] if stage.warning else [])
     if from_run:
         lines.append(f"Settled from {source}: {', '.join(from_run)}.")
     if decision.changes:

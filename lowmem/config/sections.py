@@ -125,8 +125,9 @@ class ModelConfig:
                             resume=(EXACT, MODEL_SHAPE), hint="0 trains every weight; 8 to 64 are usual", before=0)
     lora_alpha: float = option(16.0, "the adapters' scale: their update is multiplied by lora_alpha / lora_rank",
                                above=0, resume=EXACT, before=16.0)
-    lora_dropout: float = option(0.05, "dropout on the adapters' input", minimum=0, below=1, resume=EXACT,
-                                 before=0.05)
+    lora_dropout: float = option(0.0, "dropout on the adapters' input (none by default, as peft's and torchtune's)",
+                                 minimum=0, below=1, resume=EXACT, hint="0.05 to 0.1 where a small data set "
+                                 "overfits", before=0.05)
     lora_targets: str = option("all", "the projections that get adapters, by transformers' names: all (attention and "
                                "MLP), attention, mlp, or a comma list such as q_proj,v_proj (llama, Qwen2) or "
                                "c_attn,c_fc (gpt2)", resume=(EXACT, MODEL_SHAPE), before="all")

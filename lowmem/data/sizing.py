@@ -97,7 +97,7 @@ def micro_batch_positions(lengths: Sequence[int], max_seq_len: int, pack: bool) 
     return len(bins) * width
 
 
-def _sample_rows(index: RowGroupIndex) -> list[tuple[str, ...]]:
+def sample_rows(index: RowGroupIndex) -> list[tuple[str, ...]]:
     """The values of the index's columns ((prompt, response), or (text,)) of up to SAMPLE_ROWS_PER_GROUP rows from
     each of a few row groups spread over the data."""
     picks = np.unique(np.linspace(0, index.num_row_groups - 1, num=min(SAMPLE_ROW_GROUPS, index.num_row_groups))
@@ -127,7 +127,7 @@ def _sample_rows(index: RowGroupIndex) -> list[tuple[str, ...]]:
 def sample_batch_sizes(index: RowGroupIndex, max_seq_len: int, pack: bool, tokenizer: Any | None = None,
                        seed: int = 0) -> BatchSizes:
     """Row lengths of a sample of the indexed rows, tokenized (or counted from characters without a tokenizer)."""
-    rows = _sample_rows(index)
+    rows = sample_rows(index)
     if tokenizer is not None and rows:
         encoded = encode_rows(tokenizer, [list(values) for values in zip(*rows)])
         lengths = tuple(len(ids) for ids, _ in encoded)

@@ -46,8 +46,23 @@ def gpt_config_from_transformers(config: dict[str, Any], where: str) -> GPTConfi
 
     The vocabulary keeps the source's rows (`vocab_multiple=1`); `max_seq_len` is the source's longest context
     (`max_position_embeddings`), which the run's start-up lowers to the training sequence. The whole config.json is
-    kept (`transformers_config`), so that an export writes the same class with every key of the source.
+    kept (`transformers_config`), so that an export writes the same class with every key of the source. A field
+    missing or of a value that cannot be read is a `ConfigError` that names it.
     """
+    try:
+        return _config_of_class(config, where)
+    except ConfigError:
+        raise
+    except KeyError as missing:
+        raise ConfigError(f"The config.json in '{where}' has no {missing.args[0]!r}, which lowmem needs to build "
+                          f"the model: the file is incomplete. Copy it again from the model's source.") from None
+    except (TypeError, ValueError, ZeroDivisionError) as error:
+        raise ConfigError(f"The config.json in '{where}' holds a value lowmem cannot read ({error}): the file is "
+                          "damaged or hand-edited. Copy it again from the model's source.") from None
+
+
+def _config_of_class(config: dict[str, Any], where: str) -> GPTConfig:
+    """`gpt_config_from_transformers`, without the translation of a missing or unreadable field."""
     name = transformers_class(config)
     if config.get("quantization_config"):
         raise ConfigError(f"The model in '{where}' is quantized ({config['quantization_config'].get('quant_method')}):"

@@ -195,8 +195,10 @@ def _step(inputs: PlanInputs, share: float) -> list[PlanPart]:
         kept = positions * model.n_layer * per_block
         basis = f"{positions:,} positions x {model.n_layer} blocks x {per_block / 1e3:,.1f} kB"
     if model.adapter_dropout_bytes:  # each adapter's input, dropped out: a copy and its mask kept for backward
-        kept += positions * model.adapter_dropout_bytes
-        basis += f", and the adapters' dropped-out inputs ({model.adapter_dropout_bytes / 1e3:,.1f} kB a position)"
+        # Under activation checkpointing the adapters are recomputed with their block: one block's copies at a time.
+        dropped = model.adapter_dropout_bytes // (model.n_layer if inputs.activation_checkpointing else 1)
+        kept += positions * dropped
+        basis += f", and the adapters' dropped-out inputs ({dropped / 1e3:,.1f} kB a position)"
     parts = [PlanPart("activations", int(kept), basis, STEP)]
     V, C = model.padded_vocab, model.n_embd
     around = positions * (3 * C * FLOAT32 + (model.max_seq_len if inputs.masked_attention else 0))

@@ -32,6 +32,7 @@ from lowmem.errors import ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import unwrap_gpt
 from lowmem.preference.precompute import check_precomputed
+from lowmem.preference.usable import check_usable_pairs
 from lowmem.source.load import empty_model, fill_model, weight_plan
 from lowmem.source.locate import find_source
 from lowmem.source.settle import SOURCE_RECORD_NAME, StartingPoint, source_record
@@ -67,12 +68,14 @@ def check_reference_strategy(config: TrainConfig, accelerator: Accelerator) -> N
 
 
 def check_preference_start(config: TrainConfig, accelerator: Accelerator, start: StartingPoint | None) -> None:
-    """Before the run folder is touched: the reference fits the strategy, every held-out file has the columns
+    """Before the run folder is touched: the reference fits the strategy, the training pairs carry a preference
+    (`check_usable_pairs`), every held-out file has the columns
     (a file without them would stop the run at its first validation, its steps lost), and precomputed values
     belong to this run's model and sequence length."""
     if not is_preference(config):
         return
     check_reference_strategy(config, accelerator)
+    check_usable_pairs(config)
     held_out = [config.validation_file, *validation_sources(config).values()]
     for files in held_out:
         build_row_group_index(files, data_columns(config))

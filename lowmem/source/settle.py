@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from lowmem.model import GPTConfig
 from lowmem.model.weights import load_model_config
 from lowmem.source.load import LoadedWeights, weight_plan
 from lowmem.source.locate import LOWMEM, RUN_TOKENIZER_DIR, ModelSource, find_source
+from lowmem.source.stage import StageChoice, choose_stage_defaults, kept_on_resume
 
 # The run folder's record of where its weights came from (written once, when the run starts).
 SOURCE_RECORD_NAME = "started_from.json"
@@ -64,6 +66,7 @@ class StartingPoint:
     # True for the resume of a run that trains adapters: `source` is then the run's own base (`<run>/base`), filled
     # in before the checkpoint's adapters are loaded; nothing of a new start (its line, its record) is repeated.
     resumed: bool = False
+    stage: StageChoice | None = None  # a new run: the values its stage chose (`lowmem.source.stage`)
 
 
 def settle_source(config: TrainConfig, given: Collection[str], saved_config: dict[str, Any] | None,
@@ -102,13 +105,19 @@ def settle_source(config: TrainConfig, given: Collection[str], saved_config: dic
         return config, None
     source = find_source(config.init_from)
     config = _with_source_shape(config, source, given)
+    config, stage = choose_stage_defaults(config, given, source_parameters(source))
     model_config = dataclasses.replace(source.model_config, max_seq_len=config.max_seq_len, dropout=config.dropout)
     if config.lora_rank:  # named once for the checkpoints, and a wrong name refused before anything is read
         config = dataclasses.replace(config, lora_targets=canonical_targets(config.lora_targets, model_config))
     weights = weight_plan(source, model_config)  # every tensor checked before anything is built or written
     tokenizer_folder = None if "tokenizer_dir" in given else source.tokenizer_folder
     _check_tokenizer(config, source, tokenizer_folder, model_config)
-    return config, StartingPoint(model_config, source, tokenizer_folder, weights)
+    return config, StartingPoint(model_config, source, tokenizer_folder, weights, stage=stage)
+
+
+def source_parameters(source: ModelSource) -> int:
+    """The parameters of the source's tensors, from their headers."""
+    return sum(math.prod(entry.shape) for entry in source.tensors.values())
 
 
 def _check_tokenizer(config: TrainConfig, source: ModelSource, folder: Path | None, model: GPTConfig) -> None:
@@ -140,7 +149,7 @@ def _resumed(config: TrainConfig, given: Collection[str], saved: dict[str, Any],
                and name in saved}
     if "init_from" not in given:
         changes["init_from"] = saved["init_from"]
-    config = dataclasses.replace(config, **changes)
+    config = kept_on_resume(dataclasses.replace(config, **changes), given, saved)
     assert checkpoint is not None  # a saved config comes from a checkpoint
     model_config = dataclasses.replace(load_model_config(checkpoint), max_seq_len=config.max_seq_len,
                                        dropout=config.dropout)

@@ -21,6 +21,7 @@ from lowmem.train.gpu_oom import is_out_of_memory, said_as_paragraph
 from lowmem.train.log import attach_run_log, setup_training_log
 from lowmem.config.overrides import explicit_fields
 from lowmem.train.memory_fit import log_decision, settle_memory
+from lowmem.source.stage import log_stage
 from lowmem.train.startup import start_up
 from lowmem.train.tracking import tracker_arguments
 from lowmem.train.trainer import Trainer
@@ -57,6 +58,8 @@ def run_training(config: TrainConfig, is_keep_training: bool = False, allow_conf
                                    saved_run.memory_choice(allow_config_change), start)
     log_path = setup_training_log(accelerator.process_index, accelerator.is_main_process, LAUNCH_LOG_DIR)
     log_decision(memory)
+    if start is not None and start.stage is not None and accelerator.is_main_process:
+        log_stage(start.stage)
     check_shared_folder(accelerator, config.output_dir)  # several machines: checkpoints need a shared folder
     lock = lock_run_folder(accelerator, config.output_dir, "training")
     try:

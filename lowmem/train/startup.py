@@ -30,6 +30,7 @@ from lowmem.config import TrainConfig, validate_config
 from lowmem.config.settle import in_effect, settled_config
 from lowmem.config.read_only import read_only
 from lowmem.data.path_checks import check_data_files
+from lowmem.source.finite import check_finite
 from lowmem.source.settle import StartingPoint, refuse_keep_training_without_run, settle_source
 from lowmem.config.overrides import explicit_fields
 from lowmem.train.memory_fit import SAVED_KEY
@@ -103,6 +104,8 @@ def start_up(config: TrainConfig, given: Collection[str] | None, is_keep_trainin
     if is_keep_training and config.init_from and saved.state is None:
         refuse_keep_training_without_run(config)
     config, start = settle_run(config, given, saved)
+    if start is not None and start.source is not None and not start.resumed:
+        check_finite(start.source)  # every weight read once, before the run folder is touched
     if not is_keep_training and start is None:  # a resume checks the tokenizer against its checkpoint's instead
         check_tokenizer_data(config, explicit)
     return config, saved, start

@@ -168,18 +168,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, acceler
                 accelerator.backward(batch_loss_sum * scale)
                 loss_sum += batch_loss_sum.detach()
             if accelerator.sync_gradients:  # the last micro-batch: gradients are complete
+                # A preference step whose batches held no pair on any rank has a gradient of exactly zero: it is
+                # skipped as a non-finite one is, so that weight decay and the moments do not move on nothing.
+                nothing = preference is not None
                 if clips_in_the_optimizer(optimizer, accelerator):
                     grad_norm = gradient_norm(model)
-                    step_if_finite(optimizer, grad_norm, clip_to=grad_clip)
+                    step_if_finite(optimizer, grad_norm, clip_to=grad_clip, skip_zero=nothing)
                 else:
                     grad_norm = clip_and_measure(model, accelerator, grad_clip)
-                    step_if_finite(optimizer, grad_norm)
+                    step_if_finite(optimizer, grad_norm, skip_zero=nothing)
                 optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
 
-def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip_to: float = 0.0) -> None:
-    """`optimizer.step()`, skipped when `grad_norm` is not finite: weights, moments and step count unchanged.
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, clip_to: float = 0.0,
+                   skip_zero: bool = False) -> None:
+    """`optimizer.step()`, skipped when `grad_norm` is not finite (or, with `skip_zero`, exactly zero): weights,
+    moments and step count unchanged.
 
     A fused torch optimizer (the model's AdamW is fused wherever torch has the kernel) decides on the device,
     through the flag GradScaler uses for the same purpose (`found_inf`): the host never reads the norm. Any other
@@ -193,7 +198,10 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, cl
     """
     inner = _fused_torch_optimizer(optimizer)
     if inner is not None:
-        inner.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)  # type: ignore[attr-defined]
+        skip = ~torch.isfinite(grad_norm)
+        if skip_zero:
+            skip = skip | (grad_norm == 0)
+        inner.found_inf = skip.to(torch.float32)  # type: ignore[attr-defined]
         if clip_to > 0:
             inner.grad_scale = ((grad_norm + CLIP_EPSILON) / clip_to).clamp(min=1.0)  # type: ignore[attr-defined]
         try:
@@ -202,7 +210,7 @@ def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, cl
             del inner.found_inf  # type: ignore[attr-defined]
             if clip_to > 0:
                 del inner.grad_scale  # type: ignore[attr-defined]
-    elif math.isfinite(float(grad_norm)):
+    elif math.isfinite(float(grad_norm)) and not (skip_zero and float(grad_norm) == 0):
         optimizer.step()
 
 

@@ -246,6 +246,32 @@ def test_the_fused_kernel_clips_as_torch_does_with_no_pass_of_its_own(monkeypatc
     assert any(not torch.equal(value, before[name]) for name, value in model.state_dict().items())
 
 
+class _NoPairs:
+    """A preference loss whose micro-batches hold no pair (one padding pair of weight 0): a zero gradient."""
+
+    def micro_batch(self, model, batch, input_ids, targets):
+        _, loss = model(input_ids, targets)
+        return (loss * 0).detach(), loss * 0
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["device-side skip", "host-side skip"])
+def test_a_preference_step_with_no_pair_on_any_rank_moves_nothing(monkeypatch, fused):
+    """Weight decay would shrink every matrix on a step of nothing, and AdamW would count it: the step is skipped."""
+    from lowmem.train.step import train_step
+
+    model, optimizer, accelerator, batch = _step_parts(nan=False)
+    if not fused:
+        for group in optimizer.optimizer.param_groups:
+            group["fused"] = None
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    _, grad_norm = train_step(model, optimizer, accelerator, [batch], 1.0, grad_clip=1.0, preference=_NoPairs())
+    assert float(grad_norm) == 0.0
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert {float(value["step"]) for value in optimizer.optimizer.state.values()} <= {0.0}
+    train_step(model, optimizer, accelerator, [batch], 30.0, grad_clip=1.0)  # a step with tokens still steps
+    assert any(not torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
 def test_an_optimizer_without_a_device_side_skip_reads_the_norm_and_still_skips(monkeypatch):
     from lowmem.train.step import train_step
 

@@ -285,8 +285,23 @@ def _fewer_rows_than_ids(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
 
 
+def _edit_config(folder: Path, change) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _nan_in_one_weight(folder: Path) -> None:
+    def plant(tensors):
+        weight = tensors["model.layers.1.mlp.down_proj.weight"].clone()
+        weight[3, 5] = float("nan")
+        tensors["model.layers.1.mlp.down_proj.weight"] = weight
+    _rewrite_tensors(folder, plant)
+
+
 @pytest.mark.parametrize("case", ["pickle", "bert", "missing tensor", "tokenizer too large", "no such path",
-                                  "keep training an empty folder", "shape flag"])
+                                  "keep training an empty folder", "shape flag", "nan weight", "no heads field",
+                                  "heads that contradict the tensors", "unreadable field", "pairs of one answer"])
 def test_a_bad_init_from_is_one_message_and_writes_nothing(project, qwen_copy, capsys, case):
     model, flags = str(qwen_copy), []
     marker = project / "pickle-ran"
@@ -304,13 +319,35 @@ def test_a_bad_init_from_is_one_message_and_writes_nothing(project, qwen_copy, c
         model = str(project / "nowhere")
     elif case == "keep training an empty folder":
         flags = ["--is_keep_training=True"]
+    elif case == "nan weight":
+        _nan_in_one_weight(qwen_copy)
+    elif case == "no heads field":
+        _edit_config(qwen_copy, lambda config: config.pop("num_attention_heads"))
+    elif case == "heads that contradict the tensors":
+        _edit_config(qwen_copy, lambda config: config.update(num_attention_heads=8, num_key_value_heads=8))
+    elif case == "unreadable field":
+        _edit_config(qwen_copy, lambda config: config.update(hidden_size="wide"))
+    elif case == "pairs of one answer":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for name in ("train", "valid"):
+            answers = [f"answer {row}" for row in range(50)]
+            pq.write_table(pa.table({"prompt": [f"q {row}" for row in range(50)], "chosen": answers,
+                                     "rejected": answers}), project / "data" / f"{name}.parquet")
+        flags = ["--objective=dpo"]
     else:
         flags = ["--n_layer=3"]
     expected = {"pickle": "has not opened them", "bert": "is a BertForMaskedLM: lowmem starts from",
                 "missing tensor": "has no tensor model.norm.weight", "tokenizer too large": "603 ids but",
                 "no such path": "no such file or folder",
                 "keep training an empty folder": "--is_keep_training=True continues the run in",
-                "shape flag": "--n_layer=3 (the model has 2) disagree"}[case]
+                "shape flag": "--n_layer=3 (the model has 2) disagree",
+                "nan weight": "not finite (NaN or infinity) in model.layers.1.mlp.down_proj.weight",
+                "no heads field": "has no 'num_attention_heads', which lowmem needs",
+                "heads that contradict the tensors": "its weights do not match its config.json",
+                "unreadable field": "holds a value lowmem cannot read",
+                "pairs of one answer": "has the same chosen and rejected answer: they carry no preference"}[case]
     assert main(["train", f"--init_from={model}", "--max_steps=1", *flags]) == 2
     message = capsys.readouterr().err
     errors = [line for line in message.splitlines() if line.startswith("error:")]
