@@ -122,8 +122,8 @@ def qwen2_folder(folder: Path, seed: int = 0, extra_rows: int = 13, **sizes: Any
 
     folder.mkdir(parents=True, exist_ok=True)
     ids = qwen2_tokenizer(folder)
-    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512, **sizes)
+    shape = {**dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512), **sizes}
     config = transformers.Qwen2Config(vocab_size=ids + extra_rows, eos_token_id=ids - 1, pad_token_id=ids - 3,
                                       **shape)
     _perturbed(transformers.Qwen2ForCausalLM(config), seed).save_pretrained(folder)

@@ -122,8 +122,9 @@ class TokenizingCollate:
     """Rows `{prompt, response}`, or `{text}`, → `{"input_ids", "targets"}` LongTensors of shape (B, T).
 
     Each row becomes `[bos] prompt [sep] response [eos]` (one text column: `[bos] text [eos]`), cut at the end
-    to `max_seq_len + 1` tokens, then shifted: inputs are tokens 0..n-1 and targets tokens 1..n. Widths are
-    rounded up to a multiple of 32 (at most `max_seq_len`), or fixed with `fixed_shapes`.
+    to `max_seq_len + 1` tokens (the rows cut are counted: `cut_rows`, a scalar), then shifted: inputs are tokens
+    0..n-1 and targets tokens 1..n. Widths are rounded up to a multiple of 32 (at most `max_seq_len`), or fixed
+    with `fixed_shapes`.
 
     With `pack=False` each row is one sequence, padded to the longest row of the batch (not to
     `max_seq_len`: with short rows most of a fixed-length batch would be padding). With `pack=True` the
@@ -183,7 +184,8 @@ class TokenizingCollate:
                     # Position j predicts token j + 1: the prompt and separator are predicted before the response.
                     targets[sequence, start: start + max(0, min(targets_start - 1, length))] = IGNORE_INDEX
                 start = end
-        batch = {"input_ids": torch.from_numpy(input_ids), "targets": torch.from_numpy(targets)}
+        batch = {"input_ids": torch.from_numpy(input_ids), "targets": torch.from_numpy(targets),
+                 "cut_rows": torch.tensor(sum(len(ids) > limit for ids, _ in encoded), dtype=torch.int64)}
         if self.pack:
             batch["segment_ids"] = torch.from_numpy(segment_ids)
         return batch

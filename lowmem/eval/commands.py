@@ -13,7 +13,7 @@ import torch
 
 from lowmem.atomic_files import file_built_aside, write_json_atomic
 from lowmem.distributed.accelerator import create_accelerator
-from lowmem.eval.validation import EvalResult, bleu4, evaluate
+from lowmem.eval.validation import EvalResult, bleu4, evaluate, prompt_room
 from lowmem.model import GPT
 from lowmem.checkpoint.export import find_model_folder, load_model_folder, trained_config
 from lowmem.checkpoint.run_lock import lock_run_folder
@@ -139,7 +139,10 @@ def answer(model: GPT, tokenizer: TextTokenizer, prompt: str, max_new_tokens: in
     """
     device = next(model.parameters()).device
     ids, _ = tokenizer.encode_text(prompt, finished=False) if continue_text else tokenizer.encode_pair(prompt, None)
-    room = max(1, model.config.max_seq_len - max_new_tokens)
+    room = prompt_room(model.config.context_len, max_new_tokens)
+    if len(ids) > room:
+        logger.warning("The prompt's %d tokens and up to %d new ones exceed the model's context of %d: its first %d "
+                       "tokens are left out.", len(ids), max_new_tokens, model.config.context_len, len(ids) - room)
     idx = torch.tensor([ids[-room:]], dtype=torch.long, device=device)  # (1, T)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     with inference_autocast(device, bf16, bf16_on_cpu):

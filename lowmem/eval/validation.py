@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from lowmem.distributed.fsdp_units import all_ranks_finished, is_sharded, lockst
 from lowmem.model import GPT, IGNORE_INDEX
 from lowmem.data.text_tokenizer import TextTokenizer
 from lowmem.distributed.performance import inference_autocast
+
+logger = logging.getLogger(__name__)
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 METRIC_MODES = {"bleu4": "max", "val_loss": "min", "rewards_accuracy": "max"}
@@ -145,6 +148,12 @@ def evaluate_loss(model: GPT, loader: StreamLoader, accelerator: Accelerator,
     return total_loss / max(total_tokens, 1.0), int(total_rows), int(total_tokens)
 
 
+def prompt_room(context_len: int, max_new_tokens: int) -> int:
+    """The tokens of a prompt a model of `context_len` keeps to answer in up to `max_new_tokens`: a longer prompt is
+    cut from the left (its end, the question and the template's turn, stays)."""
+    return max(1, context_len - max_new_tokens)
+
+
 @torch.no_grad()
 def generate_answers(model: GPT, tokenizer: TextTokenizer, prompts: Sequence[str], max_new_tokens: int,
                      device: torch.device, batch_size: int = 16, no_repeat_ngram_size: int = 0,
@@ -156,7 +165,13 @@ def generate_answers(model: GPT, tokenizer: TextTokenizer, prompts: Sequence[str
     ends when every rank's rows have finished.
     """
     answers: list[str] = []
-    room = max(1, model.config.max_seq_len - max_new_tokens)  # keep the end of long prompts, leave room to answer
+    room = prompt_room(model.config.context_len, max_new_tokens)
+    prompt_ids = [tokenizer.encode_pair(prompt, None)[0] for prompt in prompts]
+    cut = sum(len(ids) > room for ids in prompt_ids)
+    if cut:
+        logger.warning("%d of %d prompts are longer than the model's context of %d tokens less %d for the answer: "
+                       "each keeps its last %d tokens.", cut, len(prompts), model.config.context_len, max_new_tokens,
+                       room)
     together = accelerator is not None and is_sharded(model)
     stop_together = all_ranks_finished(accelerator) if accelerator is not None and together else None
     starts = range(0, len(prompts), batch_size)
@@ -164,7 +179,7 @@ def generate_answers(model: GPT, tokenizer: TextTokenizer, prompts: Sequence[str
         if start is None:  # this rank's prompts are done: a one-token prompt, for the others' collectives
             encoded = [[tokenizer.pad_id]]
         else:
-            encoded = [tokenizer.encode_pair(prompt, None)[0][-room:] for prompt in prompts[start:start + batch_size]]
+            encoded = [ids[-room:] for ids in prompt_ids[start:start + batch_size]]
         width = max(len(ids) for ids in encoded)
         idx = torch.full((len(encoded), width), tokenizer.pad_id, dtype=torch.long)  # (B, T), padded on the left
         for row, ids in enumerate(encoded):

@@ -137,8 +137,4 @@ def _require(ok: bool, where: str, key: str, found: Any, expected: str) -> None:
 def sliding_window(config: GPTConfig) -> int | None:
     """The source's sliding attention window, when it has one in use (Mistral's first versions): a training sequence
     longer than it would attend further back than the model was trained to."""
-    source = config.transformers_config or {}
-    window = source.get("sliding_window")
-    if not window or source.get("use_sliding_window") is False:
-        return None
-    return int(window)
+    return config.sliding_window

@@ -183,6 +183,29 @@ class GPTConfig:
         """Key/value heads: `n_kv_head`, else one per query head."""
         return self.n_kv_head or self.n_head
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The transformers source's sliding attention window, when it has one in use (Mistral's first versions);
+        None otherwise."""
+        source = self.transformers_config or {}
+        window = source.get("sliding_window")
+        if not window or source.get("use_sliding_window") is False:
+            return None
+        return int(window)
+
+    @property
+    def context_len(self) -> int:
+        """The longest context the model answers in: a llama started from a transformers model reaches as far as
+        that model did (its `max_position_embeddings`, within its sliding window: rotary positions are computed,
+        not looked up), whatever length it was trained at; any other model `max_seq_len` (a learned position table
+        has that many rows; a model of one's own has never seen a position beyond it)."""
+        source = self.transformers_config or {}
+        if self.architecture != "llama" or not source.get("max_position_embeddings"):
+            return self.max_seq_len
+        longest = int(source["max_position_embeddings"])
+        window = self.sliding_window
+        return max(self.max_seq_len, min(longest, window) if window else longest)
+
     @classmethod
     def demo(cls, vocab_size: int, **overrides: Any) -> GPTConfig:
         """A tiny model that trains on a 2-core laptop CPU in minutes.

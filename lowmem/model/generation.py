@@ -40,7 +40,7 @@ class DecodingState:
 
     # (B,) left-padding tokens at the start of each prompt row; None when no row is padded.
     n_pad: torch.Tensor | None = None
-    # None when not caching, and from the step at which the context outgrows max_seq_len.
+    # None when not caching, and from the step at which the context outgrows the model's (`context_len`).
     cache: KVCache | None = None
 
 
@@ -65,13 +65,14 @@ def generate(
     """Continue each sequence in `idx` by up to `max_new_tokens` tokens; `GPT.generate` is this function.
 
     The model runs in eval mode (no dropout) for the duration and is put back in its previous mode
-    afterwards. Contexts longer than `max_seq_len` are cropped to their last `max_seq_len` tokens.
+    afterwards. Contexts longer than the model's (`GPTConfig.context_len`: `max_seq_len`, or a transformers source's
+    context) are cropped to their last tokens.
 
     With `use_cache`, the keys and values of every position are kept, so each step runs only the new
     token; the chosen tokens are those of the uncached path (up to float rounding in near-ties). The
-    cache covers contexts up to `max_seq_len`. Once the context outgrows it, the position of every
+    cache covers contexts up to the model's. Once the context outgrows it, the position of every
     kept token changes with each step (positions count from the window's start), so the cache is dropped and
-    each further step recomputes the last `max_seq_len` tokens, as the uncached path does.
+    each further step recomputes the last `context_len` tokens, as the uncached path does.
 
     Args:
         model: the GPT; while it runs, `model.decoding` holds the left padding and the key/value cache that
@@ -137,9 +138,9 @@ def _check_settings(idx: torch.Tensor, max_new_tokens: int, temperature: float, 
 def _decoding_state(model: GPT, idx: torch.Tensor, max_new_tokens: int, use_cache: bool,
                     prompt_lengths: torch.Tensor | None) -> DecodingState:
     """The left padding of the prompt `idx` (B, T) and, with `use_cache`, an empty cache long enough for the
-    whole generation (at most `max_seq_len`)."""
+    whole generation (at most the model's context, `GPTConfig.context_len`)."""
     B, T = idx.shape
-    max_len = model.config.max_seq_len
+    max_len = model.config.context_len
     n_pad = _left_padding(prompt_lengths, B, T, idx.device)  # (B,) or None
     # A prompt that already fills the context would use the cache for its first step only.
     cache = KVCache(model.config.n_layer, min(T + max_new_tokens, max_len)) if use_cache and T < max_len else None

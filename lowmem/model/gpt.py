@@ -295,10 +295,10 @@ class GPT(nn.Module):
             raise ValueError(f"idx must have shape (batch, seq_len), got {tuple(idx.shape)}.")
         B, T = idx.shape
         start = 0 if cache is None else cache.length  # positions before idx
-        if start + T > self.config.max_seq_len:
+        if start + T > self.config.context_len:
             raise ValueError(
-                f"Sequence length {start + T} exceeds max_seq_len={self.config.max_seq_len}; truncate the input "
-                f"(the collate function's max length) or build the model with a larger max_seq_len."
+                f"Sequence length {start + T} exceeds the model's context of {self.config.context_len} tokens; "
+                "truncate the input (the collate function's max length) or build the model with a larger max_seq_len."
             )
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         attn_mask = None  # plain causal attention: the fast path for training
@@ -457,7 +457,7 @@ class GPT(nn.Module):
     def next_token_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits for the token after `idx` (B, T) -> (B, V), over the padded vocabulary: one step of `generate`.
 
-        Contexts longer than `max_seq_len` are cropped to their last `max_seq_len` tokens. While
+        Contexts longer than the model's (`GPTConfig.context_len`) are cropped to their last tokens. While
         `generate` runs, `self.decoding` says how many left-padding tokens each row starts with and holds
         the key/value cache; with a cache only the positions it has not seen yet are run. Outside `generate`
         every row is a full prompt, run whole.
@@ -470,7 +470,7 @@ class GPT(nn.Module):
         """
         state = self.decoding if self.decoding is not None else DecodingState()
         n_pad, cache = state.n_pad, state.cache
-        max_len = self.config.max_seq_len
+        max_len = self.config.context_len
         if cache is not None and idx.size(1) > max_len:
             # The window is about to slide. Positions count from the window's start, so every kept token
             # moves to a new position and all cached keys and values go stale (rotated keys included: the
@@ -481,7 +481,7 @@ class GPT(nn.Module):
             idx = idx[:, cache.length :]  # the whole prompt on the first step, then only the token chosen last
         elif idx.size(1) > max_len:
             cut = idx.size(1) - max_len
-            idx = idx[:, cut:]  # (B, max_seq_len)
+            idx = idx[:, cut:]  # (B, context_len)
             if n_pad is not None:
                 n_pad = (n_pad - cut).clamp_min(0)  # (B,), the padding that is still in the window
         logits, _ = self(idx, n_pad=n_pad, cache=cache, last_logits=True)  # through forward: see its last_logits

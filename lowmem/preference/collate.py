@@ -30,6 +30,7 @@ class PreferenceCollate:
         input_ids, targets      (2P, T) LongTensors: the chosen answers' rows, then the rejected ones'
         pair_weights            (P,) float32: 1 for a pair, 0 for the padding pair of an empty batch
         skipped_pairs           () int64: the rows left out because both answers are the same
+        cut_rows                () int64: the rows whose prompt and an answer were cut at max_seq_len
         reference_logps         (2P,) float32, with the reference columns: their values
 
     Widths are rounded up to a multiple of 32 (at most `max_seq_len`). Picklable, so it runs in DataLoader workers.
@@ -64,6 +65,8 @@ class PreferenceCollate:
         batch["pair_weights"] = torch.zeros(max(len(kept), 1), dtype=torch.float32)
         batch["pair_weights"][: len(kept)] = 1.0
         batch["skipped_pairs"] = torch.tensor(pairs - len(kept), dtype=torch.int64)
+        batch["cut_rows"] = torch.tensor(sum(len(encoded[row][0]) > limit or len(encoded[pairs + row][0]) > limit
+                                             for row in range(pairs)), dtype=torch.int64)
         if len(self.columns) == 5:  # the reference's log-probabilities, in the batch's order of sequences
             chosen_reference, rejected_reference = self.columns[3:]
             values = ([_log_prob(rows[row], chosen_reference) for row in kept]

@@ -3,10 +3,14 @@
     field                          a new run with --init_from              its resume
     architecture, n_layer,         the source's; a flag that disagrees     the checkpoint's (as every resume)
       n_head, n_embd, vocab_size     is refused
-    max_seq_len                    transformers: as given (192 by          the checkpoint's
-                                   default), within the source's context
-                                   and sliding window; lowmem: the
-                                   source's unless given (gpt2: always)
+    max_seq_len                    transformers: as given, else the length the checkpoint's
+                                   that keeps 99% of a sample of the
+                                   rows whole; within the source's
+                                   context and sliding window; lowmem:
+                                   the source's unless given (gpt2:
+                                   always)
+    learn_rate, weight_decay,      the stage's unless given                the checkpoint's, unless given
+      epochs, eval_bleu_samples      (`lowmem.source.stage`)
     tokenizer_dir                  <output_dir>/tokenizer, where the       the checkpoint's
                                    source's tokenizer is copied (or as
                                    given: an existing tokenizer)
@@ -31,7 +35,11 @@ from lowmem.adapters.files import checked_base
 from lowmem.adapters.targets import canonical_targets
 from lowmem.atomic_files import write_json_atomic
 from lowmem.config import ModelConfig, TrainConfig
-from lowmem.config.columns import is_preference
+from lowmem.config.columns import data_columns, is_preference
+from lowmem.config.train_sources import training_paths
+from lowmem.data.lengths import length_keeping
+from lowmem.data.sizing import sample_batch_sizes
+from lowmem.data.sources import build_row_group_index
 from lowmem.data.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
 from lowmem.errors import ConfigError
 from lowmem.hf.architectures import sliding_window
@@ -39,7 +47,7 @@ from lowmem.hf.weight_map import WeightSource
 from lowmem.model import GPTConfig
 from lowmem.model.weights import load_model_config
 from lowmem.source.load import LoadedWeights, weight_plan
-from lowmem.source.locate import LOWMEM, RUN_TOKENIZER_DIR, ModelSource, find_source
+from lowmem.source.locate import LOWMEM, RUN_TOKENIZER_DIR, TRANSFORMERS, ModelSource, find_source
 from lowmem.source.stage import StageChoice, choose_stage_defaults, kept_on_resume
 
 # The run folder's record of where its weights came from (written once, when the run starts).
@@ -105,14 +113,24 @@ def settle_source(config: TrainConfig, given: Collection[str], saved_config: dic
         return config, None
     source = find_source(config.init_from)
     config = _with_source_shape(config, source, given)
+    tokenizer_folder = None if "tokenizer_dir" in given else source.tokenizer_folder
+    tokenizer = _checked_tokenizer(config, source, tokenizer_folder)
+    if source.kind == TRANSFORMERS and "max_seq_len" not in given:  # the rows decide, within the model's context
+        config = dataclasses.replace(config, max_seq_len=length_of_rows(config, tokenizer, context_limit(source)[0]))
     config, stage = choose_stage_defaults(config, given, source_parameters(source))
     model_config = dataclasses.replace(source.model_config, max_seq_len=config.max_seq_len, dropout=config.dropout)
     if config.lora_rank:  # named once for the checkpoints, and a wrong name refused before anything is read
         config = dataclasses.replace(config, lora_targets=canonical_targets(config.lora_targets, model_config))
     weights = weight_plan(source, model_config)  # every tensor checked before anything is built or written
-    tokenizer_folder = None if "tokenizer_dir" in given else source.tokenizer_folder
-    _check_tokenizer(config, source, tokenizer_folder, model_config)
     return config, StartingPoint(model_config, source, tokenizer_folder, weights, stage=stage)
+
+
+def length_of_rows(config: TrainConfig, tokenizer: Any, limit: int) -> int:
+    """The training length that keeps WHOLE_SHARE of a sample of the training rows whole, laid out by the model's
+    tokenizer and template, at most `limit` (the model's context)."""
+    index = build_row_group_index(training_paths(config), data_columns(config))
+    sizes = sample_batch_sizes(index, limit, pack=False, tokenizer=tokenizer, seed=config.seed)
+    return min(length_keeping(sizes.lengths), limit)
 
 
 def source_parameters(source: ModelSource) -> int:
@@ -120,8 +138,8 @@ def source_parameters(source: ModelSource) -> int:
     return sum(math.prod(entry.shape) for entry in source.tensors.values())
 
 
-def _check_tokenizer(config: TrainConfig, source: ModelSource, folder: Path | None, model: GPTConfig) -> None:
-    """The tokenizer the run will use exists (none is trained for a model that has one) and its ids fit the
+def _checked_tokenizer(config: TrainConfig, source: ModelSource, folder: Path | None) -> Any:
+    """The tokenizer the run will use: it exists (none is trained for a model that has one) and its ids fit the
     model's embedding."""
     folder = folder or Path(config.tokenizer_dir)
     if not has_tokenizer(folder):
@@ -129,8 +147,10 @@ def _check_tokenizer(config: TrainConfig, source: ModelSource, folder: Path | No
         raise ConfigError(f"The model of --init_from={config.init_from} comes without a tokenizer {where}(no "
                           "tokenizer.json or tokenizer.model beside it or in its run): pass --tokenizer_dir=FOLDER "
                           "with the tokenizer it was trained with.")
-    check_fits_model(load_tokenizer(folder, num_threads=1), folder, model.padded_vocab_size,
+    tokenizer = load_tokenizer(folder, num_threads=1)
+    check_fits_model(tokenizer, folder, source.model_config.padded_vocab_size,
                      f"the model of --init_from={config.init_from}")
+    return tokenizer
 
 
 def refuse_keep_training_without_run(config: TrainConfig) -> None:
@@ -186,14 +206,22 @@ def sequence_length(config: ModelConfig, source: ModelSource, given: Collection[
         return model.max_seq_len  # its position table has that many rows: a flag that differs is refused
     if source.kind == LOWMEM:
         return config.max_seq_len if "max_seq_len" in given else model.max_seq_len
-    limit, why = model.max_seq_len, "its context (max_position_embeddings)"
-    window = sliding_window(model)
-    if window is not None and window < limit:
-        limit, why = window, "its sliding attention window"
+    limit, why = context_limit(source)
     if config.max_seq_len > limit:
         raise ConfigError(f"--max_seq_len={config.max_seq_len} is longer than {why}, {limit:,} tokens, in the model "
                           f"of --init_from={config.init_from}: pass --max_seq_len={limit} or less.")
     return config.max_seq_len
+
+
+def context_limit(source: ModelSource) -> tuple[int, str]:
+    """The longest training sequence a transformers source takes, and why: its context (max_position_embeddings),
+    or its sliding attention window where that is shorter."""
+    model = source.model_config
+    limit, why = model.max_seq_len, "its context (max_position_embeddings)"
+    window = sliding_window(model)
+    if window is not None and window < limit:
+        limit, why = window, "its sliding attention window"
+    return limit, why
 
 
 def describe_start(start: StartingPoint, loaded: LoadedWeights, parameters: int, tokenizer: str) -> str:

@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from tqdm import tqdm
 
 from lowmem.distributed.collectives import all_reduce_max, all_reduce_sum
+from lowmem.data.lengths import CutRows
 from lowmem.distributed.performance import mfu, peak_bf16_tflops
 from lowmem.log_format import log_formatter, open_log_file
 from lowmem.preference.log import SkippedPairs, StallAtLn2
@@ -160,6 +161,7 @@ class StepLog:
         self.attention_flops_per_pair, self.max_seq_len = attention_flops_per_pair, max_seq_len
         self.gpu_peak = 0  # bytes: the highest allocation seen in the run (at log lines and memory records)
         self.stall, self.skipped = StallAtLn2(), SkippedPairs()  # preference training's two warnings
+        self.cut = CutRows(max_seq_len)
         self.reset()
 
     def reset(self) -> None:
@@ -171,6 +173,7 @@ class StepLog:
         self.attention_pairs = 0
         self.preference_sums: torch.Tensor | None = None  # on the device, like the loss
         self.skipped_pairs = 0
+        self.cut_rows = 0
         self.steps = 0
         self.started = time.perf_counter()
         self.paused_seconds = 0.0
@@ -194,6 +197,7 @@ class StepLog:
             sums = result.preference_sums
             self.preference_sums = sums if self.preference_sums is None else self.preference_sums + sums
         self.skipped_pairs += result.skipped_pairs
+        self.cut_rows += result.cut_rows
         self.steps += 1
 
     def note_gpu_peak(self, peak_bytes: int | None) -> None:
@@ -227,8 +231,9 @@ class StepLog:
         # One wait for the device: the window's loss and gradient norms, read together.
         loss_sum, grad_norm_sum = torch.stack([torch.as_tensor(value, dtype=torch.float64).to(self.device)
                                                for value in (self.loss_sum, self.grad_norm_sum)]).tolist()
-        loss_sum, target_tokens, input_tokens, rss_sum, pairs = all_reduce_sum(
-            self.accelerator, [loss_sum, self.target_tokens, self.input_tokens, rss, self.attention_pairs])
+        loss_sum, target_tokens, input_tokens, rss_sum, pairs, cut = all_reduce_sum(
+            self.accelerator, [loss_sum, self.target_tokens, self.input_tokens, rss, self.attention_pairs,
+                               self.cut_rows])
         [rss_max, gpu_peak_max] = all_reduce_max(self.accelerator, [rss, self.gpu_peak])
         preference = self._preference_figures()
         elapsed = time.perf_counter() - self.started - self.paused_seconds
@@ -255,6 +260,7 @@ class StepLog:
             "(max over ranks %.0f MB)", step, self.total_steps, epoch, figures.loss, rewards, figures.learning_rate,
             figures.grad_norm, f"{figures.tokens_per_s:,.0f}", device, figures.rss_mb, figures.rss_max_mb,
         )
+        self.cut.add(int(cut))
         if preference is not None:
             self.stall.add(step, figures.loss, self.steps)
             self.skipped.add(int(preference["skipped_pairs"]))

@@ -29,6 +29,7 @@ from lowmem.config import TokenizerConfig, TrainConfig
 from lowmem.config.columns import data_columns, is_preference
 from lowmem.preference.reference import COPY, copy_bytes, reference_mode
 from lowmem.config.train_sources import training_paths
+from lowmem.data.lengths import WHOLE_SHARE, cut_rows_line, rows_cut
 from lowmem.data.collate import FixedShapes
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
 from lowmem.data.sources import RowGroupIndex, build_row_group_index
@@ -349,7 +350,20 @@ def _decide(config: TrainConfig, layout: RunLayout, explicit: Collection[str], s
     decision.lines.insert(0, format_plan(decision.plan, budget, source))
     if largest or layout.strategy == FSDP:
         decision.lines.insert(1, _largest_line(config, planned, budget, explicit, start))
+    _say_rows_cut(decision, config.max_seq_len)
     return decision
+
+
+def _say_rows_cut(decision: MemoryDecision, max_seq_len: int) -> None:
+    """The sampled rows --max_seq_len cuts (counted in tokens only): a warning above 1 - WHOLE_SHARE of them, a line
+    below."""
+    sizes = decision.measured.sizes
+    if sizes is None or sizes.estimated:
+        return
+    line = cut_rows_line(sizes.lengths, max_seq_len)
+    if line is not None:
+        many = rows_cut(sizes.lengths, max_seq_len) > (1 - WHOLE_SHARE) * len(sizes.lengths)
+        (decision.warnings if many else decision.lines).append(line)
 
 
 def _resume_line(saved: dict[str, Any], decision: MemoryDecision, budget: int) -> str:

@@ -47,6 +47,11 @@ class StepResult:
     preference_sums: torch.Tensor | None = None
     skipped_pairs: int = 0
 
+    @property
+    def cut_rows(self) -> int:
+        """This rank's rows of the step cut at --max_seq_len (their end not trained), as the collate counted them."""
+        return sum(int(batch["cut_rows"]) for batch in self.micro_batches if "cut_rows" in batch)
+
 
 @dataclass
 class StepAgreement:

@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_models import qwen as qwen  # noqa: E402  (the fixture)
+from hf_models import mixed_lines  # noqa: E402
 from training_helpers import (FSDP_CPU_ENV, FSDP_LAUNCHER, assert_losses_match, chat_project,  # noqa: E402
                               resumed_from, run_command, traced_losses, write_chat_rows)
 
@@ -62,6 +63,22 @@ def test_a_qwen2_fine_tuned_and_exported_answers_in_transformers_as_in_lowmem(tm
     with torch.no_grad():
         out = hf_model.generate(**chat, max_new_tokens=12, do_sample=False)
     assert hf_tokenizer.decode(out[0, chat["input_ids"].shape[1]:], skip_special_tokens=True) == ours_answer
+
+    # A prompt longer than the training sequence (192) is answered whole, in the source's context (512), as
+    # transformers answers it: the first answer token's logits over the whole templated prompt.
+    long_prompt = "".join(mixed_lines(32, seed=5))
+    chat = hf_tokenizer.apply_chat_template([{"role": "user", "content": long_prompt}], add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")
+    assert 300 <= chat["input_ids"].shape[1] <= 500 - 12, chat["input_ids"].shape
+    seen = []
+    generate = ours.generate
+    ours.generate = lambda idx, **options: seen.append(idx) or generate(idx, **options)
+    answer(ours, tokenizer, long_prompt, max_new_tokens=12)
+    assert seen[0].tolist() == chat["input_ids"].tolist()  # the whole prompt, none of it cut
+    with torch.no_grad():
+        theirs = hf_model(**chat).logits[:, -1]
+        first = ours(seen[0], last_logits=True)[0][:, :theirs.shape[1]]
+    assert (first - theirs).abs().max().item() <= 1e-4
 
     generated = run_command(["generate", f"--prompt={prompt}", "--max_new_tokens=12", f"--init_from={qwen}"],
                             cwd=project)
