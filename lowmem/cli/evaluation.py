@@ -26,8 +26,10 @@ def evaluate(use_large_config: bool = False, checkpoint: str | None = None, test
         overrides: config fields, e.g. --output_dir=..., --batch_size_per_gpu=..., --eval_max_new_tokens=...
     """
     from lowmem.eval.commands import evaluate_command
+    from lowmem.preference.held_out import preference_figures
 
-    summary = evaluate_command(build_config(use_large_config, overrides), checkpoint, test_file, bleu_samples)
+    summary = evaluate_command(build_config(use_large_config, overrides), checkpoint, test_file, bleu_samples,
+                               preference_figures)
     if summary.get("summary_file"):
         print(json.dumps(summary, indent=2, ensure_ascii=False))
 

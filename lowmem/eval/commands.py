@@ -13,6 +13,7 @@ import torch
 
 from lowmem.atomic_files import file_built_aside, write_json_atomic
 from lowmem.distributed.accelerator import create_accelerator
+from lowmem.eval.pairs import as_trained_for_pairs
 from lowmem.eval.validation import EvalResult, bleu4, evaluate, prompt_room
 from lowmem.model import GPT
 from lowmem.checkpoint.export import find_model_folder, load_model_folder, trained_config
@@ -27,21 +28,25 @@ from lowmem.distributed.performance import enable_tf32, inference_autocast
 
 logger = logging.getLogger(__name__)
 
+# (config, model, tokenizer, accelerator, run folder) → the summary's preference figures.
+PairFigures = Callable[[TrainConfig, GPT, Any, Any, Path], dict[str, Any]]
+
 
 def evaluate_command(config: TrainConfig, checkpoint: str | None = None, test_file: str | None = None,
-                     bleu_samples: int = -1) -> dict[str, Any]:
+                     bleu_samples: int = -1, pair_figures: PairFigures | None = None) -> dict[str, Any]:
     """Loss, perplexity and BLEU-4 of a trained model on the test file; writes a JSON summary and the triples.
 
     Runs on 1..N processes (each scores its own share of the rows, every row once). Besides the model's
     BLEU-4 it reports two baselines that know nothing of the task, so the score can be read: the prompt
     repeated as the answer, and the next sample's reference as the answer (text of the right form and
-    length, on another subject).
+    length, on another subject). A model trained by DPO, scored on preference pairs, also gets its held-out rewards
+    against the run's reference from `pair_figures` (`lowmem.preference.held_out.preference_figures`).
     """
     accelerator = create_accelerator(1, config.bf16, config.process_group_timeout_minutes,
                                      bf16_on_cpu=config.bf16_on_cpu)
     lock = lock_run_folder(accelerator, config.output_dir, "evaluation")  # it writes eval/ into the run folder
     try:
-        return _evaluate_locked(config, accelerator, checkpoint, test_file, bleu_samples)
+        return _evaluate_locked(config, accelerator, checkpoint, test_file, bleu_samples, pair_figures)
     finally:
         if lock is not None:
             lock.release()
@@ -55,12 +60,13 @@ def _scored_tokens(config: TrainConfig) -> str:
 
 
 def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | None, test_file: str | None,
-                     bleu_samples: int) -> dict[str, Any]:
+                     bleu_samples: int, pair_figures: PairFigures | None) -> dict[str, Any]:
     folder = find_model_folder(config.output_dir, checkpoint)
     saved = trained_config(folder)
     config = settled_for_model(config, saved, folder)
     config = dataclasses.replace(config, test_file=test_file or test_file_for(config, folder, saved or {}))
     check_data_files(config, ("test_file",))
+    config = as_trained_for_pairs(config, saved or {}, folder)
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, accelerator.device)
     model.use_memory_savers(loss_chunk_tokens=config.loss_chunk_tokens)  # the test loss without whole logits
     # The model is loaded plain (not prepared by accelerate): TF32 and bf16 autocast are asked for here.
@@ -77,6 +83,8 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
     summary = {"model": str(folder), "test_file": config.test_file, "samples": result.loss_rows,
                "loss": result.loss, "perplexity": result.perplexity, "loss_tokens": _scored_tokens(config),
                **_bleu_figures(result)}
+    if is_preference(config) and pair_figures is not None:  # the held-out rewards, against the run's reference
+        summary.update(pair_figures(config, model, tokenizer, accelerator, folder.parent))
     if accelerator.is_main_process:
         out_dir = Path(config.output_dir) / "eval"
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -54,12 +54,17 @@ def test_dpo_starts_at_ln_2_and_learns_the_held_out_preferences(tmp_path, qwen):
     assert "Best checkpoint by rewards_accuracy" in done.stderr
     manifest = json.loads((project / "run" / "final" / "train_config.json").read_text())
     assert manifest["best_metric"] == "rewards_accuracy" and manifest["objective"] == "dpo"
-    # evaluate scores the tuned model on the chosen answers of preference rows.
-    scored = run_command(["evaluate", "--output_dir=run", "--objective=dpo", "--test_file=data/valid.parquet",
-                          "--bleu_samples=4"], cwd=project, env=ENV)
+    # evaluate scores the tuned model on the chosen answers of preference rows, and its held-out rewards against the
+    # run's reference (its frozen copy in run/base): the objective read from the run, not given again.
+    scored = run_command(["evaluate", "--output_dir=run", "--test_file=data/valid.parquet", "--bleu_samples=4",
+                          "--batch_size_per_gpu=8"], cwd=project, env=ENV)
     assert scored.returncode == 0, scored.stderr[-3000:]
     summary = json.loads((project / "run" / "eval" / "test_summary.json").read_text())
     assert summary["samples"] == 64 and "chosen answers" in summary["loss_tokens"]
+    pairs = summary["preference"]
+    best = max(accuracy for _, accuracy, _ in scores.values())  # best/ is the checkpoint of the best accuracy
+    assert pairs["pairs"] == 64 and pairs["rewards/accuracy"] == pytest.approx(best, abs=1e-6), (pairs, scores)
+    assert pairs["rewards/margin"] > 0 and pairs["reference"] == "a frozen copy of the starting model"
 
 
 def test_the_precomputed_reference_trains_as_the_one_in_memory(tmp_path, qwen):
