@@ -94,7 +94,7 @@ def convert(*inputs: str, output: str | None = None, prompt_field: str | None = 
             `rejected`).
         text_unit: for plain text: "line" (a row per line) or "paragraph" (a row per run of lines up to a
             blank line).
-        input_format: read every input as jsonl, json, csv, tsv or txt, whatever its suffix.
+        input_format: read every input as jsonl, json, csv, tsv, txt or parquet, whatever its suffix.
         row_group_rows: rows per row group; 10,000 keeps reads small and shuffling good.
         overwrite: replace output files that already exist (by default they are refused).
     """

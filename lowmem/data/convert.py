@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from lowmem.atomic_files import file_built_aside
 from lowmem.data.convert_fields import FieldNames, RecordLayout, Skip, choose_layout
 from lowmem.data.convert_formats import (COMPRESSIONS, SUFFIX_FORMATS, Record, file_format, is_convertible,
-                                         open_input, read_records, split_name)
+                                         open_input, parquet_records, read_records, split_name)
 from lowmem.errors import DataError
 from lowmem.memory import release_arrow_memory, select_arrow_memory_pool
 from lowmem.program import command_line
@@ -34,7 +34,9 @@ from lowmem.units import MB
 
 FIRST_LINES_NAMED = 5  # per reason, in the summary
 # What a folder is searched for, named when an input finds nothing.
-_LOOKED_FOR = f"{', '.join(SUFFIX_FORMATS)} files (also compressed: {', '.join(COMPRESSIONS)})"
+# What a folder is searched for: the text formats (a parquet file is converted when named).
+_LOOKED_FOR = (f"{', '.join(suffix for suffix in SUFFIX_FORMATS if suffix != '.parquet')} files (also compressed: "
+               f"{', '.join(COMPRESSIONS)})")
 
 
 @dataclass
@@ -162,7 +164,8 @@ def convert_file(source: str, target: str, names: FieldNames | None = None, text
             progress_bar(total=size, unit="B", unit_scale=True, desc=os.path.basename(source), leave=False) as bar:
         layout, writer = None, None
         try:
-            for record in _named_in_errors(source, read_records(stream, fmt, text_unit)):
+            records = parquet_records(source) if fmt == "parquet" else read_records(stream, fmt, text_unit)
+            for record in _named_in_errors(source, records):
                 if record.problem is not None:
                     skipped.add(record.problem, record.line)
                     continue
@@ -290,10 +293,12 @@ def find_inputs(inputs: str | list[str]) -> list[str]:
     for entry in entries:
         entry = os.fspath(entry)
         if os.path.isdir(entry):
+            # Parquet files in a folder are what convert writes there: only one named (or a *.parquet pattern) is read.
             matches = sorted(str(path) for path in Path(entry).rglob("*")
-                             if path.is_file() and is_convertible(str(path)))
+                             if path.is_file() and is_convertible(str(path)) and not _is_parquet(str(path)))
         elif any(char in entry for char in "*?["):
-            matches = sorted(path for path in glob.glob(entry, recursive=True) if os.path.isfile(path))
+            matches = sorted(path for path in glob.glob(entry, recursive=True) if os.path.isfile(path)
+                             and (entry.endswith(".parquet") or not _is_parquet(path)))
         else:
             matches = [entry] if os.path.isfile(entry) else []
         if not matches:
@@ -306,12 +311,18 @@ def find_inputs(inputs: str | list[str]) -> list[str]:
     return found
 
 
+def _is_parquet(path: str) -> bool:
+    return split_name(path)[1] == ".parquet"
+
+
 def plan_targets(sources: list[str], output: str | None) -> list[tuple[str, str]]:
-    """Pair each source with its parquet file: beside it (same stem) without `output`; `output` itself for one
+    """Pair each source with its parquet file: beside it (same stem; `<stem>_converted.parquet` for a parquet
+    source) without `output`; `output` itself for one
     source and an output ending in .parquet; else `output` is a folder that receives each under its stem. Two
     sources with one stem are refused: the second would replace the first."""
-    if output is None:
-        pairs = [(source, f"{split_name(source)[0]}.parquet") for source in sources]
+    if output is None:  # a parquet input's rows are written beside it under another name
+        pairs = [(source, f"{split_name(source)[0]}{'_converted' if _is_parquet(source) else ''}.parquet")
+                 for source in sources]
     elif len(sources) == 1 and output.endswith(".parquet") and not os.path.isdir(output):
         return [(sources[0], output)]
     else:

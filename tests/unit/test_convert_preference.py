@@ -217,3 +217,25 @@ def test_train_s_convert_command_for_preference_data_names_the_fields_it_needs()
     assert "its first record has: x, y" in note
     flags, note = suggest_flags({"prompt": "p", "chosen": "c", "rejected": "r"}, ("prompt", "response"))
     assert flags == [] and re.search(r"'prompt', 'chosen' and 'rejected'.*--objective=dpo", note)
+
+
+# ----- parquet, as the published preference sets ship -------------------------------------------------------------
+def test_a_parquet_file_of_lists_of_turns_converts_as_its_json_would(tmp_path):
+    """UltraFeedback's and TRL's sets are parquet files whose answers are lists of turns: read a batch of rows at a
+    time, each row a record, and written beside the input under another name."""
+    records = [{"prompt": f"{n}+{n}?", "chosen": [_user(f"{n}+{n}?"), _assistant(str(2 * n))],
+                "rejected": [_user(f"{n}+{n}?"), _assistant(str(2 * n + 1))], "score_chosen": 9.0} for n in range(3000)]
+    source = tmp_path / "train_prefs.parquet"
+    pq.write_table(pa.Table.from_pylist(records), source, row_group_size=2000)
+    assert main(["convert", str(source)]) == 0
+    rows = pq.read_table(tmp_path / "train_prefs_converted.parquet").to_pylist()
+    assert len(rows) == 3000 and rows[7] == _row("7+7?", "14", "15")
+    from_json, _ = _convert_one(_jsonl(tmp_path / "same.jsonl", records[:5]))
+    assert rows[:5] == from_json
+
+
+def test_a_folder_converts_its_text_files_not_the_parquet_files_written_beside_them(tmp_path):
+    _jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"}])
+    assert main(["convert", str(tmp_path)]) == 0 and (tmp_path / "a.parquet").is_file()
+    assert main(["convert", str(tmp_path), "--overwrite=True"]) == 0  # a.parquet is an output, not an input
+    assert not (tmp_path / "a_converted.parquet").exists()

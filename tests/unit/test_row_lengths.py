@@ -4,6 +4,7 @@ model's context), and the rows a length cuts are counted: from the sample at the
 from __future__ import annotations
 
 import json
+import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -72,7 +73,21 @@ def test_a_run_from_a_transformers_model_takes_the_length_of_its_rows(long_rows_
     assert "longer than its context (max_position_embeddings), 1,024 tokens" in capsys.readouterr().err
 
 
-def test_rows_cut_by_a_given_length_are_counted_at_the_start_and_in_the_log(long_rows_project, qwen_1024, capsys):
+@pytest.fixture
+def logging_restored():
+    """A run in this process sets up the root logger for training (its handlers replace the others): put it back."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_rows_cut_by_a_given_length_are_counted_at_the_start_and_in_the_log(long_rows_project, qwen_1024, capsys,
+                                                                             logging_restored):
     assert main(["train", f"--init_from={qwen_1024}", "--max_seq_len=128", "--max_steps=4", "--batch_size_per_gpu=50",
                  "--logging_steps=1", "--eval_bleu_samples=0", "--sample_max_new_tokens=2"]) == 0
     err = capsys.readouterr().err
