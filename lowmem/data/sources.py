@@ -222,6 +222,14 @@ def _check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str])
             raise DataError(f"The data file '{path}' has no column '{column}'; its columns are: "
                             f"{', '.join(schema.names)}. {_missing_column_advice(column)}")
         field_type = schema.field(index).type
+        if pa.types.is_list(field_type) or pa.types.is_large_list(field_type):
+            # A conversation (a list of turns), as the published chat and preference sets ship their answers.
+            out = f"{os.path.splitext(path)[0]}_converted.parquet"
+            raise DataError(
+                f"Column '{column}' in '{path}' is a list ({field_type}): turns of a conversation, which training "
+                "reads as text of a prompt and its answers. "
+                f"`{command_line(f'convert {shlex.quote(path)}')}` writes them as such into {out} (the turns both "
+                "answers share become the prompt, the last assistant turns the answers); train on that file.")
         if not _is_text_type(field_type):
             raise DataError(
                 f"Column '{column}' in '{path}' has type {field_type}, expected strings (text). "

@@ -239,3 +239,18 @@ def test_a_folder_converts_its_text_files_not_the_parquet_files_written_beside_t
     assert main(["convert", str(tmp_path)]) == 0 and (tmp_path / "a.parquet").is_file()
     assert main(["convert", str(tmp_path), "--overwrite=True"]) == 0  # a.parquet is an output, not an input
     assert not (tmp_path / "a_converted.parquet").exists()
+
+
+def test_training_on_lists_of_turns_names_the_convert_command_that_makes_them_text(tmp_path):
+    from lowmem.data.sources import build_row_group_index
+
+    records = [{"prompt": "1+1?", "chosen": [_user("1+1?"), _assistant("2")],
+                "rejected": [_user("1+1?"), _assistant("3")]}]
+    source = tmp_path / "prefs.parquet"
+    pq.write_table(pa.Table.from_pylist(records), source)
+    columns = ("prompt", "chosen", "rejected")
+    with pytest.raises(DataError, match=r"is a list .*`lowmem convert .*prefs.parquet` writes them as such into "
+                                        r".*prefs_converted.parquet"):
+        build_row_group_index(str(source), columns)
+    assert main(["convert", str(source)]) == 0
+    assert build_row_group_index(str(tmp_path / "prefs_converted.parquet"), columns).num_rows == 1
