@@ -23,6 +23,8 @@ from lowmem.model import GPTConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Where `export --adapter_dir` writes the base for transformers when the run's base is a lowmem model.
+PEFT_BASE_DIR = "base"
 PEFT_PREFIX = "base_model.model."
 
 
@@ -62,3 +64,12 @@ def write_peft_adapter(folder: Path, adapters: torch.nn.Module | dict[str, torch
     save_file(peft_adapter_tensors(adapters, config), str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(
         json.dumps(peft_adapter_config(spec, config, base_name), indent=2) + "\n", encoding="utf-8")
+
+
+def name_base(folder: Path, base: Path) -> None:
+    """Point the adapter_config.json in `folder` at `base` (`base_model_name_or_path`), the folder transformers loads
+    the model they apply to from."""
+    path = folder / ADAPTER_CONFIG
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = str(base)
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

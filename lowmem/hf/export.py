@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lowmem.adapters.files import BASE_DIR, base_name
+from lowmem.adapters.peft_files import PEFT_BASE_DIR, name_base
 from lowmem.atomic_files import folder_built_aside
 from lowmem.checkpoint.export import (check_has_adapters, export_adapter, find_model_folder, tokenizer_folder,
                                       trained_config)
@@ -78,18 +80,44 @@ def export_hf(config: TrainConfig, out: str | Path, checkpoint: str | None = Non
                           "the tokenizer the model was trained with.")
     ids = special_ids(tokenizer)
     with folder_built_aside(out) as staged:
-        _save_model(transformers, staged, folder, model_config, generation_defaults(config, ids), ids)
-        if lowmem_tokenizer:
-            save_tokenizer(staged, tokenizer_dir / TOKENIZER_FILE, model_config.max_seq_len)
-        else:
-            copy_model_tokenizer(staged, tokenizer_dir, tokenizer)
-        check_tokenizer(staged, tokenizer, tokenizer_dir / TOKENIZER_FILE if lowmem_tokenizer else None)
+        _save_folder(transformers, staged, folder, model_config, generation_defaults(config, ids), tokenizer,
+                     tokenizer_dir)
     written = transformers_class(model_config.transformers_config) if model_config.transformers_config else \
         TRANSFORMERS_CLASSES[model_config.architecture]
     logger.info("Exported %s (%s) to %s as %s.", folder, model_config.architecture, out, written)
     if adapter_dir is not None:
-        logger.info("Its adapters, in peft's files, written to %s.", export_adapter(folder, Path(adapter_dir)))
+        adapters = export_adapter(folder, Path(adapter_dir))
+        logger.info("Its adapters, in peft's files, written to %s.", adapters)
+        if not is_transformers_folder(Path(base_name(folder.parent))):
+            # The run started from a lowmem model: its base, as the adapters apply to it, for transformers too.
+            base = adapters / PEFT_BASE_DIR
+            with folder_built_aside(base) as staged:
+                _save_folder(transformers, staged, folder.parent / BASE_DIR, load_model_config(
+                    folder.parent / BASE_DIR), generation_defaults(config, ids), tokenizer, tokenizer_dir)
+            name_base(adapters, base.resolve())
+            logger.info("The base they apply to, which the run started from a lowmem model, written for "
+                        "transformers to %s and named in its adapter_config.json.", base)
     return out
+
+
+def _save_folder(transformers: ModuleType, staged: Path, folder: Path, model_config: GPTConfig,
+                 generation: dict[str, Any], tokenizer: TextTokenizer, tokenizer_dir: Path) -> None:
+    """The model of `folder` and its tokenizer, written into `staged` in transformers' format, the tokenizer checked
+    against ours."""
+    ids = special_ids(tokenizer)
+    _save_model(transformers, staged, folder, model_config, generation, ids)
+    lowmem_tokenizer = isinstance(tokenizer, Tokenizer)
+    if lowmem_tokenizer:
+        save_tokenizer(staged, tokenizer_dir / TOKENIZER_FILE, model_config.max_seq_len)
+    else:
+        copy_model_tokenizer(staged, tokenizer_dir, tokenizer)
+    check_tokenizer(staged, tokenizer, tokenizer_dir / TOKENIZER_FILE if lowmem_tokenizer else None)
+
+
+def is_transformers_folder(folder: Path) -> bool:
+    """Whether `AutoModelForCausalLM.from_pretrained(folder)` reads it: a transformers model's folder (or one `lowmem
+    export` wrote), with its config.json; a lowmem run or model folder has none."""
+    return (folder / "config.json").is_file()
 
 
 def special_ids(tokenizer: TextTokenizer) -> dict[str, Any]:

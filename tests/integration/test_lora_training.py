@@ -61,6 +61,35 @@ def test_adapters_train_alone_and_leave_a_merged_model_peft_and_transformers_com
         assert (with_adapter(input_ids=ids).logits - ours).abs().max().item() <= 1e-4
 
 
+def test_adapters_on_a_model_of_ones_own_come_with_a_base_transformers_loads(tmp_path):
+    """A run of adapters started from a lowmem run: its base is no folder transformers reads, so `export
+    --adapter_dir` writes it beside the adapters, named in adapter_config.json; peft on it computes the merged model."""
+    peft = pytest.importorskip("peft")
+    project = chat_project(tmp_path)
+    small = ["--vocab_size=400", "--n_layer=2", "--n_head=2", "--n_embd=32", "--max_seq_len=64", "--max_steps=4",
+             "--batch_size_per_gpu=8", "--eval_bleu_samples=0", "--sample_max_new_tokens=4", "--save_steps=4"]
+    pretrained = run_command(["train", *small, "--output_dir=own"], cwd=project, env=ENV)
+    assert pretrained.returncode == 0, pretrained.stderr[-3000:]
+    adapters = ["--init_from=own", "--output_dir=lora", "--lora_rank=4", "--learning_rate=5e-2", "--max_steps=4",
+                "--batch_size_per_gpu=8", "--eval_bleu_samples=0", "--sample_max_new_tokens=4", "--save_steps=4"]
+    trained = run_command(["train", *adapters], cwd=project, env=ENV)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    exported = run_command(["export", str(project / "hf"), "--output_dir=lora",
+                            f"--adapter_dir={project / 'adapter'}"], cwd=project, env=ENV)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    config = json.loads((project / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((project / "adapter" / "base").resolve())
+    base = transformers.AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(project / "hf").eval()
+    with_adapter = peft.PeftModel.from_pretrained(base, str(project / "adapter")).eval()
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = merged(ids).logits
+        assert (with_adapter(input_ids=ids).logits - expected).abs().max().item() <= 1e-4
+        with with_adapter.disable_adapter():  # the base alone: the adapters changed what it computes
+            assert (with_adapter(input_ids=ids).logits - expected).abs().max().item() > 1e-3
+
+
 def test_a_resume_of_adapters_is_exact_from_the_run_folder_and_refuses_a_changed_base(tmp_path, qwen):
     source = shutil.copytree(qwen, tmp_path / "models" / "qwen2-tiny")
     flags = [f"--init_from={source}", *LORA, "--gradient_accumulation_steps=2", "--dropout=0.1"]
