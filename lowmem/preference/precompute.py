@@ -39,7 +39,7 @@ from lowmem.preference.collate import PreferenceCollate
 from lowmem.progress import progress_bar
 from lowmem.source.load import empty_model, fill_model, weight_plan
 from lowmem.source.locate import find_source
-from lowmem.source.settle import StartingPoint, sequence_length, source_record
+from lowmem.source.settle import StartingPoint, source_record, training_length
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +72,14 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
     columns = (config.prompt_column, config.chosen_column, config.rejected_column)
     index = build_row_group_index(files, columns)  # every file and column checked before anything is computed
     source = find_source(config.init_from)
-    config = dataclasses.replace(config, max_seq_len=sequence_length(config, source, given))  # as training's
     if source.tokenizer_folder is None and not Path(config.tokenizer_dir).is_dir():
         raise ConfigError(f"The model of --init_from={config.init_from} comes without a tokenizer: pass "
                           "--tokenizer_dir=FOLDER with the one it was trained with.")
     tokenizer_folder = source.tokenizer_folder or Path(config.tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_folder, num_threads=1)
+    # The length training will settle: of the --train_file's pairs (the same rows as the folder written beside it).
+    as_trained = dataclasses.replace(config, objective="dpo", dpo_reference="auto")
+    config = dataclasses.replace(config, max_seq_len=training_length(as_trained, source, given, tokenizer))
     model_config = _model_config(source.model_config, config.max_seq_len)
     record = {"init_from": config.init_from,
               "tensors_sha256": source_record(StartingPoint(model_config, source), config)["tensors_sha256"],

@@ -115,14 +115,23 @@ def settle_source(config: TrainConfig, given: Collection[str], saved_config: dic
     config = _with_source_shape(config, source, given)
     tokenizer_folder = None if "tokenizer_dir" in given else source.tokenizer_folder
     tokenizer = _checked_tokenizer(config, source, tokenizer_folder)
-    if source.kind == TRANSFORMERS and "max_seq_len" not in given:  # the rows decide, within the model's context
-        config = dataclasses.replace(config, max_seq_len=length_of_rows(config, tokenizer, context_limit(source)[0]))
+    config = dataclasses.replace(config, max_seq_len=training_length(config, source, given, tokenizer))
     config, stage = choose_stage_defaults(config, given, source_parameters(source))
     model_config = dataclasses.replace(source.model_config, max_seq_len=config.max_seq_len, dropout=config.dropout)
     if config.lora_rank:  # named once for the checkpoints, and a wrong name refused before anything is read
         config = dataclasses.replace(config, lora_targets=canonical_targets(config.lora_targets, model_config))
     weights = weight_plan(source, model_config)  # every tensor checked before anything is built or written
     return config, StartingPoint(model_config, source, tokenizer_folder, weights, stage=stage)
+
+
+def training_length(config: TrainConfig, source: ModelSource, given: Collection[str], tokenizer: Any) -> int:
+    """The --max_seq_len a new run of `config` from `source` trains at: for a transformers model not given one, the
+    length of its training rows (`length_of_rows`, laid out by `tokenizer`), else `sequence_length`'s. What `lowmem
+    dpo_reference` computes its values at, too."""
+    if source.kind == TRANSFORMERS and "max_seq_len" not in given:  # the rows decide, within the model's context
+        sequence_length(config, source, given)  # a --max_seq_len over the context is refused either way
+        return length_of_rows(config, tokenizer, context_limit(source)[0])
+    return sequence_length(config, source, given)
 
 
 def length_of_rows(config: TrainConfig, tokenizer: Any, limit: int) -> int:

@@ -67,6 +67,23 @@ def test_dpo_starts_at_ln_2_and_learns_the_held_out_preferences(tmp_path, qwen):
     assert pairs["rewards/margin"] > 0 and pairs["reference"] == "a frozen copy of the starting model"
 
 
+def test_the_precomputed_values_are_of_the_length_training_settles_from_the_rows(tmp_path, qwen):
+    """Neither command given --max_seq_len: both take the length of the training pairs, so training takes the
+    values the pass wrote instead of refusing them as another length's."""
+    project = preference_project(tmp_path)
+    written = run_command(["dpo_reference", f"--init_from={qwen}", "--train_file=data/train.parquet",
+                           "--validation_file=data/valid.parquet"], cwd=project, env=ENV)
+    assert written.returncode == 0, written.stderr[-3000:]
+    length = json.loads((project / "data" / "train.reference" / "_reference.json").read_text())["max_seq_len"]
+    assert length % 32 == 0 and length < 192  # the pairs' length, not the default
+    trained = run_command(["train", f"--init_from={qwen}", "--objective=dpo", "--dpo_reference=precomputed",
+                           "--train_file=data/train.reference", "--validation_file=data/valid.reference",
+                           "--max_steps=1", "--sample_max_new_tokens=4"], cwd=project, env=ENV)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run = project / "model_save" / "train_from_qwen2-tiny"
+    assert json.loads((run / "final" / "train_config.json").read_text())["max_seq_len"] == length
+
+
 def test_the_precomputed_reference_trains_as_the_one_in_memory(tmp_path, qwen):
     project = preference_project(tmp_path)
     flags = [f"--init_from={qwen}", *DPO, "--max_steps=6", "--learning_rate=3e-3"]
