@@ -50,6 +50,8 @@ VALIDATION_HEAP_RETENTION = 0.15
 # on 3 FSDP processes of a model of Qwen2.5-0.5B's shapes on the CPU, whose blocks are 60 MB (the RSS after the first
 # steps against before them), trained in full or with adapters.
 FSDP_TRAINING_BLOCKS = 3
+# On a GPU the blocks are gathered in its memory: the host keeps the small buffers the CPU runs measured beside them.
+FSDP_GPU_HOST_BYTES = 160 * MB
 # What writing a model a slice of rows at a time holds beyond the slice itself (lowmem.checkpoint.model_files): the
 # slice read, its cast or merged copy, the adapters' update of its rows.
 EXPORT_SLICE_BYTES = 3 * 64 * MB
@@ -113,6 +115,9 @@ def _fsdp_training_heap(inputs: PlanInputs) -> list[PlanPart]:
     blocks the C heap keeps (made by the first step)."""
     if inputs.strategy != FSDP:
         return []
+    if inputs.on_gpu:  # the gathered blocks and their buffers live on the GPU (its allocator's share counts them)
+        return [PlanPart("kept once training", FSDP_GPU_HOST_BYTES, f"{FSDP_GPU_HOST_BYTES / MB:,.0f} MB of the "
+                         "collectives' and autograd's host buffers, reasoned, not measured", absent_in=(LOAD,))]
     each = inputs.gathered_bytes
     kept = FSDP_TRAINING_BLOCKS * each * inputs.model.block_params
     return [PlanPart("kept once training", kept, f"{FSDP_TRAINING_BLOCKS} blocks' worth of weights at {each} B, "
