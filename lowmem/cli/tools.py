@@ -65,7 +65,7 @@ def repack(inputs: str, output: str, row_group_rows: int = 10_000) -> None:
 def convert(*inputs: str, output: str | None = None, prompt_field: str | None = None,
             response_field: str | None = None, text_field: str | None = None, chosen_field: str | None = None,
             rejected_field: str | None = None, text_unit: str = "line", input_format: str | None = None,
-            row_group_rows: int = 10_000, overwrite: bool = False) -> None:
+            row_group_rows: int = 10_000, overwrite: bool = False, validation_rows: int = 0) -> None:
     """Convert JSON Lines, JSON arrays, CSV, TSV or plain text into parquet files with small row groups.
 
     Reads .jsonl/.ndjson/.json (one record per line, or one array of records), .csv, .tsv and .txt files, also
@@ -97,17 +97,35 @@ def convert(*inputs: str, output: str | None = None, prompt_field: str | None = 
         input_format: read every input as jsonl, json, csv, tsv, txt or parquet, whatever its suffix.
         row_group_rows: rows per row group; 10,000 keeps reads small and shuffling good.
         overwrite: replace output files that already exist (by default they are refused).
+        validation_rows: move this many rows, drawn at random (seeded), out of each output into
+            `<name>_valid.parquet` beside it: held-out rows for --validation_file.
     """
-    from lowmem.data.convert import FieldNames, convert as convert_files
+    from lowmem.data.convert import FieldNames, convert as convert_files, find_inputs, plan_targets
+    from lowmem.data.split import split_off_validation, validation_path
+    from lowmem.errors import ConfigError
 
     def text(value: object) -> str | None:  # fire reads --prompt_field=1 as a number
         return None if value is None else str(value)
 
     names = FieldNames(text(prompt_field), text(response_field), text(text_field), text(chosen_field),
                        text(rejected_field))
+    held_out = int(validation_rows)
+    if held_out < 0:
+        raise ConfigError(f"--validation_rows must be 0 (no split) or more, got {held_out}.")
+    if held_out and not overwrite:  # refused before anything is written, as an existing output is
+        existing = [str(validation_path(target)) for _, target in
+                    plan_targets(find_inputs([str(entry) for entry in inputs]), text(output))
+                    if validation_path(target).exists()]
+        if existing:
+            raise ConfigError(f"{', '.join(existing)} exist(s): pass --overwrite=True to replace, or convert "
+                              "elsewhere with --output=...; nothing was written.")
     for result in convert_files([str(entry) for entry in inputs], text(output), names, str(text_unit),
                                 int(row_group_rows), text(input_format), overwrite):
         print(result.summary())
+        if held_out:
+            left, valid = split_off_validation(result.target, held_out)
+            print(f"{held_out:,} rows drawn at random moved to {valid} (--validation_file={valid}); {left:,} left "
+                  f"in {result.target}.")
 
 
 def bench_data(*files: str, rows: int = 2_000_000, buffer_size: int = 5000, mix_row_groups: int = 16) -> None:

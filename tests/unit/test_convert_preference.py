@@ -254,3 +254,21 @@ def test_training_on_lists_of_turns_names_the_convert_command_that_makes_them_te
         build_row_group_index(str(source), columns)
     assert main(["convert", str(source)]) == 0
     assert build_row_group_index(str(tmp_path / "prefs_converted.parquet"), columns).num_rows == 1
+
+
+def test_validation_rows_are_drawn_at_random_and_moved_to_a_file_of_their_own(tmp_path, capsys):
+    records = [{"prompt": f"q{n}", "chosen": f"a{n}", "rejected": f"b{n}"} for n in range(500)]
+    source = _jsonl(tmp_path / "pairs.jsonl", records)
+    assert main(["convert", str(source), "--validation_rows=40", "--row_group_rows=64"]) == 0
+    train = pq.read_table(tmp_path / "pairs.parquet").to_pylist()
+    valid = pq.read_table(tmp_path / "pairs_valid.parquet").to_pylist()
+    assert len(train) == 460 and len(valid) == 40
+    assert sorted(row["prompt"] for row in train + valid) == sorted(f"q{n}" for n in range(500))  # each row once
+    assert [row["prompt"] for row in valid] != [f"q{n}" for n in range(40)]  # drawn, not the first ones
+    assert "--validation_file=" in capsys.readouterr().out
+    # The same file gives the same split; an existing validation file is refused before anything is written.
+    again = tmp_path / "again"
+    again.mkdir()
+    assert main(["convert", str(source), f"--output={again / 'pairs.parquet'}", "--validation_rows=40"]) == 0
+    assert pq.read_table(again / "pairs_valid.parquet").to_pylist() == valid
+    assert main(["convert", str(source), "--validation_rows=40", "--overwrite=False"]) == 2
