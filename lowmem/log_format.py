@@ -82,3 +82,20 @@ def open_log_file(path: str | Path, formatter: logging.Formatter) -> logging.Han
         return None
     handler.setFormatter(formatter)
     return handler
+
+
+class DoublingCount:
+    """A running count that a warning says at its first and then each time it has doubled: often enough to be seen,
+    never a line per step."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.said = 0
+
+    def add(self, count: int) -> bool:
+        """Add `count`; True when the total is now to be said."""
+        self.total += count
+        if self.total == 0 or self.total < 2 * self.said:
+            return False
+        self.said = self.total
+        return True

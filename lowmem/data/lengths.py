@@ -13,6 +13,7 @@ import math
 from typing import Sequence
 
 from lowmem.data.collate import PAD_TO_MULTIPLE_OF
+from lowmem.log_format import DoublingCount
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +51,17 @@ class CutRows:
     doubles (the start-up line gave the sample's share and the length that keeps them whole)."""
 
     def __init__(self, max_seq_len: int) -> None:
-        self.max_seq_len, self.total, self.said = max_seq_len, 0, 0
+        self.max_seq_len, self.count = max_seq_len, DoublingCount()
+
+    @property
+    def total(self) -> int:
+        """Rows cut so far, over every rank."""
+        return self.count.total
 
     def add(self, count: int) -> None:
         """Rows cut since the last log line, over every rank."""
-        self.total += count
-        if self.total == 0 or self.total < 2 * self.said:
+        if not self.count.add(count):
             return
-        self.said = self.total
         logger.warning("%s training rows cut at --max_seq_len=%d so far: their ends are not trained (the start-up "
                        "line gives the length that keeps nearly all of them whole).", f"{self.total:,}",
                        self.max_seq_len)

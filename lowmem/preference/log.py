@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from lowmem.log_format import DoublingCount
 from lowmem.model.preference import LN2
 
 logger = logging.getLogger(__name__)
@@ -48,15 +49,17 @@ class SkippedPairs:
     tokens (within --max_seq_len): at the first, then each time the count doubles."""
 
     def __init__(self) -> None:
-        self.total = 0
-        self.said = 0
+        self.count = DoublingCount()
+
+    @property
+    def total(self) -> int:
+        """Pairs left out so far, over every rank."""
+        return self.count.total
 
     def add(self, count: int) -> None:
         """Pairs left out since the last log line, over every rank."""
-        self.total += count
-        if self.total == 0 or self.total < 2 * self.said:
+        if not self.count.add(count):
             return
-        self.said = self.total
         logger.warning("%s pairs left out so far: their chosen and rejected answers are the same tokens (within "
                        "--max_seq_len), so they carry no preference. Check the data (`lowmem convert` writes such rows "
                        "as they are), or raise --max_seq_len where long prompts cut both answers off.",
