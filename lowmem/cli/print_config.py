@@ -42,9 +42,11 @@ def settle_and_plan(config: TrainConfig, given: Collection[str], is_keep_trainin
     plan's decision for `layout` (with `largest`, the largest model of its proportions the host trains); the third
     value is the model the run starts from (`lowmem.source.settle.StartingPoint`; None: random weights)."""
     from lowmem.config.overrides import explicit_fields
+    from lowmem.data.path_checks import check_data_files
     from lowmem.train.memory_fit import decide
     from lowmem.train.startup import SavedRun, read_saved_run, settle_run
 
+    check_data_files(config)  # as `train` checks them first: a plan of data training would refuse is no plan
     saved = read_saved_run(config.output_dir) if is_keep_training else SavedRun()
     settled, start = settle_run(config, given, saved)
     decision = decide(settled, layout, explicit_fields(settled, given), saved.memory_choice(allow_config_change=False),

@@ -1,8 +1,9 @@
 """The run folder of data that is not the demo's: `model_save/<data name>` instead of the preset's own folder
 (the demo's run, or the large preset's `model_save/pretrain_large`), unless that folder already holds a run on the
-same data; and of a run started from a model: `model_save/<data name>_from_<model name>`. Every command applies the
-rule (`lowmem.cli.common.resolve_config`), so `generate`, `evaluate`, `export` and `memlog` given `train`'s flags find
-the run it wrote."""
+same data; and of a run started from a model: `model_save/<data name><variant>_from_<model name>`, the variant telling
+apart what trains on the same data from the same model (`_lora16`, `_dpo`, `_dpo_precomputed`, `_dpo_lora16`). Every
+command applies the rule (`lowmem.cli.common.resolve_config`), so `generate`, `evaluate`, `export` and `memlog` given
+`train`'s flags find the run it wrote; a run named before the variant was part of the name is found where it is."""
 
 from __future__ import annotations
 
@@ -36,18 +37,61 @@ def _earlier_run_on(run_dir: str, train_file: str) -> bool:
     return saved is not None and _same_file(saved.get("train_file"), train_file)
 
 
+def run_variant(config: TrainConfig) -> str:
+    """What tells apart runs on the same data from the same model, for their folder's name: `_dpo` for preference
+    training (`_dpo_precomputed` with precomputed reference values), `_lora<rank>` for adapters; "" for a full
+    fine-tune by the next token."""
+    parts = []
+    if config.objective == "dpo":
+        parts.append("dpo_precomputed" if config.dpo_reference == "precomputed" else "dpo")
+    if config.lora_rank:
+        parts.append(f"lora{config.lora_rank}")
+    return "".join(f"_{part}" for part in parts)
+
+
+def _folder_of(name: str, preset_output_dir: str) -> str:
+    """`model_save/<name>`, with the preset's folder name after it for a preset other than TrainConfig's."""
+    return f"model_save/{name}" if preset_output_dir == DEMO_OUTPUT_DIR else \
+        f"model_save/{name}_{Path(preset_output_dir).name}"
+
+
+def _same_variant(saved: dict[str, Any], config: TrainConfig) -> bool:
+    """Whether a saved run's config is of the variant `config` asks for (see `run_variant`)."""
+    as_saved = dataclasses.replace(config, objective=saved.get("objective", "lm"),
+                                   dpo_reference=saved.get("dpo_reference", "auto"),
+                                   lora_rank=int(saved.get("lora_rank") or 0))
+    return run_variant(as_saved) == run_variant(config)
+
+
+def _named_before_variants(config: TrainConfig, folder: str, earlier: str) -> bool:
+    """Whether `earlier`, the folder a run of this variant was given before the variant was part of the name, holds
+    checkpoints of such a run, and `folder` does not exist: that run goes on (or is read) where it is."""
+    if folder == earlier or Path(folder).exists() or not Path(earlier).is_dir():
+        return False
+    from lowmem.train.startup import read_saved_run  # loads torch: only for the commands that read data
+
+    saved = read_saved_run(earlier).config
+    return saved is not None and _same_variant(saved, config)
+
+
 def own_run_folder(config: TrainConfig, preset_output_dir: str) -> str:
     """The run folder of data of one's own: `model_save/<data name>` with TrainConfig, and the preset's folder name
     after it with another preset (`model_save/<data name>_pretrain_large`), so that the two never share one. A run
-    started from a model adds where it came from: `model_save/<data name>_from_<model name>` (the demo's data
-    named "demo")."""
+    started from a model adds its variant and where it came from: `model_save/<data name><variant>_from_<model
+    name>` (the demo's data named "demo"; `run_variant`), or the folder without the variant where a run of this
+    variant was saved before the variant was part of the name."""
     name = "demo" if uses_demo_data(config) else data_name(training_paths(config)[0])
-    if config.init_from:
-        from lowmem.source.locate import source_name  # loads torch: only for a run started from a model
+    if not config.init_from:
+        return _folder_of(name, preset_output_dir)
+    from lowmem.source.locate import source_name  # loads torch: only for a run started from a model
 
-        name = f"{name}_from_{source_name(config.init_from)}"
-    return f"model_save/{name}" if preset_output_dir == DEMO_OUTPUT_DIR else \
-        f"model_save/{name}_{Path(preset_output_dir).name}"
+    source = source_name(config.init_from)
+    folder = _folder_of(f"{name}{run_variant(config)}_from_{source}", preset_output_dir)
+    earlier = _folder_of(f"{name}_from_{source}", preset_output_dir)
+    if _named_before_variants(config, folder, earlier):
+        logger.info("%s holds an earlier run of this variant: it goes on there.", earlier)
+        return earlier
+    return folder
 
 
 def with_run_folders(config: ConfigT, given: Collection[str]) -> ConfigT:

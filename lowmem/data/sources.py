@@ -214,7 +214,7 @@ def _decodes(head: bytes) -> bool:
     return True
 
 
-def _check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str]) -> None:
+def check_columns(path: str, metadata: pq.FileMetaData, columns: Sequence[str]) -> None:
     schema = metadata.schema.to_arrow_schema()
     for column in columns:
         index = schema.get_field_index(column)
@@ -310,7 +310,7 @@ def build_row_group_index(files: FileSpec, columns: Sequence[str]) -> RowGroupIn
     file_ids, groups, rows, sizes = [], [], [], []
     for file_id, (file, metadata) in enumerate(zip(data_files, _read_footers(data_files))):
         path = file.name
-        _check_columns(path, metadata, columns)
+        check_columns(path, metadata, columns)
         if metadata.num_rows == 0:
             raise DataError(
                 f"The data file '{path}' has no rows. Remove it from the data files or write it again."

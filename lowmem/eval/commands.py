@@ -65,8 +65,8 @@ def _evaluate_locked(config: TrainConfig, accelerator: Any, checkpoint: str | No
     saved = trained_config(folder)
     config = settled_for_model(config, saved, folder)
     config = dataclasses.replace(config, test_file=test_file or test_file_for(config, folder, saved or {}))
-    check_data_files(config, ("test_file",))
     config = as_trained_for_pairs(config, saved or {}, folder)
+    check_data_files(config, ("test_file",), columns=scored_columns(config))
     model, tokenizer = load_model_folder(folder, config.tokenizer_dir, accelerator.device)
     model.use_memory_savers(loss_chunk_tokens=config.loss_chunk_tokens)  # the test loss without whole logits
     # The model is loaded plain (not prepared by accelerate): TF32 and bf16 autocast are asked for here.

@@ -29,7 +29,7 @@ def test_adapters_train_alone_and_leave_a_merged_model_peft_and_transformers_com
     project = chat_project(tmp_path)
     done = run_command(["train", f"--init_from={qwen}", *LORA], cwd=project, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
-    run = project / "model_save" / "train_from_qwen2-tiny"
+    run = project / "model_save" / "train_lora4_from_qwen2-tiny"
     assert "Adapters (LoRA): rank 4, alpha 8 (scale 2)" in done.stderr
     for checkpoint in sorted(run.glob("checkpoint-*")):  # the adapters and the trainer's state, never the base
         assert (checkpoint / ADAPTERS_FILE).is_file() and not (checkpoint / "model.safetensors").exists()
@@ -95,7 +95,7 @@ def test_a_resume_of_adapters_is_exact_from_the_run_folder_and_refuses_a_changed
     flags = [f"--init_from={source}", *LORA, "--gradient_accumulation_steps=2", "--dropout=0.1"]
     reference, stopped = traced_and_stopped_runs(chat_project, tmp_path, flags, ENV, stop_after=4)
     source.rename(source.with_name("moved-away"))  # the resume reads only the run folder
-    run = stopped / "model_save" / "train_from_qwen2-tiny"
+    run = stopped / "model_save" / "train_lora4_from_qwen2-tiny"
     # A next stage cannot start from a checkpoint of adapters alone (the run has no best/ yet): it is told how.
     next_stage = run_command(["train", f"--init_from={run}", "--max_steps=2", "--output_dir=next"], cwd=stopped,
                              env=ENV)
@@ -145,7 +145,7 @@ def test_adapters_under_fsdp2_on_three_processes_train_and_resume_exactly(tmp_pa
                        env={**env, "LOWMEM_TRACE_DIR": str(reference / "trace")})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Parallelism: FSDP2, 3 processes" in done.stdout + done.stderr
-    run = reference / "model_save" / "train_from_qwen2-tiny"
+    run = reference / "model_save" / "train_lora4_from_qwen2-tiny"
     last = run / "checkpoint-8"
     assert (last / ADAPTERS_FILE).is_file() and not (last / "model.safetensors").exists()
 

@@ -80,7 +80,7 @@ def test_the_precomputed_values_are_of_the_length_training_settles_from_the_rows
                            "--train_file=data/train.reference", "--validation_file=data/valid.reference",
                            "--max_steps=1", "--sample_max_new_tokens=4"], cwd=project, env=ENV)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    run = project / "model_save" / "train_from_qwen2-tiny"
+    run = project / "model_save" / "train_dpo_precomputed_from_qwen2-tiny"
     assert json.loads((run / "final" / "train_config.json").read_text())["max_seq_len"] == length
 
 

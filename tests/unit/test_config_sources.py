@@ -77,7 +77,8 @@ def test_data_of_ones_own_gets_a_run_folder_and_tokenizer_of_its_own(tmp_path, m
     mine = printed_config(capsys, "--train_file=poems.parquet", "--validation_file=poems.parquet",
                           "--test_file=poems.parquet")
     assert mine["output_dir"] == "model_save/poems" and mine["tokenizer_dir"] == "model_save/poems/tokenizer"
-    chosen = printed_config(capsys, "--train_file=poems.parquet", "--output_dir=runs/p", "--tokenizer_dir=tok")
+    chosen = printed_config(capsys, "--train_file=poems.parquet", "--validation_file=poems.parquet",
+                            "--output_dir=runs/p", "--tokenizer_dir=tok")
     assert chosen["output_dir"] == "runs/p" and chosen["tokenizer_dir"] == "tok"
     demo = printed_config(capsys)  # nothing given, nothing in data/: the demo data set, in the demo's folders
     assert demo["output_dir"] == "model_save/demo" and demo["tokenizer_dir"] == "model_save/tokenizer"
@@ -123,3 +124,57 @@ def test_the_users_scripts_import_the_config_from_the_checkout():
     spec.loader.exec_module(module)
     assert module.TrainConfig is TrainConfig and module.TrainConfigPretrainLarge is TrainConfigPretrainLarge
     assert module.TrainConfigPretrainLarge().output_dir == "model_save/pretrain_large"
+
+
+def test_variants_of_a_stage_on_the_same_data_get_folders_of_their_own_and_old_names_are_found(tmp_path, monkeypatch):
+    from lowmem.cli.run_folder import with_run_folders
+    from lowmem.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    write_chat_rows(tmp_path / "pairs.parquet", 10, seed=1)
+
+    def folder(**fields) -> str:
+        config = TrainConfig(train_file="pairs.parquet", init_from="model_save/chat_from_books", **fields)
+        return with_run_folders(config, given={"train_file", "init_from", *fields}).output_dir
+
+    variants = {
+        folder(): "model_save/pairs_from_chat_from_books",
+        folder(lora_rank=16): "model_save/pairs_lora16_from_chat_from_books",
+        folder(lora_rank=8): "model_save/pairs_lora8_from_chat_from_books",
+        folder(objective="dpo"): "model_save/pairs_dpo_from_chat_from_books",
+        folder(objective="dpo", dpo_reference="precomputed"): "model_save/pairs_dpo_precomputed_from_chat_from_books",
+        folder(objective="dpo", lora_rank=16): "model_save/pairs_dpo_lora16_from_chat_from_books",
+    }
+    assert all(got == expected for got, expected in variants.items()), variants
+    # A run saved under the name without its variant (as runs were named before) is resumed and read where it is,
+    # by its own variant only; a run of another variant there does not capture this one.
+    earlier = tmp_path / "model_save" / "pairs_from_chat_from_books"
+    checkpoint = write_saved_run(earlier, 3, {"config": {"objective": "dpo", "lora_rank": 16,
+                                                         "dpo_reference": "auto"}})
+    assert folder(objective="dpo", lora_rank=16) == "model_save/pairs_from_chat_from_books"
+    assert folder(objective="dpo", dpo_reference="precomputed") == \
+        "model_save/pairs_dpo_precomputed_from_chat_from_books"
+    assert folder(lora_rank=16) == "model_save/pairs_lora16_from_chat_from_books"
+    rewrite_trainer_state(checkpoint, {"config": {"objective": "lm", "lora_rank": 0}})
+    assert folder(objective="dpo", lora_rank=16) == "model_save/pairs_dpo_lora16_from_chat_from_books"
+    # Once the variant's own folder exists, it is the one.
+    (tmp_path / "model_save" / "pairs_lora16_from_chat_from_books").mkdir()
+    rewrite_trainer_state(checkpoint, {"config": {"objective": "lm", "lora_rank": 16}})
+    assert folder(lora_rank=16) == "model_save/pairs_lora16_from_chat_from_books"
+
+
+@pytest.mark.parametrize("command", [["train"], ["train", "--print_config"], ["plan"]])
+def test_a_validation_file_without_the_runs_columns_is_refused_before_anything_is_written(tmp_path, monkeypatch,
+                                                                                          capsys, command):
+    # Text to pretrain on, beside a project whose data/valid.parquet holds chat rows: the default validation file
+    # is not the one meant, and train, --print_config and plan all say so, before a tokenizer is trained.
+    from data_helpers import write_text_rows
+
+    monkeypatch.chdir(tmp_path)
+    write_text_rows(tmp_path / "books.parquet", 40, seed=1)
+    (tmp_path / "data").mkdir()
+    write_chat_rows(tmp_path / "data" / "valid.parquet", 10, seed=2)
+    assert main([command[0], "--text_column=text", "--train_file=books.parquet", *command[1:]]) == 2
+    error = capsys.readouterr().err
+    assert "--validation_file=data/valid.parquet: The data file 'data/valid.parquet' has no column 'text'" in error
+    assert "Traceback" not in error and not (tmp_path / "model_save").exists()
