@@ -30,7 +30,7 @@ def check_data_files(config: DataConfig, names: tuple[str, ...] = ("train_file",
     first 4 bytes only, so a folder of thousands of files costs little, and the first file's footer for its
     `columns` (the config's data columns unless given): a file without them is refused before anything is written.
     """
-    columns = data_columns(config) if columns is None else columns
+    columns = data_columns(config) if columns is None else tuple(columns)
     for name, path in _named_paths(config, names):
         if "://" in path:
             continue
