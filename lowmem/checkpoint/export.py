@@ -145,9 +145,24 @@ def find_model_folder(output_dir: str | Path, checkpoint: str | None = None) -> 
         logger.info("No best/ or final/ in %s (the run stopped before its end): using %s, %s; --checkpoint=PATH "
                     "chooses another.", output_dir, folder.name, why)
         return folder
+    variants = _other_variants(Path(output_dir))
+    hint = (f" Runs on the same data from the same model: {', '.join(variants)} (give the flags that trained it, such "
+            "as --lora_rank or --objective, or its --output_dir).") if variants else ""
     raise ConfigError(f"No trained model in '{output_dir}' (looked for best/, final/ and complete checkpoints). "
                       f"Train one first with `{command_line('train')}`, or pass --checkpoint=PATH or "
-                      "--output_dir=RUN_FOLDER.")
+                      f"--output_dir=RUN_FOLDER.{hint}")
+
+
+def _other_variants(output_dir: Path) -> list[str]:
+    """The folders beside `output_dir`, a default `<data>_from_<model>` run folder, of other variants of that run
+    (`<data>_<variant>_from_<model>`: `lowmem.cli.run_folder.run_variant`), or of none where it names a variant."""
+    if "_from_" not in output_dir.name or not output_dir.parent.is_dir():
+        return []
+    data, source = output_dir.name.split("_from_", 1)
+    names = {path.name for path in output_dir.parent.iterdir() if path.is_dir() and path != output_dir}
+    return sorted(str(output_dir.parent / name) for name in names
+                  if name.endswith(f"_from_{source}") and (name.startswith(f"{data}_") or data.startswith(
+                      name.removesuffix(f"_from_{source}") + "_")))
 
 
 def check_has_adapters(folder: Path) -> None:

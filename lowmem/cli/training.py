@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 from lowmem.cli.common import build_config, resolve_config
 from lowmem.config import TrainConfig
 from lowmem.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported by the commands that use it, not by the CLI's start
+    import torch
+
+    from lowmem.preference.precompute import Share
 
 
 def train(use_large_config: bool = False, is_keep_training: bool = False, allow_config_change: bool = False,
@@ -119,7 +125,9 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
     """Compute the reference model's log-probabilities of every preference row of --train_file and
     --validation_file in one streaming pass, written beside each (`data/pairs.parquet` → `data/pairs.reference/`),
     so that `train --objective=dpo --dpo_reference=precomputed` fine-tunes every weight without a second model in
-    memory. A pass that stops resumes where it stopped when run again with the same flags.
+    memory. A pass that stops resumes where it stopped when run again with the same flags. Under `accelerate launch`
+    each process computes its share of the rows with a whole copy of the model, into the same folders (a pass
+    resumes on any number of processes).
 
     Args:
         use_large_config: start from TrainConfigPretrainLarge, as `train --use_large_config=True`.
@@ -130,15 +138,41 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
     """
     import torch
 
-    from lowmem.preference.precompute import precompute_reference, reference_folder
+    from lowmem.distributed.collectives import end_process_group
+    from lowmem.preference.precompute import Share, precompute_reference, reference_folder
 
     config, given = resolve_config(use_large_config, overrides, demo_data=False)
     if device not in ("", "cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda (it is {device!r}).")
     chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    folders = [precompute_reference(config, files, reference_folder(files), chosen, given)
-               for files in dict.fromkeys((config.train_file, config.validation_file))]
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    share, chosen = shared_pass(config) if several else (Share(), chosen)
+    try:
+        folders = [precompute_reference(config, files, reference_folder(files), chosen, given, share)
+                   for files in dict.fromkeys((config.train_file, config.validation_file))]
+    finally:
+        if several:
+            end_process_group()
     train_folder, validation_folder = folders[0], folders[-1]
     length = f" --max_seq_len={config.max_seq_len}" if "max_seq_len" in given else ""
-    print(f"Train with: train --objective=dpo --init_from={config.init_from} --dpo_reference=precomputed "
-          f"--train_file={train_folder} --validation_file={validation_folder}{length}")
+    if share.rank == 0:
+        print(f"Train with: train --objective=dpo --init_from={config.init_from} --dpo_reference=precomputed "
+              f"--train_file={train_folder} --validation_file={validation_folder}{length}")
+
+
+def shared_pass(config: TrainConfig) -> tuple[Share, torch.device]:
+    """Under `accelerate launch`: this process's `Share` of a reference pass (a barrier and a sum over the processes)
+    and the device the launcher gave it."""
+    import torch
+
+    from lowmem.distributed.accelerator import create_accelerator
+    from lowmem.preference.precompute import Share
+
+    accelerator = create_accelerator(1, config.bf16, config.process_group_timeout_minutes,
+                                     bf16_on_cpu=config.bf16_on_cpu)
+
+    def total(count: int) -> int:
+        return int(accelerator.reduce(torch.tensor([count], device=accelerator.device), "sum").item())
+
+    return Share(accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone,
+                 total), accelerator.device

@@ -18,6 +18,9 @@ from lowmem.log_format import DoublingCount
 logger = logging.getLogger(__name__)
 
 WHOLE_SHARE = 0.99  # the share of rows a settled length keeps whole
+# The longest length settled from rows: what TRL's SFT and DPO trainers cut at by default (max_length=1024). Longer
+# rows take --max_seq_len, given: their memory grows with the length, and the plan shows it before a launch.
+LENGTH_FROM_ROWS_CAP = 1024
 
 
 def length_keeping(lengths: Sequence[int], share: float = WHOLE_SHARE) -> int:

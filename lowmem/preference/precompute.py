@@ -7,8 +7,10 @@ had, plus `reference_chosen` and `reference_rejected` (`lowmem.config.columns.RE
 model's log-probability of each answer, summed over the tokens the DPO loss counts, as text that reads back to the
 same float32. Rows with an empty value get empty reference values (training skips such rows either way).
 
-Each part is written whole or not at all (aside, then renamed), so a pass that stops resumes at the first part
-missing; `_reference.json` records the model, tokenizer and sequence length the values belong to, and a pass (or a
+Each part is written whole or not at all (aside, then renamed), so a pass that stops resumes at the parts missing;
+under `accelerate launch` each process computes its share of the row groups (`Share`: group g by process g mod the
+number of processes), each with the whole model, into the same folder, so a pass resumes on any number of processes;
+`_reference.json` records the model, tokenizer and sequence length the values belong to, and a pass (or a
 training run) with others is refused instead of mixing them.
 """
 
@@ -20,7 +22,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,18 +59,27 @@ def reference_folder(files: str) -> Path:
     return path.with_name(path.name.removesuffix(".parquet") + SUFFIX)
 
 
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """This process's part of a pass on several processes: the row groups whose number modulo `count` is `rank`;
+    `wait` is a barrier of every process, `total` sums a count over them. The default: one process, every group."""
+
+    rank: int = 0
+    count: int = 1
+    wait: Callable[[], None] = lambda: None
+    total: Callable[[int], int] = lambda count: count
+
+
 def precompute_reference(config: TrainConfig, files: str, output: Path, device: torch.device,
-                         given: Collection[str] = ()) -> Path:
+                         given: Collection[str] = (), share: Share = Share()) -> Path:
     """Write the reference log-probabilities of every row of `files` into `output` (see the module's docstring) with
     the model of `config.init_from`, the sequence length training will settle (`given`: the flags set) and
     `config.batch_size_per_gpu` rows per batch; parts already written by an earlier pass with the same model are
-    kept. Returns `output`."""
+    kept. With `share`, this process writes only its row groups, and returns when every process has written its own.
+    Returns `output`."""
     if not config.init_from:
         raise ConfigError("lowmem dpo_reference computes the reference model's log-probabilities: name that model with "
                           "--init_from=PATH, the one `train --objective=dpo` will start from.")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("lowmem dpo_reference runs in one process (its parts are written by one writer): run it "
-                          "without `accelerate launch`.")
     columns = (config.prompt_column, config.chosen_column, config.rejected_column)
     index = build_row_group_index(files, columns)  # every file and column checked before anything is computed
     source = find_source(config.init_from)
@@ -85,17 +96,21 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
               "tensors_sha256": source_record(StartingPoint(model_config, source), config)["tensors_sha256"],
               "tokenizer": str(tokenizer_folder.resolve()), "max_seq_len": config.max_seq_len,
               "columns": list(columns), "rows": index.num_rows, "row_groups": index.num_row_groups}
-    _check_earlier_pass(output, record)
-    output.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(output / RECORD_NAME, {**record, "complete": False})
+    _check_earlier_pass(output, record)  # by every process (it only reads): each stops with the same message
+    if share.rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(output / RECORD_NAME, {**record, "complete": False})
+    share.wait()
     model = empty_model(model_config, device)
     fill_model(model, source, weight_plan(source, model_config))
     model.use_memory_savers(config.loss_chunk_tokens, False)
     model.eval()
     collate = PreferenceCollate(tokenizer, config.max_seq_len, columns, skip_identical=False)
     started, written = time.perf_counter(), 0
-    bar = progress_bar(total=index.num_row_groups, desc="dpo_reference", unit="row group", enabled=config.progress)
-    for group in range(index.num_row_groups):
+    groups = range(share.rank, index.num_row_groups, share.count)
+    bar = progress_bar(total=len(groups), desc="dpo_reference", unit="row group",
+                       enabled=config.progress and share.rank == 0)
+    for group in groups:
         part = output / f"part-{group:05d}.parquet"
         if not part.is_file():
             table = _read_group(index, group)
@@ -108,9 +123,13 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
             written += table.num_rows
         bar.update(1)
     bar.close()
-    write_json_atomic(output / RECORD_NAME, {**record, "complete": True})
-    logger.info("Wrote the reference log-probabilities of %s rows (%s computed now) to %s in %.0f s.",
-                f"{index.num_rows:,}", f"{written:,}", output, time.perf_counter() - started)
+    written = share.total(written)  # also the barrier after which every part is there
+    if share.rank == 0:
+        write_json_atomic(output / RECORD_NAME, {**record, "complete": True})
+        processes = f" by {share.count} processes" if share.count > 1 else ""
+        logger.info("Wrote the reference log-probabilities of %s rows (%s computed now%s) to %s in %.0f s.",
+                    f"{index.num_rows:,}", f"{written:,}", processes, output, time.perf_counter() - started)
+    share.wait()
     return output
 
 

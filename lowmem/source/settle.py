@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from lowmem.atomic_files import write_json_atomic
 from lowmem.config import ModelConfig, TrainConfig
 from lowmem.config.columns import data_columns, is_preference
 from lowmem.config.train_sources import training_paths
-from lowmem.data.lengths import length_keeping
+from lowmem.data.lengths import LENGTH_FROM_ROWS_CAP, WHOLE_SHARE, length_keeping
 from lowmem.data.sizing import sample_batch_sizes
 from lowmem.data.sources import build_row_group_index
 from lowmem.data.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
@@ -49,6 +50,8 @@ from lowmem.model.weights import load_model_config
 from lowmem.source.load import LoadedWeights, weight_plan
 from lowmem.source.locate import LOWMEM, RUN_TOKENIZER_DIR, TRANSFORMERS, ModelSource, find_source
 from lowmem.source.stage import StageChoice, choose_stage_defaults, kept_on_resume
+
+logger = logging.getLogger(__name__)
 
 # The run folder's record of where its weights came from (written once, when the run starts).
 SOURCE_RECORD_NAME = "started_from.json"
@@ -136,10 +139,16 @@ def training_length(config: TrainConfig, source: ModelSource, given: Collection[
 
 def length_of_rows(config: TrainConfig, tokenizer: Any, limit: int) -> int:
     """The training length that keeps WHOLE_SHARE of a sample of the training rows whole, laid out by the model's
-    tokenizer and template, at most `limit` (the model's context)."""
+    tokenizer and template, at most `limit` (the model's context) and LENGTH_FROM_ROWS_CAP (said where it binds)."""
     index = build_row_group_index(training_paths(config), data_columns(config))
     sizes = sample_batch_sizes(index, limit, pack=False, tokenizer=tokenizer, seed=config.seed)
-    return min(length_keeping(sizes.lengths), limit)
+    keeping = min(length_keeping(sizes.lengths), limit)
+    if keeping > LENGTH_FROM_ROWS_CAP:
+        logger.warning("The training rows need --max_seq_len=%d to keep %.0f%% of them whole; trained at %d, the "
+                       "length fine-tuning tools cut at by default (TRL's max_length): pass --max_seq_len=%d to "
+                       "train them whole (lowmem plan shows its memory first).", keeping, WHOLE_SHARE * 100,
+                       LENGTH_FROM_ROWS_CAP, keeping)
+    return min(keeping, LENGTH_FROM_ROWS_CAP)
 
 
 def source_parameters(source: ModelSource) -> int:

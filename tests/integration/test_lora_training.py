@@ -46,7 +46,7 @@ def test_adapters_train_alone_and_leave_a_merged_model_peft_and_transformers_com
         ours = final(ids)[0][..., :expected_base.shape[-1]]
     assert (ours - expected_base).abs().max().item() > 1e-3  # the adapters changed what it computes
 
-    exported = run_command(["export", str(project / "hf"), f"--init_from={qwen}",
+    exported = run_command(["export", str(project / "hf"), f"--init_from={qwen}", "--lora_rank=4",
                             f"--adapter_dir={project / 'adapter'}"], cwd=project, env=ENV)
     assert exported.returncode == 0, exported.stderr[-3000:]
     merged = transformers.AutoModelForCausalLM.from_pretrained(project / "hf").eval()

@@ -118,8 +118,50 @@ def test_the_precomputed_reference_trains_as_the_one_in_memory(tmp_path, qwen):
     assert other.returncode == 2 and "--max_seq_len=64" in other.stderr and "Traceback" not in other.stderr
 
 
+
+def test_dpo_reference_on_several_processes_writes_what_one_writes_and_resumes_on_another_number(tmp_path, qwen):
+    """Each process computes its share of the row groups into the same folder: the parts are those one process
+    writes, value for value, and a pass that stopped resumes on another number of processes."""
+    import pyarrow.parquet as pq
+
+    project = preference_project(tmp_path)
+    args = ["dpo_reference", f"--init_from={qwen}", "--train_file=data/train.parquet",
+            "--validation_file=data/valid.parquet", "--max_seq_len=64"]
+    alone = run_command(args, cwd=project, env=ENV)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    for name in ("train", "valid"):
+        (project / "data" / f"{name}.reference").rename(project / f"{name}.alone")
+
+    def launched(processes: int) -> str:
+        done = run_command(args, cwd=project, env={**ENV, "ACCELERATE_USE_CPU": "1"},
+                           launcher=["accelerate", "launch", "--multi_gpu", "--num_processes", str(processes),
+                                     "--main_process_port", "0"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("Train with: train --objective=dpo") == 1  # said once, by the main process
+        return done.stderr
+
+    assert "400 rows (400 computed now by 2 processes)" in launched(2)
+    for name, groups in (("train", 7), ("valid", 1)):
+        shared, one = project / "data" / f"{name}.reference", project / f"{name}.alone"
+        assert sorted(part.name for part in shared.glob("part-*")) == [f"part-{n:05d}.parquet" for n in range(groups)]
+        for part in one.glob("part-*.parquet"):
+            assert pq.read_table(shared / part.name).equals(pq.read_table(part)), part.name
+        assert json.loads((shared / "_reference.json").read_text())["complete"]
+    # Stopped with two parts missing: three processes write those two, and only those.
+    folder = project / "data" / "train.reference"
+    kept = (folder / "part-00000.parquet").stat().st_mtime_ns
+    (folder / "part-00001.parquet").unlink()
+    (folder / "part-00005.parquet").unlink()
+    assert "400 rows (128 computed now by 3 processes)" in launched(3)
+    assert (folder / "part-00000.parquet").stat().st_mtime_ns == kept
+    for number in (1, 5):
+        part = f"part-{number:05d}.parquet"
+        assert pq.read_table(folder / part).equals(pq.read_table(project / "train.alone" / part))
+
 def _parameters_alive() -> int:
-    """Elements of every distinct Parameter in the process."""
+    """Elements of every distinct Parameter alive in the process (garbage of earlier tests collected first, so that
+    it is not counted before and gone after)."""
+    gc.collect()
     seen: dict[int, int] = {}
     for thing in gc.get_objects():
         if isinstance(thing, torch.nn.Parameter):

@@ -178,3 +178,10 @@ def test_a_validation_file_without_the_runs_columns_is_refused_before_anything_i
     error = capsys.readouterr().err
     assert "--validation_file=data/valid.parquet: The data file 'data/valid.parquet' has no column 'text'" in error
     assert "Traceback" not in error and not (tmp_path / "model_save").exists()
+    # A command given the flags of another variant (here none: the full fine-tune's folder) names the runs there are.
+    from lowmem.checkpoint.export import find_model_folder
+    from lowmem.errors import ConfigError
+
+    (tmp_path / "runs" / "pairs_lora16_from_base").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="Runs on the same data from the same model: runs/pairs_lora16_from_base"):
+        find_model_folder("runs/pairs_from_base")

@@ -96,3 +96,24 @@ def test_rows_cut_by_a_given_length_are_counted_at_the_start_and_in_the_log(long
     assert counted and counted[-1].split("WARNING")[1].split()[-1] != "0"
     totals = [int(line.split(" training rows")[0].split()[-1].replace(",", "")) for line in counted]
     assert totals[-1] == 10, counted  # 200 rows, each read once: every long row counted once
+
+
+def test_a_length_from_rows_stops_at_the_cap_and_says_the_length_that_keeps_them(tmp_path, monkeypatch, capsys,
+                                                                                  caplog):
+    # Every row about 1,500 tokens, on a model of a 4,096-token context: trained at the cap, as TRL's default cuts,
+    # with the length that would keep them whole said.
+    from lowmem.data.lengths import LENGTH_FROM_ROWS_CAP
+
+    qwen_4096 = qwen2_folder(tmp_path / "qwen", max_position_embeddings=4096)
+    (tmp_path / "data").mkdir()
+    for name in ("train", "valid", "test"):
+        rows = {"prompt": [f"问{row}" for row in range(40)], "response": ["春风明月江南归去相思" * 150] * 40}
+        pq.write_table(pa.table(rows), tmp_path / "data" / f"{name}.parquet")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"--init_from={qwen_4096}", "--print_config"]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out[captured.out.index("{\n"):])  # after what an import may print
+    assert printed["max_seq_len"] == LENGTH_FROM_ROWS_CAP == 1024
+    said = caplog.text  # the start-up's warning
+    needed = int(said.split("The training rows need --max_seq_len=")[1].split(" ")[0])
+    assert 1024 < needed <= 4096 and f"pass --max_seq_len={needed} to train them whole" in said
