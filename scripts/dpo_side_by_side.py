@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import pyarrow.parquet as pq
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -32,9 +35,13 @@ def lowmem_run(args: argparse.Namespace, seed: int, folder: Path) -> dict[str, f
               f"--train_file={args.train}", f"--validation_file={args.valid}", f"--output_dir={run}"]
     train = [*common, f"--batch_size_per_gpu={args.batch}", f"--learning_rate={args.lr}",
              f"--warmup_steps={args.warmup}", f"--max_steps={args.steps}", "--weight_decay=0", "--adam_beta1=0.9",
-             f"--adam_beta2={args.adam_beta2}", "--grad_clip=1.0", f"--seed={seed}", f"--max_seq_len={args.max_len}",
+             f"--adam_beta2={args.adam_beta2}", "--grad_clip=1.0", f"--seed={seed}",
              f"--eval_steps={args.steps}", f"--save_steps={args.steps}", "--eval_bleu_samples=0",
              "--sample_max_new_tokens=4", "--progress=False"]
+    rows = pq.read_metadata(args.train).num_rows  # epochs enough for the steps: --max_steps stops, never extends
+    train.append(f"--epochs={math.ceil(args.steps * args.batch / rows)}")
+    if args.max_len:
+        train.append(f"--max_seq_len={args.max_len}")
     command = [sys.executable, "-m", "lowmem"]
     subprocess.run([*command, "train", *train], check=True, capture_output=True, text=True)
     subprocess.run([*command, "evaluate", f"--output_dir={run}", f"--test_file={args.valid}", "--bleu_samples=0",
@@ -46,7 +53,6 @@ def lowmem_run(args: argparse.Namespace, seed: int, folder: Path) -> dict[str, f
 
 def trl_run(args: argparse.Namespace, seed: int, folder: Path) -> dict[str, float]:
     """Train and evaluate with TRL's DPOTrainer and a peft LoRA config; its eval rewards/accuracies and margins."""
-    import pyarrow.parquet as pq
     import transformers
     from datasets import Dataset
     from peft import LoraConfig
@@ -67,7 +73,7 @@ def trl_run(args: argparse.Namespace, seed: int, folder: Path) -> dict[str, floa
                        per_device_eval_batch_size=args.batch, learning_rate=args.lr, warmup_steps=args.warmup,
                        max_steps=args.steps, lr_scheduler_type="cosine_with_min_lr",
                        lr_scheduler_kwargs={"min_lr_rate": 0.1}, weight_decay=0.0, adam_beta1=0.9,
-                       adam_beta2=args.adam_beta2, max_grad_norm=1.0, beta=args.beta, max_length=args.max_len,
+                       adam_beta2=args.adam_beta2, max_grad_norm=1.0, beta=args.beta, max_length=args.max_len or 1024,
                        seed=seed, data_seed=seed, save_strategy="no", report_to=[], logging_steps=args.steps,
                        use_cpu=True, disable_tqdm=True)
     lora = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0, target_modules=TARGETS,
@@ -92,7 +98,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=16)
     parser.add_argument("--adam_beta2", type=float, default=0.95)
-    parser.add_argument("--max_len", type=int, default=64, help="tokens per prompt and answer")
+    parser.add_argument("--max_len", type=int, default=0,
+                        help="tokens per prompt and answer (0: lowmem's length from the rows, TRL's 1,024: both whole)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

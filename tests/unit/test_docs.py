@@ -41,6 +41,7 @@ OTHER_TOOLS_FLAGS = {
     "hadoop classpath": {"glob"},
     "DeepSpeed's zero_to_fp32.py": {"tag", "safe_serialization"},
     "scripts/plot_tensorboard.py, scripts/sorted_demo_copy.py": {"out"},
+    "scripts/dpo_side_by_side.py": {"model", "train", "valid", "steps", "lr", "seeds"},
     "every lowmem command (fire)": {"help"},
     "python -m lowmem.bench.convert_bench": {"size_gb"},
     "spm_train (SentencePiece)": {"pad_id", "bos_id", "eos_id", "unk_id", "user_defined_symbols", "byte_fallback"},
