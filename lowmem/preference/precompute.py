@@ -97,6 +97,7 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
               "tokenizer": str(tokenizer_folder.resolve()), "max_seq_len": config.max_seq_len,
               "columns": list(columns), "rows": index.num_rows, "row_groups": index.num_row_groups}
     _check_earlier_pass(output, record)  # by every process (it only reads): each stops with the same message
+    share.wait()  # every process has read the folder before the main process writes into it
     if share.rank == 0:
         output.mkdir(parents=True, exist_ok=True)
         write_json_atomic(output / RECORD_NAME, {**record, "complete": False})

@@ -215,7 +215,7 @@ def test_the_plan_command_for_a_gpu_names_the_split_it_would_train(tmp_path, dat
     64 rows on a 20 GB GPU, the preset's 32 x 2 on a 4 GB one; the rows per step stay 64."""
     copy_data(data, tmp_path)
     common = ["plan", "--use_large_config=True", "--device=cuda", f"--train_file={tmp_path / 'train.parquet'}",
-              f"--tokenizer_dir={tmp_path / 'tok'}"]
+              f"--validation_file={tmp_path / 'valid.parquet'}", f"--tokenizer_dir={tmp_path / 'tok'}"]
     large = run_command([*common, "--gpu_memory_gb=20"], cwd=tmp_path, env=ENV)
     assert large.returncode == 0, large.stderr[-3000:]
     assert "micro-batch 64 rows x 1" in large.stdout
