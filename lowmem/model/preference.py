@@ -10,9 +10,10 @@ rewards/accuracy (chosen above rejected) and rewards/margin (their difference).
 
 The answers' log-probabilities need the language-model head over every answer token. Without the whole logits
 (`lowmem.model.loss`), the loss is taken in two passes over the final hidden states: the per-row sums once without
-gradients (`row_token_loss_sums`), which give the loss and dL/d(row sum) for each row; then the weighted token loss
-Σ_i dL/dS_row(i) · CE_i through `chunked_token_loss_sum`, whose gradient is the DPO loss's exactly (the weights are
-the derivative at this point, constants for autograd). The transformer runs once; the head twice.
+gradients (`row_token_loss_sums`, each row summed within its own span), which give the loss and dL/d(row sum) for
+each row; then the weighted token loss Σ_i dL/dS_row(i) · CE_i through `chunked_token_loss_sum`, whose gradient is
+the DPO loss's exactly (the weights are the derivative at this point, constants for autograd). The transformer runs
+once; the head twice.
 """
 
 from __future__ import annotations
@@ -89,26 +90,27 @@ def dpo_terms(policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: f
                     weights)
 
 
-def token_rows(targets: torch.Tensor) -> torch.Tensor:
-    """(B*T,) the row of each position of a (B, T) batch of unpacked sequences."""
-    batch, width = targets.shape
-    return torch.arange(batch, device=targets.device).repeat_interleave(width)
-
-
 @torch.no_grad()
-def row_token_loss_sums(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-                        row_count: int, chunk_tokens: int) -> torch.Tensor:
-    """Σ CE of each row's counted tokens (row_count,), float32, one chunk of logits at a time, without gradients.
+def row_token_loss_sums(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
+                        chunk_tokens: int) -> torch.Tensor:
+    """Σ CE of each row's counted tokens (B,), float32, one tile of logits at a time, without gradients.
 
-    hidden: (N, C) final hidden states; head: (V, C); targets: (N,) with IGNORE_INDEX where not counted; rows: (N,)
-    the row of each position.
+    hidden: (B, T, C) final hidden states; head: (V, C); targets: (B, T) with IGNORE_INDEX where not counted. A tile
+    is whole rows where they fit in `chunk_tokens` positions, else a span of one row's positions; each row is summed
+    within its own span, in the same order every time, so the sums are the same bits on every run (no scatter of
+    atomic additions, whose order a GPU does not fix: an exact resume needs the same sums).
     """
-    sums = torch.zeros(row_count, dtype=torch.float32, device=hidden.device)
-    chunk_tokens = _chunk(chunk_tokens, hidden.size(0))
-    for start in range(0, hidden.size(0), chunk_tokens):
-        stop = start + chunk_tokens
-        losses = plain_token_losses(F.linear(hidden[start:stop], head), targets[start:stop])  # 0 where ignored
-        sums.index_add_(0, rows[start:stop], losses.float())
+    batch, width = targets.shape
+    tile = _chunk(chunk_tokens, batch * width)
+    rows_per_tile, span = max(1, tile // max(width, 1)), min(width, tile)
+    sums = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
+    for row in range(0, batch, rows_per_tile):
+        rows = slice(row, row + rows_per_tile)
+        for start in range(0, width, span):
+            positions = slice(start, start + span)
+            block = targets[rows, positions]
+            logits = F.linear(hidden[rows, positions].reshape(-1, hidden.size(-1)), head)
+            sums[rows] += plain_token_losses(logits, block.reshape(-1)).view(block.shape).sum(1)
     return sums
 
 
@@ -116,8 +118,7 @@ def answer_log_probs(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Te
                      chunk_tokens: int) -> torch.Tensor:
     """(B,) each row's answer log-probability, Σ log p over its counted targets, without gradients: what the
     reference gives. hidden: (B, T, C); targets: (B, T)."""
-    flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
-    return -row_token_loss_sums(flat_hidden, head, flat_targets, token_rows(targets), targets.shape[0], chunk_tokens)
+    return -row_token_loss_sums(hidden, head, targets, chunk_tokens)
 
 
 def dpo_loss(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, reference_logps: torch.Tensor,
@@ -130,12 +131,10 @@ def dpo_loss(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, re
     hidden: (2P, T, C) final hidden states with gradients; head: the language-model head (V, C); targets: (2P, T);
     reference_logps: (2P,) the reference's answer log-probabilities; pair_weights: as `dpo_terms`'s.
     """
-    flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
-    rows = token_rows(targets)
-    sums = row_token_loss_sums(flat_hidden.detach(), head.detach(), flat_targets, rows, targets.shape[0],
-                               chunk_tokens)
+    sums = row_token_loss_sums(hidden.detach(), head.detach(), targets, chunk_tokens)
     terms = dpo_terms(-sums, reference_logps, beta, pair_weights)
-    weights = terms.row_weights[rows] * (flat_targets != IGNORE_INDEX).float()
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    weights = (terms.row_weights[:, None] * (targets != IGNORE_INDEX).float()).reshape(-1)
     chunk = _chunk(chunk_tokens, len(flat_hidden))
     return chunked_token_loss_sum(flat_hidden, head, flat_targets, weights, chunk), terms
 

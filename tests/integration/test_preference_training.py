@@ -291,3 +291,19 @@ def test_adapters_dpo_on_three_processes_resumes_on_one_training_each_pair_once(
     assert len(json.loads((project / "trace3" / "trace-rank0.json").read_text())["rows"]) == 5 * 2 * 8
     losses = traced_losses(project / "trace1")
     assert min(losses) == 6 and all(math.isfinite(loss) for loss in losses.values())
+
+
+def test_dpo_on_adapters_trains_under_compile_with_the_eager_runs_losses(tmp_path, qwen):
+    """Compiled, the rows' answer sums are taken within each row's span (inductor could not generate the scatter the
+    sums were once added by), and the losses are the eager run's."""
+    project = preference_project(tmp_path)
+    flags = [f"--init_from={qwen}", *DPO, "--lora_rank=8", "--max_steps=4", "--learning_rate=1e-2"]
+    losses = {}
+    for compiled in ("False", "True"):
+        done = run_command(["train", *flags, f"--compile={compiled}", f"--output_dir=run-{compiled}"], cwd=project,
+                           env={**ENV, "LOWMEM_TRACE_DIR": str(project / f"trace-{compiled}")})
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[compiled] = traced_losses(project / f"trace-{compiled}")
+    assert "compile=on" in done.stderr and sorted(losses["True"]) == list(range(1, 5))
+    for step, loss in losses["False"].items():
+        assert losses["True"][step] == pytest.approx(loss, abs=1e-4), step

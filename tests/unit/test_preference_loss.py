@@ -90,3 +90,21 @@ def test_adapters_learn_the_preferences_with_the_base_as_their_reference():
         held = dpo_terms(answer_logps(net, held_idx, held_targets), reference, beta=0.5)
     assert held.accuracy.item() > 0.9 and held.margin.item() > 0
     assert sum(p.numel() for p in net.parameters()) == parameters  # no second model was made for the reference
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 5, 12, 40, 1000])
+def test_each_rows_sum_is_taken_within_its_own_span(chunk_tokens):
+    # Tiles of whole rows (12 positions a row), of a span of one row (5), and everything at once: the sums are the
+    # direct per-row sums, and the same bits again on a second call (no scatter whose order may vary).
+    from lowmem.model.preference import row_token_loss_sums
+
+    generator = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(6, 12, 8, generator=generator), torch.randn(50, 8, generator=generator)
+    targets = torch.randint(0, 50, (6, 12), generator=generator)
+    targets[:, :4] = IGNORE_INDEX  # the prompts' positions are not counted
+    targets[2] = IGNORE_INDEX  # a row of padding sums to 0
+    direct = torch.nn.functional.cross_entropy(hidden.reshape(-1, 8) @ head.T, targets.reshape(-1),
+                                               ignore_index=IGNORE_INDEX, reduction="none").view(6, 12).sum(1)
+    sums = row_token_loss_sums(hidden, head, targets, chunk_tokens)
+    assert torch.allclose(sums, direct, atol=1e-5) and sums[2] == 0
+    assert torch.equal(sums, row_token_loss_sums(hidden, head, targets, chunk_tokens))
