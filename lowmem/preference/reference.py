@@ -159,6 +159,13 @@ def make_reference(config: TrainConfig, model: torch.nn.Module, accelerator: Acc
     return reference
 
 
+def copy_in_bf16(accelerator: Accelerator) -> bool:
+    """Whether the frozen copy's block matrices are kept in bf16: where the accelerator runs bf16 autocast, which
+    multiplies by them in bf16 anyway; not where mixed precision ended up off (`--bf16` on a GPU without bf16, a
+    T4 or a V100), whose float32 activations could not meet bf16 weights."""
+    return accelerator.mixed_precision == "bf16"
+
+
 def reference_copy(config: TrainConfig, model: torch.nn.Module, accelerator: Accelerator,
                    start: StartingPoint | None) -> GPT:
     """A frozen copy of the starting model on the device, with the training model's loss settings: from the source
@@ -169,7 +176,7 @@ def reference_copy(config: TrainConfig, model: torch.nn.Module, accelerator: Acc
     if source is None:  # a resume: the copy of the starting model the run kept (`keep_starting_model`)
         source = find_source(str(checked_base(Path(config.output_dir), for_reference=True)))
     copy = empty_model(plain.config, accelerator.device)
-    if accelerator.device.type == "cuda" and config.bf16:
+    if copy_in_bf16(accelerator):
         halve_block_matrices(copy)  # before it is filled: each weight is cast on its way in
     fill_model(copy, source, weight_plan(source, plain.config))
     copy.use_memory_savers(plain.loss_chunk_tokens, False)

@@ -108,3 +108,16 @@ def test_each_rows_sum_is_taken_within_its_own_span(chunk_tokens):
     sums = row_token_loss_sums(hidden, head, targets, chunk_tokens)
     assert torch.allclose(sums, direct, atol=1e-5) and sums[2] == 0
     assert torch.equal(sums, row_token_loss_sums(hidden, head, targets, chunk_tokens))
+
+
+@pytest.mark.parametrize("device, mixed_precision, halved", [("cuda", "bf16", True), ("cuda", "no", False),
+                                                             ("cpu", "bf16", True), ("cpu", "no", False)])
+def test_the_frozen_copy_is_halved_where_the_accelerator_runs_bf16(device, mixed_precision, halved):
+    # `--bf16` on a GPU without bf16 (a T4, a V100) leaves mixed precision off: a halved copy would meet float32
+    # activations there. What decides is what the accelerator runs, not the flag.
+    from types import SimpleNamespace
+
+    from lowmem.preference.reference import copy_in_bf16
+
+    accelerator = SimpleNamespace(device=torch.device(device), mixed_precision=mixed_precision)
+    assert copy_in_bf16(accelerator) is halved
