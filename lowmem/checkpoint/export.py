@@ -159,10 +159,14 @@ def _other_variants(output_dir: Path) -> list[str]:
     if "_from_" not in output_dir.name or not output_dir.parent.is_dir():
         return []
     data, source = output_dir.name.split("_from_", 1)
-    names = {path.name for path in output_dir.parent.iterdir() if path.is_dir() and path != output_dir}
-    return sorted(str(output_dir.parent / name) for name in names
-                  if name.endswith(f"_from_{source}") and (name.startswith(f"{data}_") or data.startswith(
-                      name.removesuffix(f"_from_{source}") + "_")))
+    suffix = f"_from_{source}"
+
+    def related(stem: str) -> bool:  # one name is the other's with a variant after it
+        return stem.startswith(f"{data}_") or data.startswith(f"{stem}_")
+
+    return sorted(str(path) for path in output_dir.parent.iterdir()
+                  if path.is_dir() and path != output_dir and path.name.endswith(suffix)
+                  and related(path.name.removesuffix(suffix)))
 
 
 def check_has_adapters(folder: Path) -> None:

@@ -224,11 +224,12 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
 
 def _reference_copy_bytes(config: TrainConfig, layout: RunLayout, shape: ModelShape) -> int:
     """A DPO run's frozen copy of its starting model (`lowmem.preference.reference`): the blocks' matrices in bf16
-    on a GPU in a bf16 run, the rest in float32; 0 where the reference needs no copy."""
+    where the run computes in bf16 autocast (the rule of `copy_in_bf16`), the rest in float32; 0 where the reference
+    needs no copy."""
     if reference_mode(config) != COPY:
         return 0
     blocks = shape.n_layer * shape.block_params
-    return copy_bytes(blocks, shape.params - blocks, half=layout.device == "cuda" and layout.bf16)
+    return copy_bytes(blocks, shape.params - blocks, half=layout.bf16)
 
 
 def _generation_prompts(config: TrainConfig, world_size: int) -> int:
