@@ -90,12 +90,23 @@ class SpeedSettings:
 
     compile: torch.compile the training model. static_shapes: every micro-batch takes one of two or three fixed
     shapes (`lowmem.data.collate.FixedShapes`). attention: "sdpa" or "flex", the kernel for packed rows.
+    shaped_to_fit: each batch takes the shape its rows need (pairs of answers): compiled for dynamic shapes from
+    the first step.
     """
 
     compile: bool
     static_shapes: bool
     attention: str
     why_not_compiled: str = ""  # why an automatic compile stays off on this GPU
+    shaped_to_fit: bool = False
+
+    @property
+    def dynamic(self) -> bool | None:
+        """torch.compile's `dynamic`: False for fixed shapes (a graph for each, nothing recompiles later); True for
+        batches shaped to fit, whose widths and pair counts change from batch to batch (one graph serves them, where
+        torch's default would compile the first shape for itself and every later one again); else None, torch's
+        choice (packed rows of one shape, compiled once)."""
+        return False if self.static_shapes else True if self.shaped_to_fit else None
 
     def describe(self) -> str:
         compiled = "on" if self.compile else f"off ({self.why_not_compiled})" if self.why_not_compiled else "off"
@@ -154,7 +165,7 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
         raise ConfigError("--compile_mode=reduce-overhead replays CUDA graphs, which need batches of fixed shapes: "
                           "leave --static_shapes unset (on with CUDA) or pass --static_shapes=True.")
     return SpeedSettings(compile=compiled, static_shapes=static, attention=attention,
-                         why_not_compiled="" if compiled else problem)
+                         why_not_compiled="" if compiled else problem, shaped_to_fit=preference)
 
 
 def check_cuda_graphs(config: OptimConfig, speed: SpeedSettings) -> None:
@@ -184,7 +195,9 @@ def maybe_compile(model: torch.nn.Module, config: OptimConfig, settings: MemoryS
     The whole model is one graph, the loss included (a graph break would split every micro-batch's forward and
     backward in two). With fixed batch shapes the graph is compiled for exactly those shapes (`dynamic=False`):
     a first step of each shape compiles it (the Trainer runs both before training), and nothing recompiles later;
-    without them torch decides, and recompiles with dynamic shapes once a second shape is seen. The compiled
+    batches shaped to fit (pairs of answers) compile for dynamic shapes at once (`SpeedSettings.dynamic`): the loss's
+    chunks are counted in powers of two (`lowmem.model.loss.chunk_spans`), so a graph serves every width up to twice
+    the positions of the smallest it was compiled for, and a size of 1 (one pair) is a graph of its own. The compiled
     wrapper prefixes its state-dict keys with `_orig_mod.`; checkpoints are written from the unwrapped model, so
     they load with and without compilation.
 
@@ -206,10 +219,11 @@ def maybe_compile(model: torch.nn.Module, config: OptimConfig, settings: MemoryS
     mode = config.compile_mode if config.compile_backend == "inductor" and config.compile_mode != "default" else None
     logger.info("Compiling the model with torch.compile, backend %s%s, %s (the first steps take longer).",
                 config.compile_backend, f", mode {mode}" if mode else "",
-                "for the fixed batch shapes" if speed.static_shapes else "shapes as they come")
+                "for the fixed batch shapes" if speed.static_shapes
+                else "for dynamic shapes (batches shaped to fit)" if speed.dynamic else "shapes as they come")
     # torch types compile's result as a plain callable; given a Module it returns an OptimizedModule (a Module).
     return torch.compile(model, backend=config.compile_backend, mode=mode,  # type: ignore[return-value]
-                         dynamic=False if speed.static_shapes else None)
+                         dynamic=speed.dynamic)
 
 
 def compile_worker_processes(low_budget: bool) -> int:

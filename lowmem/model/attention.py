@@ -145,8 +145,11 @@ class CausalSelfAttention(nn.Module):
             B, _, T, _ = q.shape
             y = flex_attend(q, k, v, attn_mask).transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         elif attn_mask is None:
-            # A single query that is the newest position may see every key: no mask at all is cheapest.
-            y = self.attend(q, k, v, is_causal=q.size(2) > 1)  # (B, T, C)
+            # A single query that is the newest position may see every key: no mask at all is cheapest. Without a
+            # cache queries and keys align, causal at any length: the size is not compared, since under dynamic
+            # shapes the comparison is symbolic, which SDPA refuses (a graph break in every compiled forward).
+            causal = cache is None or q.size(2) > 1
+            y = self.attend(q, k, v, is_causal=causal)  # (B, T, C)
         else:
             y = self.attend(q, k, v, is_causal=False, attn_mask=attn_mask)  # (B, T, C)
         return self.resid_dropout(self.out_proj(y))

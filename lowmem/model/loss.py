@@ -34,6 +34,23 @@ def plain_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
+def chunk_spans(size: int, chunk: int) -> list[slice]:
+    """Spans of at most `chunk` positions that cover `size` positions in order: a power of two of them, of equal
+    length to within one position.
+
+    Counted in powers of two rather than stepped through the size: under torch.compile with dynamic shapes `size` is
+    symbolic, and a `range` over it fixes it to the value it had (a recompilation for every new batch shape), while a
+    count that doubles is settled by comparisons (the guard holds for every size that needs the same power of two):
+    one graph serves each doubling of the positions, and five every size up to 16 chunks.
+    """
+    needed = (size + chunk - 1) // chunk
+    count = 1
+    while count < needed:
+        count *= 2
+    bounds = [(index * size) // count for index in range(count + 1)]
+    return [slice(bounds[index], bounds[index + 1]) for index in range(count)]
+
+
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the head's matmul runs in: autocast's where it is on (as `F.linear` would), else the input's."""
     device_type = hidden.device.type
@@ -76,14 +93,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape if weight_grad_wanted else (0,), dtype=torch.float32,
                                       device=weight.device)  # (V, C)
             loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in range(0, hidden.size(0), chunk_tokens):
-                end = start + chunk_tokens
-                chunk = hidden[start:end].to(dtype)  # (n, C)
-                chunk_loss, grad_logits = _chunk_loss_and_logit_grad(chunk @ head.t(), targets[start:end],
-                                                                     weights[start:end])
+            for span in chunk_spans(hidden.size(0), chunk_tokens):
+                chunk = hidden[span].to(dtype)  # (n, C)
+                chunk_loss, grad_logits = _chunk_loss_and_logit_grad(chunk @ head.t(), targets[span], weights[span])
                 loss_sum += chunk_loss
                 grad_logits = grad_logits.to(dtype)  # (n, V), a no-op in float32
-                grad_hidden[start:end] = grad_logits @ head  # (n, C)
+                grad_hidden[span] = grad_logits @ head  # (n, C)
                 if weight_grad_wanted:  # in the compute dtype, as the plain path's matmul; summed in float32
                     grad_weight.add_(grad_logits.t() @ chunk)  # (V, C) += (V, n) @ (n, C)
                 del grad_logits, chunk
@@ -118,8 +133,7 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, weights, chunk_tokens)
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, hidden.size(0), chunk_tokens):
-        chunk_logits = F.linear(hidden[start:start + chunk_tokens], weight)  # (n, V)
-        loss_sum += (plain_token_losses(chunk_logits, targets[start:start + chunk_tokens])
-                     * weights[start:start + chunk_tokens]).sum()
+    for span in chunk_spans(hidden.size(0), chunk_tokens):
+        chunk_logits = F.linear(hidden[span], weight)  # (n, V)
+        loss_sum += (plain_token_losses(chunk_logits, targets[span]) * weights[span]).sum()
     return loss_sum

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
+from lowmem.model.loss import IGNORE_INDEX, chunk_spans, chunked_token_loss_sum, plain_token_losses
 
 LN2 = math.log(2.0)  # the loss where policy and reference agree: z = 0
 
@@ -93,25 +93,20 @@ def dpo_terms(policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: f
 @torch.no_grad()
 def row_token_loss_sums(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
                         chunk_tokens: int) -> torch.Tensor:
-    """Σ CE of each row's counted tokens (B,), float32, one tile of logits at a time, without gradients.
+    """Σ CE of each row's counted tokens (B,), float32, one chunk of logits at a time, without gradients.
 
-    hidden: (B, T, C) final hidden states; head: (V, C); targets: (B, T) with IGNORE_INDEX where not counted. A tile
-    is whole rows where they fit in `chunk_tokens` positions, else a span of one row's positions; each row is summed
-    within its own span, in the same order every time, so the sums are the same bits on every run (no scatter of
-    atomic additions, whose order a GPU does not fix: an exact resume needs the same sums).
+    hidden: (B, T, C) final hidden states; head: (V, C); targets: (B, T) with IGNORE_INDEX where not counted. Each
+    chunk's token losses fill a (B·T,) float32 vector (4 bytes a position, beside a chunk's logits of 4·V); each row
+    is then summed within its own span, in the same order every time, so the sums are the same bits on every run (no
+    scatter of atomic additions, whose order a GPU does not fix: an exact resume needs the same sums). The chunks
+    are counted, not stepped through the batch's size (`chunk_spans`): under torch.compile a new batch shape does
+    not recompile.
     """
-    batch, width = targets.shape
-    tile = _chunk(chunk_tokens, batch * width)
-    rows_per_tile, span = max(1, tile // max(width, 1)), min(width, tile)
-    sums = torch.zeros(batch, dtype=torch.float32, device=hidden.device)
-    for row in range(0, batch, rows_per_tile):
-        rows = slice(row, row + rows_per_tile)
-        for start in range(0, width, span):
-            positions = slice(start, start + span)
-            block = targets[rows, positions]
-            logits = F.linear(hidden[rows, positions].reshape(-1, hidden.size(-1)), head)
-            sums[rows] += plain_token_losses(logits, block.reshape(-1)).view(block.shape).sum(1)
-    return sums
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    chunk = _chunk(chunk_tokens, flat_targets.numel())
+    losses = torch.cat([plain_token_losses(F.linear(flat_hidden[span], head), flat_targets[span])
+                        for span in chunk_spans(flat_targets.numel(), chunk)])
+    return losses.view(targets.shape).sum(1)
 
 
 def answer_log_probs(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,

@@ -293,11 +293,22 @@ def test_adapters_dpo_on_three_processes_resumes_on_one_training_each_pair_once(
     assert min(losses) == 6 and all(math.isfinite(loss) for loss in losses.values())
 
 
-def test_dpo_on_adapters_trains_under_compile_with_the_eager_runs_losses(tmp_path, qwen):
-    """Compiled, the rows' answer sums are taken within each row's span (inductor could not generate the scatter the
-    sums were once added by), and the losses are the eager run's."""
+REFERENCE_KINDS = {"adapters": ["--lora_rank=8"], "copy": ["--dpo_reference=copy"],
+                   "precomputed": ["--dpo_reference=precomputed", "--train_file=data/train.reference",
+                                   "--validation_file=data/valid.reference"]}
+
+
+@pytest.mark.parametrize("kind", sorted(REFERENCE_KINDS))
+def test_dpo_trains_under_compile_with_the_eager_runs_losses(tmp_path, qwen, kind):
+    """Each kind of reference, compiled: the rows' answer sums are taken within each row's span (inductor could not
+    generate the scatter the sums were once added by), the batches of varying widths compile for dynamic shapes,
+    and the losses are the eager run's."""
     project = preference_project(tmp_path)
-    flags = [f"--init_from={qwen}", *DPO, "--lora_rank=8", "--max_steps=4", "--learning_rate=1e-2"]
+    if kind == "precomputed":
+        written = run_command(["dpo_reference", f"--init_from={qwen}", "--train_file=data/train.parquet",
+                               "--validation_file=data/valid.parquet", "--max_seq_len=64"], cwd=project, env=ENV)
+        assert written.returncode == 0, written.stderr[-3000:]
+    flags = [f"--init_from={qwen}", *DPO, *REFERENCE_KINDS[kind], "--max_steps=4", "--learning_rate=1e-2"]
     losses = {}
     for compiled in ("False", "True"):
         done = run_command(["train", *flags, f"--compile={compiled}", f"--output_dir=run-{compiled}"], cwd=project,
@@ -305,5 +316,6 @@ def test_dpo_on_adapters_trains_under_compile_with_the_eager_runs_losses(tmp_pat
         assert done.returncode == 0, done.stderr[-3000:]
         losses[compiled] = traced_losses(project / f"trace-{compiled}")
     assert "compile=on" in done.stderr and sorted(losses["True"]) == list(range(1, 5))
+    assert "for dynamic shapes (batches shaped to fit)" in done.stderr
     for step, loss in losses["False"].items():
         assert losses["True"][step] == pytest.approx(loss, abs=1e-4), step
