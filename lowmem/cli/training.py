@@ -127,7 +127,8 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
     so that `train --objective=dpo --dpo_reference=precomputed` fine-tunes every weight without a second model in
     memory. A pass that stops resumes where it stopped when run again with the same flags. Under `accelerate launch`
     each process computes its share of the rows with a whole copy of the model, into the same folders (a pass
-    resumes on any number of processes).
+    resumes on any number of processes), in the numerics the same launch trains in (under FSDP2 in bf16, its
+    policy's): run it with the launcher the training run will use.
 
     Args:
         use_large_config: start from TrainConfigPretrainLarge, as `train --use_large_config=True`.
@@ -138,7 +139,9 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
     """
     import torch
 
+    from lowmem.distributed.accelerator import bf16_for
     from lowmem.distributed.collectives import end_process_group
+    from lowmem.distributed.precision import AUTOCAST, FLOAT32
     from lowmem.preference.precompute import Share, precompute_reference, reference_folder
 
     config, given = resolve_config(use_large_config, overrides, demo_data=False)
@@ -146,9 +149,10 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
         raise ConfigError(f"--device must be cpu or cuda (it is {device!r}).")
     chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    share, chosen = shared_pass(config) if several else (Share(), chosen)
+    alone = AUTOCAST if bf16_for(chosen, config.bf16, config.bf16_on_cpu) else FLOAT32
+    share, chosen, precision = shared_pass(config) if several else (Share(), chosen, alone)
     try:
-        folders = [precompute_reference(config, files, reference_folder(files), chosen, given, share)
+        folders = [precompute_reference(config, files, reference_folder(files), chosen, given, share, precision)
                    for files in dict.fromkeys((config.train_file, config.validation_file))]
     finally:
         if several:
@@ -160,12 +164,14 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
               f"--train_file={train_folder} --validation_file={validation_folder}{length}")
 
 
-def shared_pass(config: TrainConfig) -> tuple[Share, torch.device]:
-    """Under `accelerate launch`: this process's `Share` of a reference pass (a barrier and a sum over the processes)
-    and the device the launcher gave it."""
+def shared_pass(config: TrainConfig) -> tuple[Share, torch.device, str]:
+    """Under `accelerate launch`: this process's `Share` of a reference pass (a barrier and a sum over the processes),
+    the device the launcher gave it and the numerics a training run of the same launch computes in
+    (`lowmem.distributed.precision`)."""
     import torch
 
     from lowmem.distributed.accelerator import create_accelerator
+    from lowmem.distributed.precision import launch_precision
     from lowmem.preference.precompute import Share
 
     accelerator = create_accelerator(1, config.bf16, config.process_group_timeout_minutes,
@@ -175,4 +181,4 @@ def shared_pass(config: TrainConfig) -> tuple[Share, torch.device]:
         return int(accelerator.reduce(torch.tensor([count], device=accelerator.device), "sum").item())
 
     return Share(accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone,
-                 total), accelerator.device
+                 total), accelerator.device, launch_precision(accelerator)

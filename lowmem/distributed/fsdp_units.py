@@ -112,3 +112,30 @@ def all_ranks_finished(accelerator: Accelerator) -> Callable[[bool], bool]:
         [unfinished] = all_reduce_max(accelerator, [0.0 if here else 1.0])
         return not unfinished
     return finished
+
+
+def compute_as_fsdp2_bf16(model: GPT) -> GPT:
+    """Make a whole model on one process compute what it computes sharded by FSDP2 under `fsdp2_bf16_policy`, for a
+    pass whose values a sharded run must meet (the precomputed DPO reference: its step 0 is ln 2 only where the
+    reference computed as the policy does).
+
+    What the policy changes is mirrored unit by unit (the embedding, an untied head, each block, the root, as
+    `shard_embedding_and_head` and Accelerate make them): every parameter in bf16, a unit's floating-point inputs
+    cast to bf16 on the way in and its outputs to float32 on the way out, so each block computes in bf16 and hands
+    float32 on. The tied head is computed through the embedding, as it is sharded. Returns `model`.
+    """
+    from torch.utils._pytree import tree_map
+
+    def cast(dtype: torch.dtype) -> Callable[[Any], Any]:
+        return lambda value: value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+    to_bf16, to_float32 = cast(torch.bfloat16), cast(torch.float32)
+    model.head_through_embedding()
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    units = [model.tok_emb, *([] if model.head_in_embedding else [model.lm_head]), *model.blocks, model]
+    for unit in units:
+        unit.register_forward_pre_hook(lambda _, args, kwargs: (tree_map(to_bf16, args), tree_map(to_bf16, kwargs)),
+                                       with_kwargs=True)
+        unit.register_forward_hook(lambda _, args, output: tree_map(to_float32, output))
+    return model

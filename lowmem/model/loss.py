@@ -51,7 +51,7 @@ def chunk_spans(size: int, chunk: int) -> list[slice]:
     return [slice(bounds[index], bounds[index + 1]) for index in range(count)]
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the head's matmul runs in: autocast's where it is on (as `F.linear` would), else the input's."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -81,7 +81,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 weights: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        dtype = _compute_dtype(hidden)
+        dtype = compute_dtype(hidden)
         # Autocast off inside: each matmul below is given its dtype explicitly, and the float32 gradient
         # accumulation must not be cast down.
         with torch.autocast(hidden.device.type, enabled=False):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowmem.model.loss import IGNORE_INDEX, chunk_spans, chunked_token_loss_sum, plain_token_losses
+from lowmem.model.loss import IGNORE_INDEX, chunk_spans, chunked_token_loss_sum, compute_dtype, plain_token_losses
 
 LN2 = math.log(2.0)  # the loss where policy and reference agree: z = 0
 
@@ -103,6 +103,9 @@ def row_token_loss_sums(hidden: torch.Tensor, head: torch.Tensor, targets: torch
     not recompile.
     """
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    # The head in the dtype the matmul runs in, as the chunked loss takes it: under FSDP2's bf16 policy the hidden
+    # states come float32 out of the blocks beside a bf16 head.
+    head = head.to(compute_dtype(hidden))
     chunk = _chunk(chunk_tokens, flat_targets.numel())
     losses = torch.cat([plain_token_losses(F.linear(flat_hidden[span], head), flat_targets[span])
                         for span in chunk_spans(flat_targets.numel(), chunk)])

@@ -34,7 +34,8 @@ from lowmem.config.columns import REFERENCE_COLUMNS
 from lowmem.data.reader import open_parquet
 from lowmem.data.sources import build_row_group_index
 from lowmem.data.text_tokenizer import load_tokenizer
-from lowmem.distributed.performance import inference_autocast
+from lowmem.distributed.fsdp_units import compute_as_fsdp2_bf16
+from lowmem.distributed.precision import AUTOCAST, FLOAT32, FSDP2_BF16
 from lowmem.errors import ConfigError, DataError
 from lowmem.model import GPTConfig
 from lowmem.preference.collate import PreferenceCollate
@@ -71,12 +72,13 @@ class Share:
 
 
 def precompute_reference(config: TrainConfig, files: str, output: Path, device: torch.device,
-                         given: Collection[str] = (), share: Share = Share()) -> Path:
+                         given: Collection[str] = (), share: Share = Share(), precision: str = FLOAT32) -> Path:
     """Write the reference log-probabilities of every row of `files` into `output` (see the module's docstring) with
     the model of `config.init_from`, the sequence length training will settle (`given`: the flags set) and
     `config.batch_size_per_gpu` rows per batch; parts already written by an earlier pass with the same model are
     kept. With `share`, this process writes only its row groups, and returns when every process has written its own.
-    Returns `output`."""
+    `precision`: the numerics the training run computes in (`lowmem.distributed.precision`), which the values are
+    computed in and recorded with. Returns `output`."""
     if not config.init_from:
         raise ConfigError("lowmem dpo_reference computes the reference model's log-probabilities: name that model with "
                           "--init_from=PATH, the one `train --objective=dpo` will start from.")
@@ -95,7 +97,8 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
     record = {"init_from": config.init_from,
               "tensors_sha256": source_record(StartingPoint(model_config, source), config)["tensors_sha256"],
               "tokenizer": str(tokenizer_folder.resolve()), "max_seq_len": config.max_seq_len,
-              "columns": list(columns), "rows": index.num_rows, "row_groups": index.num_row_groups}
+              "columns": list(columns), "rows": index.num_rows, "row_groups": index.num_row_groups,
+              "precision": precision}
     _check_earlier_pass(output, record)  # by every process (it only reads): each stops with the same message
     share.wait()  # every process has read the folder before the main process writes into it
     if share.rank == 0:
@@ -106,6 +109,8 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
     fill_model(model, source, weight_plan(source, model_config))
     model.use_memory_savers(config.loss_chunk_tokens, False)
     model.eval()
+    if precision == FSDP2_BF16:
+        compute_as_fsdp2_bf16(model)
     collate = PreferenceCollate(tokenizer, config.max_seq_len, columns, skip_identical=False)
     started, written = time.perf_counter(), 0
     groups = range(share.rank, index.num_row_groups, share.count)
@@ -115,7 +120,7 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
         part = output / f"part-{group:05d}.parquet"
         if not part.is_file():
             table = _read_group(index, group)
-            values = _reference_values(model, collate, table, columns, config, device)
+            values = _reference_values(model, collate, table, columns, config, device, precision == AUTOCAST)
             table = table.append_column(REFERENCE_COLUMNS[0], pa.array(values[0], pa.string()))
             table = table.append_column(REFERENCE_COLUMNS[1], pa.array(values[1], pa.string()))
             aside = part.with_name(part.name + ".partial")
@@ -151,7 +156,9 @@ def _check_earlier_pass(output: Path, record: dict[str, Any]) -> None:
                               "or the data, so that the values can be written beside it.")
         return
     recorded = json.loads(recorded_file.read_text())
-    changed = [key for key in record if recorded.get(key) != record[key] and key != "init_from"]
+    # A record from before precisions were recorded names none: its parts are kept.
+    changed = [key for key in record if recorded.get(key, record[key] if key == "precision" else None) != record[key]
+               and key != "init_from"]
     if changed:
         raise ConfigError(f"{output} holds reference values computed with another {', '.join(changed)}: they "
                           "would not be this model's. Remove that folder to compute them anew.")
@@ -169,7 +176,7 @@ def _read_group(index: Any, group: int) -> pa.Table:
 
 @torch.no_grad()
 def _reference_values(model: torch.nn.Module, collate: PreferenceCollate, table: pa.Table, columns: tuple[str, ...],
-                      config: TrainConfig, device: torch.device) -> tuple[list[str], list[str]]:
+                      config: TrainConfig, device: torch.device, autocast: bool) -> tuple[list[str], list[str]]:
     """The reference log-probability of each row's chosen and rejected answer, as text ("" where a value is empty)."""
     try:
         texts = [table.column(name).to_pylist() for name in columns]
@@ -184,7 +191,7 @@ def _reference_values(model: torch.nn.Module, collate: PreferenceCollate, table:
     for start in range(0, len(usable), config.batch_size_per_gpu):
         numbers = usable[start:start + config.batch_size_per_gpu]
         batch = collate([rows[number] for number in numbers])
-        with inference_autocast(device, config.bf16, config.bf16_on_cpu):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logps, _ = model(batch["input_ids"].to(device), batch["targets"].to(device), answer_logps=True)
         values = logps.float().cpu().tolist()
         for offset, number in enumerate(numbers):
@@ -192,10 +199,12 @@ def _reference_values(model: torch.nn.Module, collate: PreferenceCollate, table:
     return chosen, rejected
 
 
-def check_precomputed(files: str, max_seq_len: int, model_fingerprint: str | None) -> None:
+def check_precomputed(files: str, max_seq_len: int, model_fingerprint: str | None,
+                      precision: str | None = None) -> str | None:
     """Training with --dpo_reference=precomputed: the values in `files` were computed, completely, for this
     sequence length and the model the run starts from (`model_fingerprint`: `source_record`'s `tensors_sha256`; None
-    where it is not known), as the record beside them says."""
+    where it is not known), as the record beside them says. Values computed in other numerics than the run's
+    (`precision`) are used: the warning to log is returned (the first step's loss is then not ln 2), else None."""
     record_file = Path(files.rstrip("/")) / RECORD_NAME
     if not record_file.is_file():
         raise ConfigError(f"--dpo_reference=precomputed reads the values `lowmem dpo_reference` writes, and {files} "
@@ -214,3 +223,9 @@ def check_precomputed(files: str, max_seq_len: int, model_fingerprint: str | Non
         raise ConfigError(f"The reference values in {files} were computed with the model of --init_from="
                           f"{recorded.get('init_from')}, whose tensors are not those of the model this run starts "
                           "from: compute them again with `lowmem dpo_reference` and this run's --init_from.")
+    computed_in = recorded.get("precision")
+    if precision is None or computed_in is None or computed_in == precision:
+        return None
+    return (f"The reference values in {files} were computed in {computed_in}, and this run computes in {precision}: "
+            "the policy starts away from its reference, and step 0's DPO loss is not ln 2. Run `lowmem dpo_reference` "
+            "under the launcher this run uses to compute them as it does.")

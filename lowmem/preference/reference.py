@@ -31,6 +31,7 @@ from lowmem.distributed.strategy import DEEPSPEED, FSDP, strategy
 from lowmem.errors import ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import unwrap_gpt
+from lowmem.distributed.precision import launch_precision
 from lowmem.preference.precompute import check_precomputed
 from lowmem.preference.usable import check_usable_pairs
 from lowmem.source.load import empty_model, fill_model, weight_plan
@@ -83,7 +84,9 @@ def check_preference_start(config: TrainConfig, accelerator: Accelerator, start:
         return
     fingerprint = _model_fingerprint(config, start)
     for files in dict.fromkeys((*training_paths(config), *held_out)):
-        check_precomputed(str(files), config.max_seq_len, fingerprint)
+        warning = check_precomputed(str(files), config.max_seq_len, fingerprint, launch_precision(accelerator))
+        if warning and accelerator.is_main_process:
+            logger.warning(warning)
 
 
 def _model_fingerprint(config: TrainConfig, start: StartingPoint | None) -> str | None:

@@ -19,8 +19,8 @@ from lowmem.adapters.files import BASE_DIR
 transformers = pytest.importorskip("transformers")
 
 from hf_models import qwen as qwen  # noqa: E402  (the fixture)
-from training_helpers import (assert_losses_match, commands_run_in, preference_project,  # noqa: E402
-                              resumed_from, run_command, traced_and_stopped_runs, traced_losses)
+from training_helpers import (FSDP_CPU_ENV, FSDP_LAUNCHER, assert_losses_match, commands_run_in,  # noqa: E402
+                              preference_project, resumed_from, run_command, traced_and_stopped_runs, traced_losses)
 
 ENV = {"OMP_NUM_THREADS": "1"}  # one summation order: losses are compared across runs
 DPO = ["--objective=dpo", "--batch_size_per_gpu=8", "--max_seq_len=64", "--warmup_steps=5", "--logging_steps=1",
@@ -291,6 +291,38 @@ def test_adapters_dpo_on_three_processes_resumes_on_one_training_each_pair_once(
     assert len(json.loads((project / "trace3" / "trace-rank0.json").read_text())["rows"]) == 5 * 2 * 8
     losses = traced_losses(project / "trace1")
     assert min(losses) == 6 and all(math.isfinite(loss) for loss in losses.values())
+
+
+def test_precomputed_values_under_fsdp2_in_bf16_start_the_run_at_ln_2(tmp_path, qwen):
+    """Three gloo processes, FSDP2's bf16 policy: a reference pass under the same launcher computes as the sharded
+    policy does (bf16 blocks handing float32 on), so step 0's loss is ln 2; values computed in one process (bf16
+    autocast: a float32 residual stream) are used with a warning, and start the run away from it. beta 1 (not 0.1)
+    so that a difference in the numerics shows in the loss beyond the tolerance."""
+    project = preference_project(tmp_path)
+    common = [f"--init_from={qwen}", "--max_seq_len=64", "--bf16_on_cpu=True"]
+    data = ["--train_file=data/train.parquet", "--validation_file=data/valid.parquet"]
+    flags = ["train", *common, *DPO, "--dpo_reference=precomputed", "--dpo_beta=1", "--max_steps=1",
+             "--train_file=data/train.reference", "--validation_file=data/valid.reference"]
+    record = project / "data" / "train.reference" / "_reference.json"
+    first_losses = {}
+    for launch in ("fsdp", "one process"):
+        shutil.rmtree(project / "data" / "train.reference", ignore_errors=True)
+        shutil.rmtree(project / "data" / "valid.reference", ignore_errors=True)
+        written = run_command(["dpo_reference", *common, *data], cwd=project, env=FSDP_CPU_ENV,
+                              launcher=FSDP_LAUNCHER if launch == "fsdp" else None)
+        assert written.returncode == 0, written.stderr[-3000:]
+        precision = json.loads(record.read_text())["precision"]
+        assert precision == ("bf16 under FSDP2" if launch == "fsdp" else "bf16 autocast")
+        trace = project / f"trace-{launch}"
+        done = run_command([*flags, f"--output_dir=run-{launch}"], cwd=project, launcher=FSDP_LAUNCHER,
+                           env={**FSDP_CPU_ENV, "LOWMEM_TRACE_DIR": str(trace)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "Parallelism: FSDP2, 3 processes" in done.stdout + done.stderr and "mixed precision: bf16" in done.stderr
+        warnings = done.stderr.count("were computed in bf16 autocast, and this run computes in bf16 under FSDP2")
+        assert warnings == (0 if launch == "fsdp" else 2)  # once for each folder, by the main process
+        first_losses[launch] = traced_losses(trace)[1]
+    assert first_losses["fsdp"] == pytest.approx(math.log(2), abs=1e-3)
+    assert abs(first_losses["one process"] - math.log(2)) > 1e-3, first_losses
 
 
 REFERENCE_KINDS = {"adapters": ["--lora_rank=8"], "copy": ["--dpo_reference=copy"],
