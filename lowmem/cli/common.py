@@ -46,6 +46,8 @@ def resolve_config(use_large_config: bool, overrides: dict[str, Any], demo_data:
     config = apply_overrides(choose_preset(use_large_config, preset)(), file_values)
     config = apply_overrides(config, flags)
     given = given_fields(config, file_values) | given_fields(config, flags)
+    if config.mirror_cuda and "bf16_on_cpu" not in given:  # the GPU's precision: the rest follows from the device
+        config = dataclasses.replace(config, bf16_on_cpu=True)
     config = with_run_folders(with_demo_data(config, announce=demo_data), given)
     if print_config:
         values, notes = settle_for_print(config, given) if settle_for_print else (dataclasses.asdict(config), [])

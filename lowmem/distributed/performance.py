@@ -134,9 +134,11 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
     (`sharded`) compile is left to `--compile=True`: their hooks around every block split a whole-model graph,
     and neither combination has run on a GPU here. attention left unset (None, or its older spelling "auto") is
     flex on CUDA for packed rows of at least FLEX_ATTENTION_FROM_TOKENS tokens without dropout (FlexAttention has
-    none), sdpa otherwise. Raises ConfigError for a combination that cannot run.
+    none), sdpa otherwise. With `--mirror_cuda` the CPU decides as CUDA would, but for FlexAttention, which has no
+    backward pass on the CPU. Raises ConfigError for a combination that cannot run.
     """
-    on_gpu = device_type == "cuda"
+    on_cuda = device_type == "cuda"
+    on_gpu = on_cuda or (device_type == "cpu" and config.mirror_cuda)  # whose defaults the run takes
     compiled = on_gpu and not sharded if config.compile is None else bool(config.compile)
     problem = gpu_compile_problem() if compiled and on_gpu and config.compile is None else ""
     if on_gpu and sharded and config.compile is None:
@@ -154,8 +156,8 @@ def speed_settings(config: TrainConfig, device_type: str, sharded: bool = False)
     attention = None if automatic(OptimConfig, "attention", config.attention) else config.attention
     if attention is None:
         long_rows = config.max_seq_len >= FLEX_ATTENTION_FROM_TOKENS
-        attention = "flex" if on_gpu and config.pack_rows and long_rows and config.dropout == 0 else "sdpa"
-    if attention == "flex" and not on_gpu:
+        attention = "flex" if on_cuda and config.pack_rows and long_rows and config.dropout == 0 else "sdpa"
+    if attention == "flex" and not on_cuda:
         raise ConfigError("--attention=flex trains on a GPU only: torch has no FlexAttention backward pass on the "
                           "CPU. Pass --attention=sdpa (or leave it unset) to train here.")
     if attention == "flex" and config.dropout > 0:

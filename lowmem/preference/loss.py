@@ -6,6 +6,7 @@ import torch
 from accelerate import Accelerator
 
 from lowmem.config import TrainConfig
+from lowmem.distributed.device_copies import to_device
 from lowmem.preference.reference import Reference, make_reference
 from lowmem.source.settle import StartingPoint
 
@@ -30,7 +31,7 @@ class PreferenceLoss:
 
         input_ids, targets: the batch's (2P, T) tensors, already on the device."""
         reference_logps = self.reference.log_probs(batch, input_ids, targets)  # (2P,)
-        weights = batch["pair_weights"].to(input_ids.device, non_blocking=True)  # (P,)
+        weights = to_device(batch["pair_weights"], input_ids.device)  # (P,)
         # As float32 bits: a wrapper that casts floating-point inputs to bf16 (FSDP2) leaves integers alone.
         bits = reference_logps.float().contiguous().view(torch.int32)
         sums, surrogate = model(input_ids, targets, reference_logps=bits, dpo_beta=self.beta, pair_weights=weights)

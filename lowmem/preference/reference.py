@@ -31,6 +31,7 @@ from lowmem.distributed.strategy import DEEPSPEED, FSDP, strategy
 from lowmem.errors import ConfigError
 from lowmem.model import GPT
 from lowmem.model.weights import unwrap_gpt
+from lowmem.distributed.device_copies import to_device
 from lowmem.distributed.precision import launch_precision
 from lowmem.preference.precompute import check_precomputed
 from lowmem.preference.usable import check_usable_pairs
@@ -117,7 +118,7 @@ class Reference:
         """(2P,) float32: the reference's answer log-probabilities of the batch's sequences. `model`: the model
         whose adapters are turned off, when not the training model (validation's replica under FSDP)."""
         if self.mode == PRECOMPUTED:
-            return batch["reference_logps"].to(input_ids.device, non_blocking=True)
+            return to_device(batch["reference_logps"], input_ids.device)
         if self.mode == COPY:
             assert self.copy is not None  # built with the mode
             with self.accelerator.autocast():

@@ -20,8 +20,17 @@ class GpuOutOfMemoryError(LowmemError):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """True for the error a device allocation that does not fit raises (torch.cuda.OutOfMemoryError)."""
-    return isinstance(error, torch.OutOfMemoryError)
+    """True for the error a device allocation that does not fit raises (torch.cuda.OutOfMemoryError), also where it
+    comes wrapped: torch.compile raises what fails while it compiles (inductor benchmarking kernels, the first run of
+    a graph) as an error of its own, the allocation's error as its cause."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, torch.OutOfMemoryError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _in_validation(trace: TracebackType | None) -> bool:

@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 
 from lowmem.data.collate import FixedShapes
+from lowmem.distributed.device_copies import to_device
 from lowmem.distributed.strategy import DEEPSPEED, PLAIN, plain_tensor, strategy
 from lowmem.model import IGNORE_INDEX
 from lowmem.preference.loss import PreferenceLoss
@@ -116,18 +117,6 @@ def count_rows(micro_batches: list[Batch], pad_id: int) -> int:
         else:
             rows += int((batch["input_ids"][:, 0] != pad_id).sum())
     return rows
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` copied to `device` without making the host wait.
-
-    From pageable memory a copy to a GPU waits for the work already queued on the device; from page-locked
-    (pinned) memory it is queued like a kernel. A batch is a few hundred kB, so pinning it here costs little
-    where the DataLoader did not (pin_memory is off on a low memory budget).
-    """
-    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator,

@@ -66,3 +66,28 @@ def test_an_out_of_memory_validation_is_named_as_such(tmp_path, capsys, monkeypa
     assert "The GPU ran out of memory in a validation batch" in stderr and "Traceback" not in stderr
     assert "--activation_checkpointing=True" not in stderr.split("The GPU ran out of memory")[1]  # already on
     assert "--allow_config_change" not in stderr  # a new run: nothing saved to keep
+
+
+def test_an_out_of_memory_inside_a_compile_is_recognised_through_the_error_compile_wraps_it_in():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from lowmem.train.gpu_oom import is_out_of_memory
+
+    def compile_that_runs_out() -> None:
+        try:
+            out_of_memory()
+        except torch.OutOfMemoryError as error:
+            raise BackendCompilerFailed("inductor", error, None) from error
+
+    try:
+        compile_that_runs_out()
+    except BackendCompilerFailed as wrapped:
+        assert is_out_of_memory(wrapped)
+    try:
+        try:
+            out_of_memory()
+        except torch.OutOfMemoryError:
+            raise RuntimeError("a failure while handling it")  # noqa: B904 - the implicit context is what is read
+    except RuntimeError as handled:
+        assert is_out_of_memory(handled)
+    assert not is_out_of_memory(RuntimeError("expected m1 and m2 to have the same dtype"))

@@ -91,3 +91,22 @@ def test_inference_uses_bf16_autocast_on_a_gpu_with_native_bf16(monkeypatch):
     assert isinstance(inference_autocast(torch.device("cuda", 0), bf16=False), contextlib.nullcontext)
     monkeypatch.setattr(performance, "bf16_supported", lambda device: False)  # a T4 or V100: emulated bf16
     assert isinstance(inference_autocast(torch.device("cuda", 0), bf16=True), contextlib.nullcontext)
+
+
+def test_the_cuda_mirror_decides_on_the_cpu_as_cuda_does_but_for_flex_attention():
+    from lowmem.cli.common import resolve_config
+    from lowmem.config import TrainConfig
+
+    long_rows = dict(max_seq_len=2048, pack_rows=True, dropout=0.0)
+    on_cuda = performance.speed_settings(TrainConfig(**long_rows), "cuda")
+    mirrored = performance.speed_settings(TrainConfig(mirror_cuda=True, **long_rows), "cpu")
+    plain = performance.speed_settings(TrainConfig(**long_rows), "cpu")
+    assert (on_cuda.compile, on_cuda.static_shapes, on_cuda.attention) == (True, True, "flex")
+    assert (mirrored.compile, mirrored.static_shapes, mirrored.attention) == (True, True, "sdpa")  # no CPU backward
+    assert (plain.compile, plain.static_shapes) == (False, False)
+    # Under FSDP, as on CUDA, compile waits for --compile=True.
+    assert performance.speed_settings(TrainConfig(mirror_cuda=True), "cpu", sharded=True).compile is False
+    config, _ = resolve_config(False, {"mirror_cuda": True}, demo_data=False)
+    assert config.bf16_on_cpu is True  # the GPU's precision
+    config, _ = resolve_config(False, {"mirror_cuda": True, "bf16_on_cpu": False}, demo_data=False)
+    assert config.bf16_on_cpu is False  # a value given is kept
