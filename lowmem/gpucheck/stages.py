@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from lowmem.gpucheck.paths import STAGES as PATH_STAGES
 from lowmem.gpucheck.runs import (Deadline, StageFailed, StageSkipped, lowmem_command, resumed_from, run,
                                   run_and_kill_after)
 from lowmem.program import command_line
@@ -368,8 +369,8 @@ def memory_log(settings: CheckSettings) -> dict[str, Any]:
     return figures
 
 
-STAGES: dict[str, Stage] = {"environment": environment, "train": train, "bench": bench, "speed": speed,
-                            "parallel": parallel, "memory_log": memory_log}
+STAGES: dict[str, Stage] = {"environment": environment, **PATH_STAGES, "train": train, "bench": bench,
+                            "speed": speed, "parallel": parallel, "memory_log": memory_log}
 
 
 def _fresh(folder: Path) -> Path:
