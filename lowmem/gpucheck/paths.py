@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import socket
 import time
 from typing import Any, Iterator
@@ -248,18 +247,12 @@ def one_process_group(device: Any) -> Iterator[None]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def fsdp_dpo(settings: Any) -> dict[str, Any]:
