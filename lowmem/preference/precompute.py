@@ -40,12 +40,14 @@ from lowmem.errors import ConfigError, DataError
 from lowmem.model import GPTConfig
 from lowmem.preference.collate import PreferenceCollate
 from lowmem.progress import progress_bar
+from lowmem.source.finite import check_finite
 from lowmem.source.load import empty_model, fill_model, weight_plan
 from lowmem.source.locate import find_source
 from lowmem.source.settle import StartingPoint, source_record, training_length
 
 logger = logging.getLogger(__name__)
 
+FINGERPRINTS = ("tensors_sha256", "content_sha256")  # of the model's tensors' headers, of their bytes
 RECORD_NAME = "_reference.json"  # "_": pyarrow and pandas, reading the folder, pass it by
 SUFFIX = ".reference"
 
@@ -94,8 +96,9 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
     as_trained = dataclasses.replace(config, objective="dpo", dpo_reference="auto")
     config = dataclasses.replace(config, max_seq_len=training_length(as_trained, source, given, tokenizer))
     model_config = _model_config(source.model_config, config.max_seq_len)
-    record = {"init_from": config.init_from,
-              "tensors_sha256": source_record(StartingPoint(model_config, source), config)["tensors_sha256"],
+    check_finite(source)  # every weight read once: a source with NaN is refused, and its bytes are fingerprinted
+    recorded_source = source_record(StartingPoint(model_config, source), config)
+    record = {"init_from": config.init_from, **{key: recorded_source[key] for key in FINGERPRINTS},
               "tokenizer": str(tokenizer_folder.resolve()), "max_seq_len": config.max_seq_len,
               "columns": list(columns), "rows": index.num_rows, "row_groups": index.num_row_groups,
               "precision": precision}
@@ -156,8 +159,9 @@ def _check_earlier_pass(output: Path, record: dict[str, Any]) -> None:
                               "or the data, so that the values can be written beside it.")
         return
     recorded = json.loads(recorded_file.read_text())
-    # A record from before precisions were recorded names none: its parts are kept.
-    changed = [key for key in record if recorded.get(key, record[key] if key == "precision" else None) != record[key]
+    # A record from before precisions and the bytes' fingerprint were recorded names neither: its parts are kept.
+    later = ("precision", "content_sha256")
+    changed = [key for key in record if recorded.get(key, record[key] if key in later else None) != record[key]
                and key != "init_from"]
     if changed:
         raise ConfigError(f"{output} holds reference values computed with another {', '.join(changed)}: they "
@@ -199,12 +203,13 @@ def _reference_values(model: torch.nn.Module, collate: PreferenceCollate, table:
     return chosen, rejected
 
 
-def check_precomputed(files: str, max_seq_len: int, model_fingerprint: str | None,
+def check_precomputed(files: str, max_seq_len: int, model_fingerprint: dict[str, str] | None,
                       precision: str | None = None) -> str | None:
     """Training with --dpo_reference=precomputed: the values in `files` were computed, completely, for this
-    sequence length and the model the run starts from (`model_fingerprint`: `source_record`'s `tensors_sha256`; None
-    where it is not known), as the record beside them says. Values computed in other numerics than the run's
-    (`precision`) are used: the warning to log is returned (the first step's loss is then not ln 2), else None."""
+    sequence length and the model the run starts from (`model_fingerprint`: `source_record`'s `FINGERPRINTS`, the
+    bytes' compared where both sides have it; None where it is not known), as the record beside them says. Values
+    computed in other numerics than the run's (`precision`) are used: the warning to log is returned (the first step's
+    loss is then not ln 2), else None."""
     record_file = Path(files.rstrip("/")) / RECORD_NAME
     if not record_file.is_file():
         raise ConfigError(f"--dpo_reference=precomputed reads the values `lowmem dpo_reference` writes, and {files} "
@@ -219,7 +224,9 @@ def check_precomputed(files: str, max_seq_len: int, model_fingerprint: str | Non
                           f"{recorded.get('max_seq_len')}, and this run cuts sequences at {max_seq_len}: the log-"
                           "probabilities would be over other tokens. Train with that --max_seq_len, or compute them "
                           "again with this one.")
-    if model_fingerprint is not None and recorded.get("tensors_sha256") != model_fingerprint:
+    compared = next((key for key in reversed(FINGERPRINTS)
+                     if model_fingerprint and key in model_fingerprint and key in recorded), None)
+    if compared is not None and model_fingerprint is not None and recorded[compared] != model_fingerprint[compared]:
         raise ConfigError(f"The reference values in {files} were computed with the model of --init_from="
                           f"{recorded.get('init_from')}, whose tensors are not those of the model this run starts "
                           "from: compute them again with `lowmem dpo_reference` and this run's --init_from.")

@@ -33,7 +33,7 @@ from lowmem.model import GPT
 from lowmem.model.weights import unwrap_gpt
 from lowmem.distributed.device_copies import to_device
 from lowmem.distributed.precision import launch_precision
-from lowmem.preference.precompute import check_precomputed
+from lowmem.preference.precompute import FINGERPRINTS, check_precomputed
 from lowmem.preference.usable import check_usable_pairs
 from lowmem.source.load import empty_model, fill_model, weight_plan
 from lowmem.source.locate import find_source
@@ -90,13 +90,17 @@ def check_preference_start(config: TrainConfig, accelerator: Accelerator, start:
             logger.warning(warning)
 
 
-def _model_fingerprint(config: TrainConfig, start: StartingPoint | None) -> str | None:
-    """The tensors' fingerprint of the model the run starts from (`source_record`): of the source a new run reads,
-    else as the run folder recorded it when it started."""
+def _model_fingerprint(config: TrainConfig, start: StartingPoint | None) -> dict[str, str] | None:
+    """The fingerprints of the model the run starts from (`source_record`'s `tensors_sha256` and `content_sha256`):
+    of the source a new run reads, else as the run folder recorded them when it started."""
     if start is not None and start.source is not None and not start.resumed:
-        return str(source_record(start, config)["tensors_sha256"])
-    record = Path(config.output_dir) / SOURCE_RECORD_NAME
-    return json.loads(record.read_text())["tensors_sha256"] if record.is_file() else None
+        recorded = source_record(start, config)
+    else:
+        record = Path(config.output_dir) / SOURCE_RECORD_NAME
+        if not record.is_file():
+            return None
+        recorded = json.loads(record.read_text())
+    return {key: recorded[key] for key in FINGERPRINTS if key in recorded}
 
 
 class Reference:

@@ -60,6 +60,8 @@ class ModelSource:
     tensors: dict[str, TensorEntry] = field(repr=False)
     tokenizer_folder: Path | None
     trained_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The sha256 of the weights' bytes, once a scan has read them (`lowmem.source.finite.scan_weights`).
+    content_sha256: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def stored_dtypes(self) -> list[str]:

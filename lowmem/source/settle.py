@@ -47,6 +47,7 @@ from lowmem.hf.architectures import sliding_window
 from lowmem.hf.weight_map import WeightSource
 from lowmem.model import GPTConfig
 from lowmem.model.weights import load_model_config
+from lowmem.source.finite import content_fingerprint
 from lowmem.source.load import LoadedWeights, weight_plan
 from lowmem.source.locate import LOWMEM, RUN_TOKENIZER_DIR, TRANSFORMERS, ModelSource, find_source
 from lowmem.source.stage import StageChoice, choose_stage_defaults, kept_on_resume
@@ -262,8 +263,9 @@ def write_source_record(start: StartingPoint, config: TrainConfig) -> None:
 
 def source_record(start: StartingPoint, config: ModelConfig) -> dict[str, Any]:
     """What the run folder records of its source (`SOURCE_RECORD_NAME`): the path given, the folder read and why,
-    its kind and shape, the dtypes and a fingerprint of its tensors (names, dtypes, shapes and sizes from the
-    headers: another model, or the same one re-saved with other tensors, has another)."""
+    its kind and shape, the dtypes and two fingerprints of its tensors: of their names, dtypes, shapes and sizes
+    from the headers (`tensors_sha256`), and of their bytes (`content_sha256`, from the scan that checked them for
+    NaN: another checkpoint of the same shapes has another)."""
     source = start.source
     assert source is not None  # recorded when a new run starts from a source
     listing = sorted((name, str(entry.dtype), entry.shape, entry.end - entry.start)
@@ -271,6 +273,7 @@ def source_record(start: StartingPoint, config: ModelConfig) -> dict[str, Any]:
     fingerprint = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
     return {"init_from": config.init_from, "folder": str(source.folder.resolve()), "chosen": source.chosen,
             "kind": source.kind, "description": source.description, "stored_dtypes": source.stored_dtypes,
-            "tensors_sha256": fingerprint, "model_config": dataclasses.asdict(start.model_config),
+            "tensors_sha256": fingerprint, "content_sha256": content_fingerprint(source),
+            "model_config": dataclasses.asdict(start.model_config),
             "tokenizer_from": None if source.tokenizer_folder is None else str(source.tokenizer_folder.resolve()),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

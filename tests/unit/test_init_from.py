@@ -368,3 +368,36 @@ def test_a_sequence_longer_than_the_sliding_window_is_refused(tmp_path, capsys, 
     assert main(["train", f"--init_from={model}", "--max_seq_len=256", "--max_steps=1"]) == 2
     assert "--max_seq_len=256 is longer than its sliding attention window, 128 tokens" in capsys.readouterr().err
     assert not (tmp_path / "model_save").exists()
+
+
+def test_another_checkpoint_of_the_same_shapes_is_told_apart_by_its_bytes(qwen_copy, tmp_path):
+    """The fingerprint a run and precomputed reference values record of their model is of the weights' bytes, read
+    in the scan that checks them for NaN: a checkpoint of the same architecture with other values (a later step of
+    the same run) is refused where the headers' fingerprint alone would take it."""
+    from lowmem.preference.precompute import RECORD_NAME, check_precomputed
+    from lowmem.source.finite import check_finite, content_fingerprint
+    from lowmem.source.settle import StartingPoint, source_record
+
+    def fingerprints(folder: Path) -> dict[str, str]:
+        source = find_source(str(folder))
+        check_finite(source)
+        record = source_record(StartingPoint(source.model_config, source), TrainConfig(init_from=str(folder)))
+        assert record["content_sha256"] == content_fingerprint(source) == source.content_sha256
+        return {key: record[key] for key in ("tensors_sha256", "content_sha256")}
+
+    before = fingerprints(qwen_copy)
+    assert fingerprints(qwen_copy) == before  # the same bytes, the same fingerprint
+    _rewrite_tensors(qwen_copy, lambda tensors: tensors["model.norm.weight"].mul_(1.01))
+    after = fingerprints(qwen_copy)
+    assert after["tensors_sha256"] == before["tensors_sha256"] and after["content_sha256"] != before["content_sha256"]
+
+    values = tmp_path / "pairs.reference"
+    values.mkdir()
+    (values / RECORD_NAME).write_text(json.dumps({"complete": True, "max_seq_len": 64, "init_from": "qwen", **before}))
+    assert check_precomputed(str(values), 64, before) is None
+    with pytest.raises(ConfigError, match="whose tensors are not those of the model this run starts from"):
+        check_precomputed(str(values), 64, after)
+    # Values recorded before the bytes were fingerprinted are compared by the headers' fingerprint.
+    (values / RECORD_NAME).write_text(json.dumps({"complete": True, "max_seq_len": 64,
+                                                  "tensors_sha256": before["tensors_sha256"]}))
+    assert check_precomputed(str(values), 64, after) is None
