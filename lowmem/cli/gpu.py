@@ -20,15 +20,18 @@ def gpu_check(device: str = "", folder: str = "gpu_check", results: str = "", st
       activation checkpointing), fsdp_dpo (a one-process FSDP2 group in bf16: adapters, the reference with them off,
       ln 2 from int32 reference bits), pinned_copy (pinned against pageable host-to-GPU copies), trainer_dpo (a
       short DPO run on adapters: ln 2 at step 1, peft's files in final/).
-    8 train: the demo config in bf16 for 200 steps; a second run killed (SIGKILL) after a save and resumed must
+    8-10 the step's paths: fused_clip (clipping in the fused AdamW against torch's, a NaN step skipped), ddp_hook (a
+      one-process DDP group with the bf16 all-reduce hook), copy_reference (the bf16 frozen copy's log-probabilities
+      against the policy's).
+    11 train: the demo config in bf16 for 200 steps; a second run killed (SIGKILL) after a save and resumed must
       log the same later losses (within a tolerance said in the results).
-    9 bench: bench_train --use_large_config=True, eager and compiled: tokens/s, MFU, data wait, peak GPU
+    12 bench: bench_train --use_large_config=True, eager and compiled: tokens/s, MFU, data wait, peak GPU
       memory, host high-water per process, and lowmem's step against a plain PyTorch loop's on the same batches.
-    10 speed: the users' command (train --use_large_config=True, its defaults) for 600 steps: tokens/s, MFU and
+    13 speed: the users' command (train --use_large_config=True, its defaults) for 600 steps: tokens/s, MFU and
       GPU peak from its log lines, the micro-batches chosen; bench_attention at 4,096 tokens.
-    11 parallel: as many processes as GPUs under DDP, FSDP2 and (where deepspeed imports) DeepSpeed ZeRO-2
+    14 parallel: as many processes as GPUs under DDP, FSDP2 and (where deepspeed imports) DeepSpeed ZeRO-2
       offload: a few steps, a save, a SIGKILL, a resume.
-    12 memory_log: the train stage's memory log read back: FLAT on every rank, CUDA figures present.
+    15 memory_log: the train stage's memory log read back: FLAT on every rank, CUDA figures present.
     A failed stage does not stop the next. Each verdict also goes to the results file as a JSON line. The exit
     code is 1 when a stage failed.
 
@@ -37,7 +40,7 @@ def gpu_check(device: str = "", folder: str = "gpu_check", results: str = "", st
             processes on gloo, bf16 through --bf16_on_cpu), in a few minutes.
         folder: where the check's runs go (cleared when the check runs again).
         results: the JSON-lines file of verdicts and figures (default: FOLDER/results.jsonl).
-        stages: a comma-separated subset, e.g. train,memory_log (default: all twelve, in order).
+        stages: a comma-separated subset, e.g. train,memory_log (default: all fifteen, in order).
         stage_minutes: the most one stage may take.
     """
     import torch

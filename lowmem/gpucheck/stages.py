@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lowmem.gpucheck.paths import STAGES as PATH_STAGES
+from lowmem.gpucheck.step_paths import STAGES as STEP_STAGES
 from lowmem.gpucheck.runs import (Deadline, StageFailed, StageSkipped, lowmem_command, resumed_from, run,
                                   run_and_kill_after)
 from lowmem.program import command_line
@@ -369,7 +370,7 @@ def memory_log(settings: CheckSettings) -> dict[str, Any]:
     return figures
 
 
-STAGES: dict[str, Stage] = {"environment": environment, **PATH_STAGES, "train": train, "bench": bench,
+STAGES: dict[str, Stage] = {"environment": environment, **PATH_STAGES, **STEP_STAGES, "train": train, "bench": bench,
                             "speed": speed, "parallel": parallel, "memory_log": memory_log}
 
 

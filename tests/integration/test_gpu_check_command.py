@@ -15,7 +15,8 @@ import pytest
 from run_outputs import check_results
 
 STAGE_NAMES = ["environment", "source_logits", "dpo_compile", "flex_attention", "fsdp_dpo", "pinned_copy",
-               "trainer_dpo", "train", "bench", "speed", "parallel", "memory_log"]
+               "trainer_dpo", "fused_clip", "ddp_hook", "copy_reference", "train", "bench", "speed", "parallel",
+               "memory_log"]
 
 
 def gpu_check(folder: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -42,6 +43,9 @@ def test_every_stage_passes_on_the_cpu(tmp_path):
     fsdp = by_stage["fsdp_dpo"]["figures"]
     assert abs(fsdp["step_0_loss"] - math.log(2)) <= 1e-4 and fsdp["adapters_with_gradients"] > 0
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(by_stage["trainer_dpo"]["figures"]["peft_files"])
+    assert by_stage["fused_clip"]["figures"]["nan_step_skipped"] is True
+    assert by_stage["ddp_hook"]["figures"]["largest_difference_from_bf16_rounding"] == 0
+    assert by_stage["copy_reference"]["figures"]["largest_difference"] <= 1e-4
     train = by_stage["train"]["figures"]
     assert train["precision"] == "bf16" and train["resumed_from"] == 50 and train["killed_at_step"] == 51
     assert train["largest_relative_difference"] <= 1e-6
