@@ -32,9 +32,6 @@ STAGES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
                                              "--train_file=data/train.reference",
                                              "--validation_file=data/valid.reference"]),
 }
-# What each stage runs on three processes: the stages whose code differs with DDP (its hook, the reference's
-# shards of pairs); the rest run on one.
-ON_THREE = ("pretrain", "lora", "dpo-adapters")
 
 
 def _bf16_close(mirrored: float, plain: float) -> bool:
@@ -42,7 +39,7 @@ def _bf16_close(mirrored: float, plain: float) -> bool:
     return abs(mirrored - plain) <= 0.02 * abs(plain) + 0.01
 
 
-@pytest.mark.parametrize("processes, stage", [(1, stage) for stage in STAGES] + [(3, stage) for stage in ON_THREE],
+@pytest.mark.parametrize("processes, stage", [(count, stage) for count in (1, 3) for stage in STAGES],
                          ids=lambda value: str(value))
 def test_the_cuda_mirror_trains_each_stage_as_the_plain_cpu_run_does(tmp_path, qwen, processes, stage):
     make_project, stage_flags = STAGES[stage]
