@@ -143,6 +143,7 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
     from lowmem.distributed.collectives import end_process_group
     from lowmem.distributed.precision import AUTOCAST, FLOAT32
     from lowmem.preference.precompute import Share, precompute_reference, reference_folder
+    from lowmem.source.locate import find_source
 
     config, given = resolve_config(use_large_config, overrides, demo_data=False)
     if device not in ("", "cpu", "cuda"):
@@ -152,7 +153,9 @@ def dpo_reference(use_large_config: bool = False, device: str = "", **overrides:
     alone = AUTOCAST if bf16_for(chosen, config.bf16, config.bf16_on_cpu) else FLOAT32
     share, chosen, precision = shared_pass(config) if several else (Share(), chosen, alone)
     try:
-        folders = [precompute_reference(config, files, reference_folder(files), chosen, given, share, precision)
+        source = find_source(config.init_from) if config.init_from else None  # both passes' source: read once
+        folders = [precompute_reference(config, files, reference_folder(files), chosen, given, share, precision,
+                                        source)
                    for files in dict.fromkeys((config.train_file, config.validation_file))]
     finally:
         if several:

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lowmem.gpucheck.runs import Deadline, StageFailed, StageSkipped, lowmem_command, run
+from lowmem.gpucheck.runs import Deadline, StageFailed, StageSkipped, fresh_folder, lowmem_command, run
 
 # Six widths (multiples of 32, as the preference collate rounds them) and a pair left out once.
 DPO_BATCHES = ((3, 32), (3, 64), (3, 96), (2, 128), (3, 160), (3, 192))
@@ -34,13 +34,15 @@ DPO_CHUNK_TOKENS = 512  # one to three chunks of the loss over the batches above
 MAX_GRAPHS = 3
 
 
-def _device(settings: Any) -> Any:
+def device_of(settings: Any) -> Any:
+    """The torch device the check's settings name."""
     import torch
 
     return torch.device(settings.device)
 
 
-def _tiny_gpt(device: Any, max_seq_len: int = 512) -> Any:
+def tiny_gpt(device: Any, max_seq_len: int = 512) -> Any:
+    """A 2-layer llama-style GPT over 256 ids on `device`, the same weights every time."""
     import torch
 
     from lowmem.model import GPT, GPTConfig
@@ -63,7 +65,7 @@ def source_logits(settings: Any) -> dict[str, Any]:
     from lowmem.source.load import empty_model, fill_model, weight_plan
     from lowmem.source.locate import find_source
 
-    device = _device(settings)
+    device = device_of(settings)
     folder = settings.folder / "source_logits"
     torch.manual_seed(0)
     config = transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -115,7 +117,7 @@ def dpo_compile_counts(device: Any, backend: str, adapters: bool = True) -> dict
     from lowmem.config import TrainConfig
     from lowmem.distributed.performance import speed_settings
 
-    model = _tiny_gpt(device)
+    model = tiny_gpt(device)
     if adapters:
         add_adapters(model, LoRASpec(rank=4, alpha=8.0))
         model.to(device)
@@ -150,7 +152,7 @@ def dpo_compile(settings: Any) -> dict[str, Any]:
     """DPO on adapters under torch.compile: at most three graphs each for the policy and the reference over six batch
     widths, no graph break, the eager model's values (float32). Inductor on a GPU; on the CPU the graphs are traced
     only (the tests compile inductor's C++ there)."""
-    device = _device(settings)
+    device = device_of(settings)
     figures = dpo_compile_counts(device, "inductor" if device.type == "cuda" else "eager")
     if figures["graph_breaks"]:
         raise StageFailed(f"{figures['graph_breaks']} graph break(s) in the compiled DPO model")
@@ -189,8 +191,8 @@ def flex_attention(settings: Any) -> dict[str, Any]:
     activation checkpointing (torch has no FlexAttention backward pass on the CPU)."""
     import torch
 
-    device = _device(settings)
-    model = _tiny_gpt(device)
+    device = device_of(settings)
+    model = tiny_gpt(device)
     backward = device.type == "cuda"
     figures: dict[str, Any] = {"shapes": 2, "backward": "checked" if backward else "GPU only"}
     worst_loss, worst_compiled, worst_grad = 0.0, 0.0, 0.0
@@ -268,8 +270,8 @@ def fsdp_dpo(settings: Any) -> dict[str, Any]:
     from lowmem.distributed.accelerator import fsdp2_bf16_policy
     from lowmem.distributed.fsdp_units import compute_as_fsdp2_bf16
 
-    device = _device(settings)
-    model = _tiny_gpt(device)
+    device = device_of(settings)
+    model = tiny_gpt(device)
     add_adapters(model, LoRASpec(rank=4, alpha=8.0))
     model.to(device).use_memory_savers(DPO_CHUNK_TOKENS, False)
     mirror = compute_as_fsdp2_bf16(copy.deepcopy(model)).eval()
@@ -315,7 +317,7 @@ def pinned_copy(settings: Any) -> dict[str, Any]:
 
     from lowmem.distributed.device_copies import to_device
 
-    device = _device(settings)
+    device = device_of(settings)
     if device.type != "cuda":
         raise StageSkipped("host-to-GPU copies exist on a GPU only")
     batch = torch.randint(0, 32000, (16, 2048))
@@ -345,12 +347,8 @@ def trainer_dpo(settings: Any) -> dict[str, Any]:
     """A short run of one's own, then DPO on adapters from it through `train`: step 1's loss is ln 2 (the policy is
     its reference), and final/ holds the adapters in peft's files beside the merged model."""
     deadline = Deadline(settings.stage_seconds)
-    folder = settings.folder / "trainer_dpo"
-    if folder.exists():
-        import shutil
-
-        shutil.rmtree(folder)
-    (folder / "data").mkdir(parents=True)
+    folder = fresh_folder(settings.folder / "trainer_dpo")
+    (folder / "data").mkdir()
     model = settings.model_flags()
     pretrained = run(lowmem_command(["train", "--output_dir=base", "--max_steps=20", "--save_steps=20",
                                      "--eval_steps=20", "--logging_steps=10", *model]),

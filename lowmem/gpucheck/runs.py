@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,3 +124,12 @@ def _kill_group(process: subprocess.Popen) -> None:
             member.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+
+
+def fresh_folder(folder: Path) -> Path:
+    """An empty folder for one run (a check run again starts over; `check` makes sure the check's folder holds
+    nothing but its own runs)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    return folder

@@ -12,15 +12,14 @@ import json
 import os
 import platform
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from lowmem.gpucheck.paths import STAGES as PATH_STAGES
 from lowmem.gpucheck.step_paths import STAGES as STEP_STAGES
-from lowmem.gpucheck.runs import (Deadline, StageFailed, StageSkipped, lowmem_command, resumed_from, run,
-                                  run_and_kill_after)
+from lowmem.gpucheck.runs import (Deadline, StageFailed, StageSkipped, fresh_folder, lowmem_command, resumed_from,
+                                  run, run_and_kill_after)
 from lowmem.program import command_line
 
 # What `configs/accelerate/fsdp.yaml` sets, as launcher flags: the check needs no file from a checkout.
@@ -131,7 +130,7 @@ def train(settings: CheckSettings) -> dict[str, Any]:
     args = ["train", "--output_dir=run", f"--max_steps={settings.train_steps}",
             f"--save_steps={settings.save_steps}", "--logging_steps=1",
             f"--memory_log_steps={settings.memory_log_steps}", *settings.model_flags(), *settings.precision_flags()]
-    reference_folder, resumed_folder = _fresh(folder / "reference"), _fresh(folder / "resumed")
+    reference_folder, resumed_folder = fresh_folder(folder / "reference"), fresh_folder(folder / "resumed")
     reference = run(lowmem_command(args), reference_folder, settings.env(), deadline)
     if reference.returncode != 0:
         raise StageFailed(f"the uninterrupted run failed (exit code {reference.returncode}): {reference.tail()}")
@@ -186,7 +185,8 @@ def bench(settings: CheckSettings) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     cases: dict[str, Any] = {}
     for name, extra in (("eager", ["--compile=False"]), ("compiled", compiled)):
-        done = run(lowmem_command([*base, *extra]), _fresh(settings.folder / "bench" / name), settings.env(), deadline)
+        done = run(lowmem_command([*base, *extra]), fresh_folder(settings.folder / "bench" / name), settings.env(),
+                   deadline)
         if done.returncode != 0:
             raise StageFailed(f"bench_train ({name}) failed (exit code {done.returncode}): {done.tail()}")
         case = cases[name] = parse_bench_table(done.stdout)
@@ -248,7 +248,7 @@ def speed(settings: CheckSettings) -> dict[str, Any]:
         args = ["train", "--use_large_config=True", f"--tokenizer_dir={settings.folder / 'tokenizer_large'}",
                 "--max_steps=600", "--logging_steps=50", "--save_steps=100000", "--eval_bleu_samples=0"]
         attention = ["bench_attention", "--seq_len=4096"]
-    done = run(lowmem_command([*args, "--output_dir=run"]), _fresh(settings.folder / "speed"), settings.env(),
+    done = run(lowmem_command([*args, "--output_dir=run"]), fresh_folder(settings.folder / "speed"), settings.env(),
                deadline)
     if done.returncode != 0:
         raise StageFailed(f"the users' command failed (exit code {done.returncode}): {done.tail()}")
@@ -269,7 +269,7 @@ def speed(settings: CheckSettings) -> dict[str, Any]:
         "users_command_micro_batches": split.group(0).strip() if split else "as configured",
         "users_command_shapes": _line_after(done.stderr, "Batch shapes: "),
     }
-    measured = run(lowmem_command(attention), _fresh(settings.folder / "attention"), settings.env(), deadline)
+    measured = run(lowmem_command(attention), fresh_folder(settings.folder / "attention"), settings.env(), deadline)
     if measured.returncode != 0:
         raise StageFailed(f"bench_attention failed (exit code {measured.returncode}): {measured.tail()}")
     rows = {match.group(1): float(match.group(3)) for line in measured.stdout.splitlines()
@@ -319,7 +319,7 @@ def _deepspeed_skip_reason(settings: CheckSettings) -> str:
 
 
 def _kill_and_resume(settings: CheckSettings, name: str, launcher: list[str], deadline: Deadline) -> dict[str, Any]:
-    folder = _fresh(settings.folder / "parallel" / name)
+    folder = fresh_folder(settings.folder / "parallel" / name)
     steps, save = 6, 3
     args = ["train", "--output_dir=run", f"--max_steps={steps}", f"--save_steps={save}", "--logging_steps=1",
             "--eval_steps=0", *settings.model_flags()]  # float32 on the CPU, the GPU's default (bf16) there
@@ -372,15 +372,6 @@ def memory_log(settings: CheckSettings) -> dict[str, Any]:
 
 STAGES: dict[str, Stage] = {"environment": environment, **PATH_STAGES, **STEP_STAGES, "train": train, "bench": bench,
                             "speed": speed, "parallel": parallel, "memory_log": memory_log}
-
-
-def _fresh(folder: Path) -> Path:
-    """An empty folder for one run (a check run again starts over; `check` makes sure the check's folder holds
-    nothing but its own runs)."""
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    return folder
 
 
 def describe(figures: dict[str, Any], width: int = 240) -> str:

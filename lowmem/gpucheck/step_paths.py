@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from lowmem.gpucheck.paths import _device, _tiny_gpt, dpo_batch, one_process_group
+from lowmem.gpucheck.paths import device_of, dpo_batch, one_process_group, tiny_gpt
 from lowmem.gpucheck.runs import StageFailed
 
 
@@ -33,8 +33,8 @@ def fused_clip(settings: Any) -> dict[str, Any]:
 
     from lowmem.train.step import step_if_finite
 
-    device = _device(settings)
-    fused_model = _tiny_gpt(device)
+    device = device_of(settings)
+    fused_model = tiny_gpt(device)
     plain_model = copy.deepcopy(fused_model)
     fused = torch.optim.AdamW(fused_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
@@ -72,8 +72,8 @@ def ddp_hook(settings: Any) -> dict[str, Any]:
 
     from lowmem.distributed.gradient_hooks import use_bf16_gradients
 
-    device = _device(settings)
-    model = _tiny_gpt(device)
+    device = device_of(settings)
+    model = tiny_gpt(device)
     plain = copy.deepcopy(model)
     _loss(plain, device, 0).backward()
     with one_process_group(device):
@@ -98,8 +98,8 @@ def copy_reference(settings: Any) -> dict[str, Any]:
 
     from lowmem.preference.reference import halve_block_matrices
 
-    device = _device(settings)
-    policy = _tiny_gpt(device).eval()
+    device = device_of(settings)
+    policy = tiny_gpt(device).eval()
     frozen = copy.deepcopy(policy)
     halve_block_matrices(frozen)
     input_ids, targets, _, _ = dpo_batch(3, 96, 0, device)

@@ -42,7 +42,7 @@ from lowmem.preference.collate import PreferenceCollate
 from lowmem.progress import progress_bar
 from lowmem.source.finite import check_finite
 from lowmem.source.load import empty_model, fill_model, weight_plan
-from lowmem.source.locate import find_source
+from lowmem.source.locate import ModelSource, find_source
 from lowmem.source.settle import StartingPoint, source_record, training_length
 
 logger = logging.getLogger(__name__)
@@ -74,19 +74,21 @@ class Share:
 
 
 def precompute_reference(config: TrainConfig, files: str, output: Path, device: torch.device,
-                         given: Collection[str] = (), share: Share = Share(), precision: str = FLOAT32) -> Path:
+                         given: Collection[str] = (), share: Share = Share(), precision: str = FLOAT32,
+                         source: ModelSource | None = None) -> Path:
     """Write the reference log-probabilities of every row of `files` into `output` (see the module's docstring) with
     the model of `config.init_from`, the sequence length training will settle (`given`: the flags set) and
     `config.batch_size_per_gpu` rows per batch; parts already written by an earlier pass with the same model are
     kept. With `share`, this process writes only its row groups, and returns when every process has written its own.
     `precision`: the numerics the training run computes in (`lowmem.distributed.precision`), which the values are
-    computed in and recorded with. Returns `output`."""
+    computed in and recorded with. `source`: the model of `config.init_from`, when the caller found it already (a
+    pass over several files checks and fingerprints its weights once). Returns `output`."""
     if not config.init_from:
         raise ConfigError("lowmem dpo_reference computes the reference model's log-probabilities: name that model with "
                           "--init_from=PATH, the one `train --objective=dpo` will start from.")
     columns = (config.prompt_column, config.chosen_column, config.rejected_column)
     index = build_row_group_index(files, columns)  # every file and column checked before anything is computed
-    source = find_source(config.init_from)
+    source = source if source is not None else find_source(config.init_from)
     if source.tokenizer_folder is None and not Path(config.tokenizer_dir).is_dir():
         raise ConfigError(f"The model of --init_from={config.init_from} comes without a tokenizer: pass "
                           "--tokenizer_dir=FOLDER with the one it was trained with.")
@@ -96,7 +98,8 @@ def precompute_reference(config: TrainConfig, files: str, output: Path, device: 
     as_trained = dataclasses.replace(config, objective="dpo", dpo_reference="auto")
     config = dataclasses.replace(config, max_seq_len=training_length(as_trained, source, given, tokenizer))
     model_config = _model_config(source.model_config, config.max_seq_len)
-    check_finite(source)  # every weight read once: a source with NaN is refused, and its bytes are fingerprinted
+    if source.content_sha256 is None:  # every weight read once: a source with NaN refused, its bytes fingerprinted
+        check_finite(source)
     recorded_source = source_record(StartingPoint(model_config, source), config)
     record = {"init_from": config.init_from, **{key: recorded_source[key] for key in FINGERPRINTS},
               "tokenizer": str(tokenizer_folder.resolve()), "max_seq_len": config.max_seq_len,
