@@ -6,11 +6,60 @@ tests/integration/ share. A test file never imports another (tests/unit/test_arc
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+# Tests that read or change state the whole machine shares (memory cgroups, the kernel's OOM-kill count, processes
+# killed while another run could be labelled by that count) run one after another on one pytest-xdist worker.
+MACHINE_GROUP = "machine"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two workers on two cores: one compute thread each, in the worker and in the commands it starts, or the
+        # threads of both wait on each other (results are unchanged: every process of a test computes alike).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The machine-wide tests form one xdist group; the slow tests go first, so that the long ones do not start last
+    while the other worker has nothing left to do."""
+    for item in items:
+        if item.get_closest_marker("machine"):
+            item.add_marker(pytest.mark.xdist_group(MACHINE_GROUP))
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)  # stable: the files' order otherwise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With LOWMEM_TEST_TIMES=PATH, a JSON line per test: its wall seconds and the CPU seconds of the test's
+    process and of the commands it waited for (what to trim; the worker's share of a core is wall / CPU)."""
+    path = os.environ.get("LOWMEM_TEST_TIMES")
+    if not path:
+        return (yield)
+    wall, own, children = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF), \
+        resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        return (yield)
+    finally:
+        own_after, children_after = resource.getrusage(resource.RUSAGE_SELF), \
+            resource.getrusage(resource.RUSAGE_CHILDREN)
+        record = {"test": item.nodeid, "wall": round(time.monotonic() - wall, 2),
+                  "cpu": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
+                  "children_cpu": round(children_after.ru_utime + children_after.ru_stime - children.ru_utime
+                                        - children.ru_stime, 2)}
+        with open(path, "a") as log:
+            log.write(json.dumps(record) + "\n")
 
 
 def write_rows(path: Path, ids: list[str], row_group_rows: int, **extra_columns) -> Path:

@@ -19,7 +19,7 @@ import pytest
 from training_helpers import (command_line, resume_chat_data, resume_overrides, three_cpu_processes,
                               wait_for_step)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.machine]  # kills, and the kernel's OOM-kill count
 ENV = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 DIED = re.compile(r"Rank (\d) \(PID \d+\) died during training: (.*)")
 

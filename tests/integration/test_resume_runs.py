@@ -190,6 +190,7 @@ def _resume_three_processes(tmp_path, chat_data):
     return resumed_from(resumed.stderr), trace
 
 
+@pytest.mark.machine  # a bound on how soon the others stop, and the OOM-kill count the report reads
 def test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save(tmp_path, chat_data, three_process_reference):
     import psutil
 
@@ -253,6 +254,7 @@ def test_save_into_a_read_only_folder_fails_with_a_message_and_keeps_older_check
 ONE_RANK_KILLED_BOUND_SECONDS = 60
 
 
+@pytest.mark.machine  # a bound on how soon the others stop, and the OOM-kill count the report reads
 @pytest.mark.slow
 def test_sigkill_of_one_worker_ends_the_others_and_the_resume_is_exact(tmp_path, chat_data, three_process_reference):
     import psutil

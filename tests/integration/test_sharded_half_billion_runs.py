@@ -31,6 +31,7 @@ from training_helpers import FSDP_CONFIG, FSDP_CPU_ENV, chat_project, command_li
 from lowmem.checkpoint.export import load_model_folder  # noqa: E402
 
 CGROUPS = Path("/sys/fs/cgroup/memory")
+pytestmark = pytest.mark.machine  # memory cgroups, and the OOM-kill count the runs read
 # 3 steps of 2 rows a process, a save at step 2; a validation of one batch and BLEU on 2 prompts of 2 new tokens.
 FLAGS = ["--max_steps=3", "--save_steps=2", "--max_seq_len=64", "--batch_size_per_gpu=2", "--eval_batches=1",
          "--eval_bleu_samples=2", "--eval_max_new_tokens=2", "--sample_max_new_tokens=1", "--logging_steps=1",
