@@ -32,7 +32,7 @@ def run_training_log(output_dir: str | Path) -> Path:
 
 
 def tokenizer_record_file(output_dir: str | Path) -> Path:
-    """The record of the run's tokenizer (see `lowmem.data.tokenizer_identity`)."""
+    """The record of the run's tokenizer (see `lowmem.tokenization.identity`)."""
     return Path(output_dir) / TOKENIZER_RECORD_NAME
 
 

@@ -31,6 +31,24 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# The environment once the tests are collected (the helper modules set what they need on import): what a test (or a
+# library it calls in this process) leaves in os.environ is taken out after it, so that the commands a later test
+# starts do not inherit it.
+_SESSION_ENVIRONMENT: dict[str, str] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _SESSION_ENVIRONMENT.update(os.environ)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if _SESSION_ENVIRONMENT and os.environ != _SESSION_ENVIRONMENT:
+        os.environ.clear()
+        os.environ.update(_SESSION_ENVIRONMENT)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The machine-wide tests form one xdist group; the slow tests go first, so that the long ones do not start last
     while the other worker has nothing left to do."""
@@ -38,6 +56,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("machine"):
             item.add_marker(pytest.mark.xdist_group(MACHINE_GROUP))
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)  # stable: the files' order otherwise
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures: a module's fixture runs its commands for it
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`training_helpers.run_command` runs a command without a launcher in this process, unless the test is marked
+    `own_process`."""
+    import in_process
+
+    in_process.OWN_PROCESS = item.get_closest_marker("own_process") is not None
 
 
 @pytest.hookimpl(wrapper=True)

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from lowmem.checkpoint.export import export_model  # noqa: E402
 from lowmem.config import TrainConfig  # noqa: E402
-from lowmem.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from lowmem.tokenization.sentencepiece_tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from lowmem.model import GPT, GPTConfig  # noqa: E402
 
 CHINESE = "春风明月江南归去相思落花流水千里故人长亭夜雨西楼山青云白酒醉梦天地日星河海草木鸟鱼书画琴棋诗词"

@@ -202,21 +202,23 @@ def _write_qwen2_config(folder: Path, sizes: dict[str, Any]) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def qwen25_half_billion_folder(folder: Path, seed: int = 0) -> Path:
-    """A folder of Qwen2.5-0.5B's shapes with random bf16 weights, written tensor group by tensor group into one
-    safetensors file as transformers names them, with a config.json as the hub's (transformers 4 keys) and the
-    small Qwen2-like tokenizer (its ids fit the embedding's rows)."""
+def qwen25_half_billion_folder(folder: Path, seed: int = 0, layers: int = QWEN25_05B["num_hidden_layers"]) -> Path:
+    """A folder of Qwen2.5-0.5B's shapes (or of its widths and vocabulary with `layers` of its 24 layers) with random
+    bf16 weights, written tensor group by tensor group into one safetensors file as transformers names them, with a
+    config.json as the hub's (transformers 4 keys) and the small Qwen2-like tokenizer (its ids fit the embedding's
+    rows)."""
     import torch
     from safetensors.torch import save_file
 
+    sizes = dict(QWEN25_05B, num_hidden_layers=layers)
     folder.mkdir(parents=True, exist_ok=True)
     qwen2_tokenizer(folder)
     generator = torch.Generator().manual_seed(seed)
     tensors = {name: (torch.randn(shape, generator=generator) * (1.0 if len(shape) == 1 else 0.02)).to(torch.bfloat16)
-               for name, shape in qwen2_shapes(QWEN25_05B).items()}
+               for name, shape in qwen2_shapes(sizes).items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     del tensors
-    _write_qwen2_config(folder, QWEN25_05B)
+    _write_qwen2_config(folder, sizes)
     return folder
 
 

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+import in_process
+from in_process import commands_run_in as commands_run_in  # where the tests have imported it from
 
 ROOT = Path(__file__).resolve().parents[1]
 _SYLLABLES = list("春风明月江南归去相思落花流水千里故人长亭夜雨西楼山青云白酒醉梦")
@@ -85,7 +86,13 @@ def command_line(args: list[str], env: dict[str, str] | None = None,
 
 def run_command(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 600,
                 launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run `train_low_mem.py` or the harness (optionally under a launcher) and return the finished process."""
+    """Run `train_low_mem.py` or the harness (optionally under a launcher) and return the finished process.
+
+    Without a launcher the command runs in this process (`in_process.run_in_process`: the same arguments, variables,
+    output and exit status, without an interpreter's start-up), unless the test is marked `own_process` (it reads
+    the process's memory, or holds what a second process must find held)."""
+    if launcher is None and not in_process.OWN_PROCESS:
+        return in_process.run_in_process(command_line(args, env)[1:], args, cwd, env)
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(command_line(args, env, launcher), cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
@@ -199,27 +206,6 @@ def assert_losses_match(resumed: dict[int, float], reference: dict[int, float], 
     assert min(resumed) == after_step + 1 and max(resumed) == max(reference)
     for step, loss in resumed.items():
         assert loss == pytest.approx(reference[step], rel=1e-6), step
-
-
-@contextlib.contextmanager
-def commands_run_in(folder: Path) -> Iterator[None]:
-    """Commands run in-process from `folder` (their launch logs go there), the logging they set up taken down after:
-    the console handler a command installs must not print the next tests' log lines."""
-    root, cwd = logging.getLogger(), os.getcwd()
-    handlers, level = list(root.handlers), root.level
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(cwd)
-        for handler in list(root.handlers):
-            if handler not in handlers:
-                root.removeHandler(handler)
-                handler.close()
-        for handler in handlers:
-            if handler not in root.handlers:
-                root.addHandler(handler)
-        root.setLevel(level)
 
 
 # Preference rows whose preference can be learned: each prompt names a topic, the chosen answer is the row's own

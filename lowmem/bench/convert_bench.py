@@ -51,7 +51,7 @@ started = time.perf_counter()
 print("MEASURED " + json.dumps({{"seconds": time.perf_counter() - started, "peak_rss": _peak(), "rows": rows}}))
 """
 CASES = {
-    "convert": ("from lowmem.cli import main\nimport lowmem.data.convert",
+    "convert": ("from lowmem.cli import main\nimport lowmem.conversion.convert",
                 ("code = main(['convert', sys.argv[1], '--output=' + sys.argv[2], '--overwrite=True'])\n"
                  "assert code == 0, code")),
     "pyarrow": ("import pyarrow.json", "rows = pyarrow.json.read_json(sys.argv[1]).num_rows"),

@@ -22,7 +22,7 @@ from lowmem.model import GPT, GPTConfig
 from lowmem.checkpoint.model_files import ModelWeights, has_model_weights, write_model
 from lowmem.model.weights import (MODEL_CONFIG_FILE, WEIGHTS_FILE, empty_model, load_model_config, save_model_config,
                                   unwrap_gpt)
-from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer, tokenizer_files
+from lowmem.tokenization.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer, tokenizer_files
 from lowmem.program import command_line
 
 logger = logging.getLogger(__name__)

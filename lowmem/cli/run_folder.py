@@ -16,7 +16,7 @@ from lowmem.config.demo import DEMO_OUTPUT_DIR, data_name, uses_demo_data
 from lowmem.config.overrides import class_defaults
 from lowmem.config.train_config import TrainConfig
 from lowmem.config.train_sources import training_paths
-from lowmem.data.tokenizer_identity import data_file_key
+from lowmem.tokenization.identity import data_file_key
 
 logger = logging.getLogger(__name__)
 

@@ -100,8 +100,8 @@ def convert(*inputs: str, output: str | None = None, prompt_field: str | None = 
         validation_rows: move this many rows, drawn at random (seeded), out of each output into
             `<name>_valid.parquet` beside it: held-out rows for --validation_file.
     """
-    from lowmem.data.convert import FieldNames, convert as convert_files, find_inputs, plan_targets
-    from lowmem.data.split import split_off_validation, validation_path
+    from lowmem.conversion.convert import FieldNames, convert as convert_files, find_inputs, plan_targets
+    from lowmem.conversion.split import split_off_validation, validation_path
     from lowmem.errors import ConfigError
 
     def text(value: object) -> str | None:  # fire reads --prompt_field=1 as a number

@@ -135,7 +135,7 @@ class TokenizingCollate:
     Picklable (the tokenizer is), so it runs inside DataLoader workers.
 
     Args:
-        tokenizer: a `lowmem.data.tokenizer.Tokenizer`.
+        tokenizer: a `lowmem.tokenization.sentencepiece_tokenizer.Tokenizer`.
         max_seq_len: the longest input the model takes.
         columns: the (prompt, response) column names, or the one text column's (`lowmem.config.columns`).
         response_only: leave prompt tokens out of the loss (one text column has none: every token counts).

@@ -164,8 +164,8 @@ def not_parquet_problem(path: str, columns: Sequence[str] = DEFAULT_COLUMNS,
 def _convert_command(path: str, head: bytes, file_format: str, columns: tuple[str, ...]) -> tuple[str, str]:
     """The `lowmem convert` command that turns `path` (in `file_format`) into parquet, with the flags its first
     record calls for, and a sentence to add about the result (or "")."""
-    from lowmem.data.convert_fields import suggest_flags
-    from lowmem.data.convert_formats import SUFFIX_FORMATS, first_record, split_name
+    from lowmem.conversion.fields import suggest_flags
+    from lowmem.conversion.formats import SUFFIX_FORMATS, first_record, split_name
 
     stem, suffix, compression = split_name(path)
     target = f"{stem}.converted.parquet" if suffix == ".parquet" else f"{stem}.parquet"
@@ -184,7 +184,7 @@ _COMPRESSED_MAGIC = (b"\x1f\x8b", b"\x28\xb5\x2f\xfd")
 def _guess_format(path: str, head: bytes) -> tuple[str, str | None]:
     """What a file that is not parquet looks like, from its suffix and first bytes, and the format `lowmem convert`
     reads it as (None: one it does not read)."""
-    from lowmem.data.convert_formats import SUFFIX_FORMATS, split_name
+    from lowmem.conversion.formats import SUFFIX_FORMATS, split_name
 
     _, format_suffix, compression = split_name(path)
     suffix = os.path.splitext(path)[1].lower()

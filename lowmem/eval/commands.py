@@ -23,7 +23,7 @@ from lowmem.config.settle import settled_for_model
 from lowmem.config.demo import is_demo_file
 from lowmem.config.columns import describe_loss_targets, is_preference, response_only, scored_columns
 from lowmem.data.path_checks import check_data_files
-from lowmem.data.text_tokenizer import TextTokenizer
+from lowmem.tokenization.text_tokenizer import TextTokenizer
 from lowmem.distributed.performance import enable_tf32, inference_autocast
 
 logger = logging.getLogger(__name__)

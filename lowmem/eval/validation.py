@@ -19,7 +19,7 @@ from lowmem.data.sources import DEFAULT_COLUMNS
 from lowmem.distributed.collectives import all_reduce_sum
 from lowmem.distributed.fsdp_units import all_ranks_finished, is_sharded, lockstep
 from lowmem.model import GPT, IGNORE_INDEX
-from lowmem.data.text_tokenizer import TextTokenizer
+from lowmem.tokenization.text_tokenizer import TextTokenizer
 from lowmem.distributed.performance import inference_autocast
 
 logger = logging.getLogger(__name__)

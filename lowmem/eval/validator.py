@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns, response_only
 from lowmem.config.train_sources import validation_sources
-from lowmem.data.text_tokenizer import TextTokenizer
+from lowmem.tokenization.text_tokenizer import TextTokenizer
 from lowmem.distributed.strategy import model_for_eval
 from lowmem.eval.validation import EvalResult, evaluate
 

@@ -30,8 +30,8 @@ from lowmem.checkpoint.export import (check_has_adapters, export_adapter, find_m
 from lowmem.checkpoint.model_files import SLICE_BYTES, ModelWeights
 from lowmem.config import EvalConfig, TrainConfig
 from lowmem.config.settle import settled_for_model
-from lowmem.data.text_tokenizer import TextTokenizer, load_tokenizer
-from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, Tokenizer
+from lowmem.tokenization.text_tokenizer import TextTokenizer, load_tokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILE, Tokenizer
 from lowmem.errors import ConfigError
 from lowmem.hf.architectures import transformers_class
 from lowmem.hf.tokenizer_files import check_tokenizer, copy_model_tokenizer, save_tokenizer

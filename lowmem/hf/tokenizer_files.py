@@ -2,7 +2,8 @@
 our tokenizer.model beside them (llama.cpp's converter reads that one).
 
 tokenizer.json is our SentencePiece model restated in the `tokenizers` library's terms, setting by setting
-(see `lowmem.data.tokenizer._trainer_options`), so that loading it needs no conversion and no sentencepiece:
+(see `_trainer_options` in lowmem.tokenization.sentencepiece_tokenizer), so that loading it needs no conversion
+and no sentencepiece:
 
     SentencePiece (ours)                      tokenizers
     BPE, pieces ranked by id                  BPE; merges ranked by the id of the piece they make
@@ -24,10 +25,10 @@ from typing import Any
 
 import sentencepiece as spm
 
-from lowmem.data.chat_template import SINGLE_EXCHANGE_ONLY
-from lowmem.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
-from lowmem.data.text_tokenizer import TextTokenizer
-from lowmem.data.tokenizer import NUM_RESERVED_PIECES, SEP_ID, SEP_PIECE, TOKENIZER_FILE
+from lowmem.tokenization.chat_template import SINGLE_EXCHANGE_ONLY
+from lowmem.tokenization.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
+from lowmem.tokenization.text_tokenizer import TextTokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import NUM_RESERVED_PIECES, SEP_ID, SEP_PIECE, TOKENIZER_FILE
 from lowmem.errors import ConfigError
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}

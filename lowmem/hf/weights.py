@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from lowmem.tokenization.sentencepiece_tokenizer import BOS_ID, EOS_ID, PAD_ID
 from lowmem.model import GPTConfig
 
 TRANSFORMERS_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}

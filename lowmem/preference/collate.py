@@ -36,7 +36,7 @@ class PreferenceCollate:
     Widths are rounded up to a multiple of 32 (at most `max_seq_len`). Picklable, so it runs in DataLoader workers.
 
     Args:
-        tokenizer: a `lowmem.data.tokenizer.Tokenizer` (or a transformers one's wrapper).
+        tokenizer: a `lowmem.tokenization.sentencepiece_tokenizer.Tokenizer` (or a transformers one's wrapper).
         max_seq_len: the longest input the model takes; longer sequences are cut at the end.
         columns: (prompt, chosen, rejected), or those and the two reference columns (`REFERENCE_COLUMNS`).
         skip_identical: leave out pairs whose answers are the same tokens (False keeps every row in its place:

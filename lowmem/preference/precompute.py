@@ -33,7 +33,7 @@ from lowmem.config import TrainConfig
 from lowmem.config.columns import REFERENCE_COLUMNS
 from lowmem.data.reader import open_parquet
 from lowmem.data.sources import build_row_group_index
-from lowmem.data.text_tokenizer import load_tokenizer
+from lowmem.tokenization.text_tokenizer import load_tokenizer
 from lowmem.distributed.fsdp_units import compute_as_fsdp2_bf16
 from lowmem.distributed.precision import AUTOCAST, FLOAT32, FSDP2_BF16
 from lowmem.errors import ConfigError, DataError

@@ -22,7 +22,7 @@ from typing import Any
 from lowmem.adapters.files import is_adapter_checkpoint
 from lowmem.checkpoint.export import best_saved_checkpoint, trained_config
 from lowmem.checkpoint.layout import FINAL
-from lowmem.data.tokenizer import TOKENIZER_FILE
+from lowmem.tokenization.sentencepiece_tokenizer import TOKENIZER_FILE
 from lowmem.errors import ConfigError
 from lowmem.hf.architectures import gpt_config_from_transformers, supported_text, transformers_class
 from lowmem.model import GPTConfig

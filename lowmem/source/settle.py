@@ -41,7 +41,7 @@ from lowmem.config.train_sources import training_paths
 from lowmem.data.lengths import LENGTH_FROM_ROWS_CAP, WHOLE_SHARE, length_keeping
 from lowmem.data.sizing import sample_batch_sizes
 from lowmem.data.sources import build_row_group_index
-from lowmem.data.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
+from lowmem.tokenization.text_tokenizer import check_fits_model, has_tokenizer, load_tokenizer
 from lowmem.errors import ConfigError
 from lowmem.hf.architectures import sliding_window
 from lowmem.hf.weight_map import WeightSource

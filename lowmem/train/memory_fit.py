@@ -33,7 +33,7 @@ from lowmem.data.lengths import WHOLE_SHARE, cut_rows_line, rows_cut
 from lowmem.data.collate import FixedShapes
 from lowmem.data.sizing import BatchSizes, data_pipeline_bytes, sample_batch_sizes
 from lowmem.data.sources import RowGroupIndex, build_row_group_index
-from lowmem.data.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer
+from lowmem.tokenization.text_tokenizer import TextTokenizer, has_tokenizer, load_tokenizer
 from lowmem.distributed.performance import SpeedSettings
 from lowmem.errors import ConfigError, LowmemError
 from lowmem.memory.budget import budget_source

@@ -31,7 +31,7 @@ from lowmem.checkpoint.folders import CheckpointManager
 from lowmem.config import MODEL_SHAPE_FIELDS, RESUME_EXACT_FIELDS, OptimConfig, TrainConfig
 from lowmem.config.settle import in_effect
 from lowmem.data.elastic import merge_rank_states
-from lowmem.data.tokenizer_identity import check_same_tokenizer
+from lowmem.tokenization.identity import check_same_tokenizer
 from lowmem.distributed.collectives import broadcast_from_main, run_on_main
 from lowmem.distributed.safe_load import check_checkpoint_files
 from lowmem.distributed.strategy import DEEPSPEED_DIR, FSDP_OPTIMIZER_DIR

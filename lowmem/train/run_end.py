@@ -12,7 +12,7 @@ from lowmem.checkpoint.export import export_checkpoint, export_model
 from lowmem.config import TrainConfig
 from lowmem.config.columns import data_columns, is_preference
 from lowmem.data import ParquetStream
-from lowmem.data.text_tokenizer import TextTokenizer
+from lowmem.tokenization.text_tokenizer import TextTokenizer
 from lowmem.disk_errors import writing
 from lowmem.distributed.collectives import run_on_main
 from lowmem.distributed.fsdp_units import all_ranks_finished, is_sharded

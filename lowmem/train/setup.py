@@ -25,9 +25,9 @@ from lowmem.preference.reference import COPY, reference_mode
 from lowmem.data.sizing import BatchSizes, sample_batch_sizes
 from lowmem.data.sources import RowGroupIndex, build_row_group_index, resolve_data_files
 from lowmem.data.stream_type import RowStream
-from lowmem.data.text_tokenizer import TextTokenizer, copy_tokenizer, has_tokenizer, load_tokenizer
-from lowmem.data.tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
-from lowmem.data.tokenizer_identity import (describe_files, describe_identity, read_training_record,
+from lowmem.tokenization.text_tokenizer import TextTokenizer, copy_tokenizer, has_tokenizer, load_tokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import TOKENIZER_FILE, Tokenizer, train_tokenizer
+from lowmem.tokenization.identity import (describe_files, describe_identity, read_training_record,
                                             tokenizer_identity, trained_on_same_files)
 from lowmem.distributed.accelerator import log_launcher_precision_note
 from lowmem.distributed.collectives import broadcast_from_main, local_processes, run_on_main

@@ -26,6 +26,8 @@ from lowmem.checkpoint.folders import CheckpointManager, verify_checkpoint
 from lowmem.distributed.strategy import save_distributed, save_torch_file
 from lowmem.errors import CheckpointError
 
+pytestmark = pytest.mark.own_process  # file-size limits set in the command's own process
+
 KB = 1024
 
 

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 from training_helpers import run_command, tiny_overrides, write_chat_rows
 
+pytestmark = pytest.mark.own_process  # what a user's process prints on its own stderr, a pipe
+
 
 # The one format: date and time, level, rank, message (lowmem.log_format).
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) \[rank \d+\] \S")

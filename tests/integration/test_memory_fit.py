@@ -20,6 +20,8 @@ from lowmem.config.overrides import explicit_fields
 from lowmem.train.memory_fit import RunLayout, decide
 from lowmem.units import MB
 
+pytestmark = pytest.mark.own_process  # the plan measures the process's own memory
+
 BASE_MB = 300
 # One thread per process, as the other resume tests run: the resumed losses are compared for equality, and with
 # two threads a resumed run's first step was once 7e-8 off the reference's (the summation order of a parallel

@@ -9,6 +9,8 @@ import shutil
 import pytest
 from training_helpers import rank_matches, run_command, three_cpu_processes, tiny_overrides, write_chat_rows
 
+pytestmark = pytest.mark.own_process  # memory logs of the process's own memory
+
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):

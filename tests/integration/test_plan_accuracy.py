@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from training_helpers import ROOT, run_command, write_chat_rows
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.own_process,  # each process's high-water
               pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")]
 
 TOLERANCE = 0.15

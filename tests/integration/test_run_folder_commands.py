@@ -14,6 +14,8 @@ from training_helpers import resume_chat_data, run_command, tiny_overrides
 from lowmem.checkpoint.run_lock import LOCK_NAME, acquire_run_lock
 from lowmem.errors import ConfigError
 
+pytestmark = pytest.mark.own_process  # a lock held by one process, found held by another
+
 
 def listing(folder):
     return sorted((path.relative_to(folder).as_posix(), path.stat().st_mtime_ns) for path in folder.rglob("*"))

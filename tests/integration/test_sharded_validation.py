@@ -34,7 +34,7 @@ def process_stub(rank: int, world: int) -> types.SimpleNamespace:
 
 
 def evaluated(model, accelerator, tokenizer_dir: str, valid: str) -> dict:
-    from lowmem.data.text_tokenizer import load_tokenizer
+    from lowmem.tokenization.text_tokenizer import load_tokenizer
     from lowmem.eval.validation import evaluate
 
     result = evaluate(model, load_tokenizer(tokenizer_dir), valid, accelerator, batch_size=BATCH,

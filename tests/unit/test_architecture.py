@@ -28,10 +28,11 @@ LONG_FILES = {
     "lowmem/data/mixture.py": (560, "MixedStream: the same reason as stream.py, for several sources"),
     "lowmem/memory/report.py": (560, "memlog's summary, verdict, phase table and plot read the same parsed "
                                      "records; to split by output (table, verdict, plot)"),
-    "lowmem/data/hf_tokenizer.py": (545, "a transformers tokenizer's pieces, special tokens and pre-tokenizer "
-                                         "restated for the tokenizers library; to split by part"),
+    "lowmem/tokenization/hf_tokenizer.py": (545, "a transformers tokenizer's pieces, special tokens and "
+                                                 "pre-tokenizer restated for the tokenizers library; to split by part"),
     "lowmem/bench/train_bench.py": (545, "the benchmark's four phases share one set-up; to split by phase"),
-    "lowmem/data/tokenizer.py": (540, "SentencePiece training (streamed, sampled) and loading; to split in two"),
+    "lowmem/tokenization/sentencepiece_tokenizer.py": (540, "SentencePiece training (streamed, sampled) and "
+                                                            "loading; to split in two"),
 }
 
 
@@ -144,7 +145,9 @@ LAYERS = (
     ("model",),
     ("config",),
     ("adapters",),
+    ("conversion",),  # below the rows: a file that is not parquet is answered with the convert command it needs
     ("data",),
+    ("tokenization",),
     ("distributed",),
     ("checkpoint",),
     ("eval",),

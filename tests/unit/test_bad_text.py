@@ -122,7 +122,7 @@ def test_the_setting_is_checked(bad_file):
 
 
 def test_the_tokenizer_refuses_or_skips_bad_text(bad_file, tmp_path):
-    from lowmem.data.tokenizer import train_tokenizer
+    from lowmem.tokenization.sentencepiece_tokenizer import train_tokenizer
 
     options = dict(vocab_size=300, columns=("prompt", "response"), hard_vocab_limit=False)
     with pytest.raises(DataError, match=f"Row 5 of row group 0 of '{bad_file}' holds text that is not valid UTF-8 "

@@ -16,7 +16,7 @@ import pytest
 from training_helpers import tiny_overrides, write_chat_rows
 
 from lowmem.cli import main
-from lowmem.data.convert import FieldNames, convert
+from lowmem.conversion.convert import FieldNames, convert
 from lowmem.data.stream import ParquetStream
 from lowmem.errors import DataError
 
@@ -107,7 +107,7 @@ def test_a_json_array_is_streamed_record_by_record_and_a_non_object_named_by_lin
 
 
 def test_a_json_array_larger_than_a_read_chunk_is_read_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr("lowmem.data.convert_formats._ARRAY_CHUNK_CHARS", 7)  # records cut at every point
+    monkeypatch.setattr("lowmem.conversion.formats._ARRAY_CHUNK_CHARS", 7)  # records cut at every point
     source = tmp_path / "chat.json"
     source.write_text(json.dumps([*PAIRS, {"prompt": 1234567, "response": 89}], ensure_ascii=False),
                       encoding="utf-8")
@@ -165,8 +165,8 @@ def test_text_gives_one_text_row_per_line_or_per_paragraph(tmp_path):
 def small_record_cap(monkeypatch):
     """Records of at most 1,000 bytes, and a JSON array read 100 bytes at a time; the csv module's field limit,
     which convert sets to the cap, given back afterwards (it is the whole process's)."""
-    monkeypatch.setattr("lowmem.data.convert_formats.MAX_RECORD_BYTES", 1000)
-    monkeypatch.setattr("lowmem.data.convert_formats._ARRAY_CHUNK_CHARS", 100)
+    monkeypatch.setattr("lowmem.conversion.formats.MAX_RECORD_BYTES", 1000)
+    monkeypatch.setattr("lowmem.conversion.formats._ARRAY_CHUNK_CHARS", 100)
     limit = csv.field_size_limit()
     yield
     csv.field_size_limit(limit)

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from lowmem.cli import main
-from lowmem.data.convert import FieldNames, convert
-from lowmem.data.convert_fields import suggest_flags
+from lowmem.conversion.convert import FieldNames, convert
+from lowmem.conversion.fields import suggest_flags
 from lowmem.data.stream import ParquetStream
 from lowmem.errors import DataError
 

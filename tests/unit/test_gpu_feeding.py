@@ -22,7 +22,7 @@ from trainer_fixtures import tiny_config
 from lowmem.config import TrainConfig, apply_overrides
 from lowmem.data.collate import FixedShapes, TokenizingCollate
 from lowmem.data.stream import ParquetStream
-from lowmem.data.tokenizer import Tokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import Tokenizer
 from lowmem.distributed.performance import speed_settings
 from lowmem.errors import ConfigError
 from lowmem.model import GPT, GPTConfig, IGNORE_INDEX

@@ -16,7 +16,7 @@ from export_helpers import run_folder, tiny_model, transformers
 
 from lowmem.cli import main
 from lowmem.config import TrainConfig
-from lowmem.data.tokenizer import Tokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import Tokenizer
 from lowmem.errors import ConfigError
 from lowmem.hf import export_hf, tokenizer_files
 

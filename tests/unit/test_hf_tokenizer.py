@@ -24,7 +24,7 @@ import pytest
 import torch
 from hf_models import CHATML_TEMPLATE  # ChatML as Qwen writes it: block tags on lines of their own
 
-from lowmem.data.hf_tokenizer import (
+from lowmem.tokenization.hf_tokenizer import (
     HF_TOKENIZER_FILES,
     PLAIN_CHAT_TEMPLATE,
     HFTokenizer,

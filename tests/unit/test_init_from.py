@@ -19,7 +19,7 @@ from hf_models import llama_folder, mistral_folder, mixed_lines, qwen2_folder  #
 from lowmem.checkpoint.export import export_model  # noqa: E402
 from lowmem.cli import main  # noqa: E402
 from lowmem.config import TrainConfig  # noqa: E402
-from lowmem.data.text_tokenizer import load_tokenizer  # noqa: E402
+from lowmem.tokenization.text_tokenizer import load_tokenizer  # noqa: E402
 from lowmem.errors import ConfigError  # noqa: E402
 from lowmem.hf import export_hf  # noqa: E402
 from lowmem.model import GPT  # noqa: E402

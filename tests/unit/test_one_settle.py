@@ -115,7 +115,7 @@ def test_what_the_memory_plan_decided_is_never_decided_again(stopped_run, folder
     tokenizer, the training data's index and the sample of its row lengths, each once in the run."""
     from lowmem.data.sizing import sample_batch_sizes
     from lowmem.data.sources import build_row_group_index
-    from lowmem.data.text_tokenizer import load_tokenizer
+    from lowmem.tokenization.text_tokenizer import load_tokenizer
     from lowmem.distributed.performance import speed_settings
     from lowmem.memory.data_settings import decide_memory_settings
 

@@ -20,7 +20,7 @@ from lowmem.config import TrainConfig, validate_config
 from lowmem.config.columns import REFERENCE_COLUMNS, data_columns
 from lowmem.config.settle import settle_best_metric, settled_config
 from lowmem.data.collate import PAD_TO_MULTIPLE_OF
-from lowmem.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, SEP_ID, Tokenizer, train_tokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import BOS_ID, EOS_ID, PAD_ID, SEP_ID, Tokenizer, train_tokenizer
 from lowmem.errors import ConfigError
 from lowmem.eval.validation import METRIC_MODES, EvalResult
 from lowmem.memory.plan import RESIDENT, plan_memory
@@ -37,8 +37,9 @@ I = IGNORE_INDEX  # noqa: E741 (short, for the arrays written out below)
 
 
 class CharTokenizer:
-    """Each lowercase letter is one id ('a' → 10, 'b' → 11, ...), laid out as `lowmem.data.tokenizer` lays out a
-    pair: [bos] prompt [sep] answer [eos], with `start` the index of the answer's first id."""
+    """Each lowercase letter is one id ('a' → 10, 'b' → 11, ...), laid out as lowmem's
+    SentencePiece tokenizer lays out a pair: [bos] prompt [sep] answer [eos], with `start` the index of the answer's
+    first id."""
 
     pad_id = PAD_ID
 

@@ -185,7 +185,7 @@ def test_footer_is_fetched_once_per_file(uploaded, bucket, requests_log):
 
 
 def test_tokenizer_trains_from_s3_like_from_local_files(uploaded, tmp_path):
-    from lowmem.data.tokenizer import train_tokenizer
+    from lowmem.tokenization.sentencepiece_tokenizer import train_tokenizer
 
     local, uri = uploaded
     options = dict(vocab_size=300, columns=("prompt", "response"), seed=3, hard_vocab_limit=False)

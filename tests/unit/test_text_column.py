@@ -20,7 +20,7 @@ from lowmem.data.path_checks import check_data_files
 from lowmem.config.columns import data_columns, describe_loss_targets, response_only
 from lowmem.data.collate import TokenizingCollate
 from lowmem.data.sources import build_row_group_index
-from lowmem.data.tokenizer import Tokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import Tokenizer
 from lowmem.errors import ConfigError, DataError
 from lowmem.model import IGNORE_INDEX
 from lowmem.train.resume import resume_differences

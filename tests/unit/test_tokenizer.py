@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from lowmem.data import tokenizer as tk
+from lowmem.tokenization import sentencepiece_tokenizer as tk
 from lowmem.errors import ConfigError, DataError
-from lowmem.data.tokenizer import Tokenizer, train_tokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import Tokenizer, train_tokenizer
 
 CHINESE = [
     "今天天气很好，我们一起去公园散步吧。",
@@ -116,7 +116,7 @@ def test_same_seed_gives_same_model(data_file: Path, tmp_path: Path) -> None:
 
 
 def test_sentence_cap_is_applied(data_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="lowmem.data.tokenizer"):
+    with caplog.at_level(logging.INFO, logger="lowmem.tokenization.sentencepiece_tokenizer"):
         train_tokenizer([data_file], tmp_path, vocab_size=500, max_sentences=200)
     assert re.search(r"on 200 of \d+ sentences", caplog.text)
 
@@ -379,7 +379,7 @@ def test_a_new_run_refuses_a_tokenizer_trained_on_other_files_before_writing_any
 
 
 def test_the_training_record_compares_files_by_their_real_path_and_the_demo_files_by_name(tmp_path):
-    from lowmem.data.tokenizer_identity import trained_on_same_files
+    from lowmem.tokenization.identity import trained_on_same_files
 
     (tmp_path / "a.parquet").write_bytes(b"")
     (tmp_path / "link.parquet").symlink_to(tmp_path / "a.parquet")

@@ -1,6 +1,6 @@
-"""The tokenizer a run trains with, whichever kind: lowmem's SentencePiece model (`lowmem.data.tokenizer.Tokenizer`,
-trained on the run's data) or a transformers model's `tokenizer.json` (`lowmem.data.hf_tokenizer.HFTokenizer`, which
-comes with a model a run starts from). Both have the interface `TextTokenizer` lists; the collate function, the
+"""The tokenizer a run trains with, whichever kind: lowmem's SentencePiece model (`sentencepiece_tokenizer.Tokenizer`,
+trained on the run's data) or a transformers model's `tokenizer.json` (`hf_tokenizer.HFTokenizer`, which comes with a
+model a run starts from). Both have the interface `TextTokenizer` lists; the collate function, the
 validation, generation and the trainer use nothing else.
 
     folder holds                                        loaded as
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Protocol
 
 from lowmem.atomic_files import folder_built_aside
-from lowmem.data.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
-from lowmem.data.tokenizer import TOKENIZER_FILE, VOCAB_FILE, Tokenizer
-from lowmem.data.tokenizer_identity import TRAINING_RECORD_FILE, write_origin_record
+from lowmem.tokenization.hf_tokenizer import HF_TOKENIZER_FILES, HFTokenizer
+from lowmem.tokenization.sentencepiece_tokenizer import TOKENIZER_FILE, VOCAB_FILE, Tokenizer
+from lowmem.tokenization.identity import TRAINING_RECORD_FILE, write_origin_record
 from lowmem.errors import ConfigError
 from lowmem.program import command_line
 
@@ -29,7 +29,7 @@ SENTENCEPIECE_FILES = (TOKENIZER_FILE, VOCAB_FILE, TRAINING_RECORD_FILE)
 
 
 class TextTokenizer(Protocol):
-    """What the pipeline needs of a tokenizer (see `lowmem.data.tokenizer.Tokenizer` for the contract of each)."""
+    """What the pipeline needs of a tokenizer (see `sentencepiece_tokenizer.Tokenizer` for the contract of each)."""
 
     num_threads: int
 

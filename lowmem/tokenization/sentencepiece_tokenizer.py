@@ -39,7 +39,7 @@ from lowmem.atomic_files import write_bytes_atomic
 from lowmem.data.bad_text import bad_text_error, check_bad_text, raw_values, undecodable_rows
 from lowmem.data.reader import iter_file_batches
 from lowmem.data.sources import DEFAULT_COLUMNS, FileSpec, RowGroupIndex, build_row_group_index
-from lowmem.data.tokenizer_identity import write_training_record
+from lowmem.tokenization.identity import write_training_record
 from lowmem.errors import ConfigError, DataError
 from lowmem.program import command_line
 

@@ -1,14 +1,14 @@
 """The tokenizer of a transformers model folder (Llama, Qwen2, Mistral, ...): its tokenizer.json read through the
 `tokenizers` library, with the model's own special tokens and chat template.
 
-`HFTokenizer` has the interface of `lowmem.data.tokenizer.Tokenizer` (encode, decode, the pair and text layouts,
-the special ids), so the collate function, validation, generation and the trainer take either. The layouts are
+`HFTokenizer` has the interface of `sentencepiece_tokenizer.Tokenizer` (encode, decode, the pair and text layouts, the
+special ids), so the collate function, validation, generation and the trainer take either. The layouts are
 the model's instead of lowmem's fixed ones:
 
     chat row      the chat template rendered with one user message (the prompt) and one assistant message (the
                   response): the prompt ids are what `AutoTokenizer.apply_chat_template(..., add_generation_prompt=
                   True)` gives a transformers user, so a fine-tuned model is asked exactly as it was trained
-    no template   `PLAIN_CHAT_TEMPLATE` (lowmem.data.chat_template): [bos] prompt "\\n" response [eos]
+    no template   `PLAIN_CHAT_TEMPLATE` (lowmem.tokenization.chat_template): [bos] prompt "\\n" response [eos]
     one column    [bos] text [eos], bos only where the tokenizer puts one before a text
 
 The files read (`HF_TOKENIZER_FILES`): tokenizer.json (required: the vocabulary, merges, normalizer, pre-tokenizer,
@@ -17,7 +17,7 @@ chat_template.jinja (where transformers 5 writes the template), special_tokens_m
 tokens) and generation_config.json (the ids that end an answer). transformers is never imported: a run needs only
 `tokenizers` and jinja2.
 
-The chat template is rendered as transformers renders it, in jinja2's sandbox, by `lowmem.data.chat_template`,
+The chat template is rendered as transformers renders it, in jinja2's sandbox, by `lowmem.tokenization.chat_template`,
 which also finds at load the constant text around the prompt and the response, so that most rows are laid out by
 concatenation and one batch encode instead of a rendering each.
 
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # PLAIN_CHAT_TEMPLATE is imported from here too (by code written before the chat template had its own module).
-from lowmem.data.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplate
-from lowmem.data.tokenizer import available_cpus
+from lowmem.tokenization.chat_template import PLAIN_CHAT_TEMPLATE, ChatTemplate
+from lowmem.tokenization.sentencepiece_tokenizer import available_cpus
 from lowmem.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def _missing_tokenizer_json(folder: Path) -> ConfigError:
     if (folder / "tokenizer.model").is_file() and _is_lowmem_tokenizer(folder):
         return ConfigError(
             f"'{folder}' holds a SentencePiece tokenizer trained by lowmem (tokenizer.model), not a transformers "
-            "model's tokenizer: give it as the run's tokenizer_dir, which lowmem.data.tokenizer.Tokenizer reads.")
+            "model's tokenizer: give it as the run's tokenizer_dir, which lowmem's own Tokenizer reads.")
     held = [name for name in ("tokenizer.model", "vocab.json", "merges.txt") if (folder / name).is_file()]
     instead = f", and does not read {' or '.join(held)}" if held else ""
     return ConfigError(
@@ -95,7 +95,7 @@ def _missing_tokenizer_json(folder: Path) -> ConfigError:
 
 def _is_lowmem_tokenizer(folder: Path) -> bool:
     """Whether the folder's tokenizer.model is one lowmem trained (its fixed special ids)."""
-    from lowmem.data.tokenizer import Tokenizer
+    from lowmem.tokenization.sentencepiece_tokenizer import Tokenizer
 
     try:
         Tokenizer.load(folder, num_threads=1)
@@ -230,7 +230,7 @@ def _template_of(files: Mapping[str, bytes], config: Mapping[str, Any], source: 
 
 
 class HFTokenizer:
-    """A transformers model's tokenizer (tokenizer.json), with the interface of `lowmem.data.tokenizer.Tokenizer`.
+    """A transformers model's tokenizer (tokenizer.json), with the interface of `sentencepiece_tokenizer.Tokenizer`.
 
     Picklable (it is sent to DataLoader worker processes): the pickle carries the tokenizer files' bytes, so
     workers need no file access, and each unpickled copy renders the template's pieces again.

@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lowmem.atomic_files import file_built_aside
-from lowmem.data.convert_fields import FieldNames, RecordLayout, Skip, choose_layout
-from lowmem.data.convert_formats import (COMPRESSIONS, SUFFIX_FORMATS, Record, file_format, is_convertible,
+from lowmem.conversion.fields import FieldNames, RecordLayout, Skip, choose_layout
+from lowmem.conversion.formats import (COMPRESSIONS, SUFFIX_FORMATS, Record, file_format, is_convertible,
                                          open_input, parquet_records, read_records, split_name)
 from lowmem.errors import DataError
 from lowmem.memory import release_arrow_memory, select_arrow_memory_pool

@@ -1,0 +1,133 @@
+"""Commands run in the test's own process, as `training_helpers.run_command` runs them in a new one.
+
+A new interpreter costs 2.5 to 3 CPU-seconds before lowmem does anything (importing torch), so a test that checks
+what a command does, not what a process boundary does, calls the command line's `main` here instead: the same
+arguments, the same LOWMEM_* test variables (the callbacks and overrides `tests/train_with_faults.py` applies), the
+same `sys.argv[0]` (the hints a command prints name the script it was started as), its stdout and stderr captured,
+and an uncaught exception turned into exit status 1 with its traceback on stderr, as an interpreter does.
+
+Whatever a command changes of the process is put back after it: the environment, the working directory, the
+logging handlers, the signal handlers, the module attributes the test overrides replace, Accelerate's shared state
+and torch's compile caches. What stays a subprocess: a run under a launcher, a run that is killed or signalled, and
+a run whose process memory a test reads (this process holds more than a command's own interpreter would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import signal
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+# Set for the tests marked `own_process` (by an autouse fixture of conftest.py): their commands get a process each.
+OWN_PROCESS = False
+_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def _environment(changes: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _test_overrides() -> Iterator[None]:
+    """What `tests/train_with_faults.py` overrides from LOWMEM_* variables, put back after the command."""
+    import fault_injection
+
+    import lowmem.memory.budget as budget
+    import lowmem.train.memory_fit as memory_fit
+
+    saved = (budget.memory_budget_bytes, memory_fit.measure_base_bytes, memory_fit.layout_of)
+    fault_injection.override_memory_budget()
+    fault_injection.override_base_memory()
+    fault_injection.override_plan_device()
+    try:
+        yield
+    finally:
+        budget.memory_budget_bytes, memory_fit.measure_base_bytes, memory_fit.layout_of = saved
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Signal handlers, sys.argv and Accelerate's and torch's process-wide state as they were before the command."""
+    handlers = {number: signal.getsignal(number) for number in _HANDLED_SIGNALS}
+    argv = list(sys.argv)
+    try:
+        yield
+    finally:
+        sys.argv[:] = argv
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        PartialState._reset_state()
+        GradientState._reset_state()
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def commands_run_in(folder: Path) -> Iterator[None]:
+    """Commands run in-process from `folder` (their launch logs go there), the logging they set up taken down after:
+    the console handler a command installs must not print the next tests' log lines."""
+    root, cwd = logging.getLogger(), os.getcwd()
+    handlers, level = list(root.handlers), root.level
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
+
+
+def run_in_process(argv: list[str], args: list[str], cwd: Path, env: dict[str, str] | None = None
+                   ) -> subprocess.CompletedProcess:
+    """Run lowmem's command line with `args` in this process, from `cwd`, with `env` added to the environment and
+    `sys.argv` set to `argv` (the script a new process would run, then `args`); return it as `subprocess.run` would
+    (returncode, stdout, stderr)."""
+    from fault_injection import callbacks_from_environment
+
+    from lowmem.cli import main
+
+    env = env or {}
+    out, err = io.StringIO(), io.StringIO()
+    with _process_state_kept(), _environment(env), commands_run_in(cwd), _test_overrides(), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.simplefilter("default")  # printed on stderr as a fresh interpreter prints them, not recorded
+        root = logging.getLogger()
+        for handler in list(root.handlers):  # so that the command's console handler is installed, on this stderr
+            root.removeHandler(handler)
+        sys.argv[:] = argv
+        try:
+            code = main(list(args), callbacks=callbacks_from_environment())
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except Exception:  # noqa: BLE001 - what an interpreter does with an uncaught exception
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
