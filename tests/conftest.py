@@ -17,8 +17,20 @@ import pyarrow.parquet as pq
 import pytest
 
 # Tests that read or change state the whole machine shares (memory cgroups, the kernel's OOM-kill count, processes
-# killed while another run could be labelled by that count) run one after another on one pytest-xdist worker.
+# killed while another run could be labelled by that count) run one after another on one pytest-xdist worker. They are
+# marked `machine`, and named here too: xdist's scheduler sees only test ids (its own `xdist_group` does not reach it
+# under pytest 9), so the scheduler below groups by these names; collection checks that the two agree.
 MACHINE_GROUP = "machine"
+MACHINE_TESTS = (
+    "tests/integration/test_sharded_half_billion_runs.py::",
+    "tests/integration/test_rank_death.py::",
+    "tests/integration/test_resume_runs.py::test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save",
+    "tests/integration/test_resume_runs.py::test_sigkill_of_one_worker_ends_the_others_and_the_resume_is_exact",
+)
+# A test's budget: longer (its call, on the 2-core machine CI runs on) only with a reason beside it,
+# `@pytest.mark.over_a_minute("why it cannot be cheaper")`. The summary after the durations lists every test over it
+# (LOWMEM_TEST_BUDGET_SECONDS sets another budget for that list).
+BUDGET_SECONDS = float(os.environ.get("LOWMEM_TEST_BUDGET_SECONDS", "60"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,14 +60,34 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
         os.environ.update(_SESSION_ENVIRONMENT)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` (pyproject.toml's addopts): each test is a unit of its own, but the machine-wide tests are one
+    unit, run in order on one worker."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MachineTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return MACHINE_GROUP if nodeid.startswith(MACHINE_TESTS) else nodeid
+
+    return MachineTestsTogether(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The machine-wide tests form one xdist group; the slow tests go first, so that the long ones do not start last
-    while the other worker has nothing left to do."""
+    """The machine-wide tests are marked as MACHINE_TESTS names them; they and the slow tests go first, so that the
+    long ones do not start last while the other worker has nothing left to do."""
     for item in items:
-        if item.get_closest_marker("machine"):
-            item.add_marker(pytest.mark.xdist_group(MACHINE_GROUP))
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)  # stable: the files' order otherwise
+        if (item.get_closest_marker("machine") is not None) != item.nodeid.startswith(MACHINE_TESTS):
+            raise pytest.UsageError(f"{item.nodeid}: marked `machine` but not in conftest.py's MACHINE_TESTS, or the "
+                                    "other way round: name it in both or in neither")
+        long = item.get_closest_marker("over_a_minute")
+        if long is not None:  # on the report, which reaches the summary from an xdist worker too
+            item.user_properties.append(("over_a_minute", long.args[0]))
+    # The machine-wide tests (the longest unit of work, one worker's) first, then the slow ones; stable: the files'
+    # order otherwise.
+    items.sort(key=lambda item: 0 if item.nodeid.startswith(MACHINE_TESTS) else 1 if item.get_closest_marker("slow")
+               else 2)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: a module's fixture runs its commands for it
@@ -104,3 +136,17 @@ def three_files(tmp_path: Path) -> list[Path]:
         write_rows(tmp_path / f"{name}.parquet", [f"{name}{i}" for i in range(rows)], group)
         for name, rows, group in specs
     ]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Every test whose call took over BUDGET_SECONDS, with the reason written beside it, or a request for one: what
+    review reads (no test asserts its own time)."""
+    over = sorted(((report.duration, report.nodeid, dict(report.user_properties).get("over_a_minute"))
+                   for stat in ("passed", "failed") for report in terminalreporter.stats.get(stat, [])
+                   if report.when == "call" and report.duration > BUDGET_SECONDS), reverse=True)
+    if not over:
+        return
+    terminalreporter.section(f"tests over {BUDGET_SECONDS:.0f} s")
+    for seconds, nodeid, reason in over:
+        terminalreporter.write_line(f"{seconds:6.0f} s {nodeid}: " + (reason or "NO REASON GIVEN: make it cheaper, or "
+                                                                          "give the reason (over_a_minute)"))

@@ -44,6 +44,8 @@ class _StandInPool:
         self.shut_down_after_steps = len(self.graphs.graphs)
 
 
+@pytest.mark.over_a_minute("inductor compiles the model for each batch shape, then the same steps train eagerly to "
+                           "compare")
 @pytest.mark.slow
 def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, chat_data, tokenizer_dir, caplog):
     common = dict(max_steps=STEPS, dropout=0.0, static_shapes=True, loss_chunk_tokens=48, logging_steps=4)

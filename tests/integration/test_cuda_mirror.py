@@ -39,6 +39,8 @@ def _bf16_close(mirrored: float, plain: float) -> bool:
     return abs(mirrored - plain) <= 0.02 * abs(plain) + 0.01
 
 
+@pytest.mark.over_a_minute("on three processes each compiles the model with inductor, and the plain run trains the "
+                           "stage again")
 @pytest.mark.parametrize("processes, stage", [(count, stage) for count in (1, 3) for stage in STAGES],
                          ids=lambda value: str(value))
 def test_the_cuda_mirror_trains_each_stage_as_the_plain_cpu_run_does(tmp_path, qwen, processes, stage):

@@ -74,6 +74,7 @@ def as_run_here(command: list[str], models: Path) -> list[str]:
     return [*command, *(NEW_MODEL if starts_new_model else []), *SHRINK[command[0]]]
 
 
+@pytest.mark.over_a_minute("every pipeline the pages show, run as written: converting, training, DPO and exporting")
 def test_the_pages_pipelines_run_as_written(tmp_path, qwen):
     blocks = pipeline_blocks(ROOT / "docs" / "training.md")
     commands = [command[0] for block in blocks for command in block]

@@ -11,6 +11,7 @@ uninterrupted one, and its checkpoints keep the optimizer state sharded, one fil
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -266,6 +267,12 @@ def load_worker(rank: int, port: int, folder: Path, launch_env: dict[str, str]) 
               "head_in_embedding": unwrap(restored).head_in_embedding, "names": sorted(saved), "error": error}
     (folder / f"rank{rank}.json").write_text(json.dumps(result))
     accelerator.wait_for_everyone()
+    # The FSDP2 modules and optimizers hold the process group (their mesh's): let go of them and destroy the group
+    # here, while the interpreter is whole. Left to the interpreter's exit, gloo's threads are torn down with it,
+    # and a work item they still hold frees its tensors without the interpreter (SIGABRT, "terminate called without
+    # an active exception").
+    del model, optimizer, restored, restored_optimizer, saved
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 

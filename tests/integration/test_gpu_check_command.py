@@ -25,6 +25,7 @@ def gpu_check(folder: Path, *flags: str, env: dict[str, str] | None = None) -> s
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.over_a_minute("the 15 stages of the GPU script, each a short run of its own, several under a launcher")
 @pytest.mark.slow
 def test_every_stage_passes_on_the_cpu(tmp_path):
     done = gpu_check(tmp_path)

@@ -37,6 +37,8 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: int) -> st
     return done.stdout + done.stderr
 
 
+@pytest.mark.over_a_minute("a fresh virtual environment and pip install of the project, then the installed command "
+                           "trains and resumes")
 @pytest.mark.slow
 def test_installed_command_trains_on_the_packaged_demo_data_and_resumes(tmp_path):
     """In a fresh virtual environment, `pip install torch==2.13.0 <copy of the repository>`; then, from an empty

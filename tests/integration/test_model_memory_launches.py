@@ -56,6 +56,8 @@ def loss_high_water(chunk_tokens: int) -> float:
     return float(done.stdout.split()[-1])
 
 
+@pytest.mark.over_a_minute("three launches of three processes each, measured for their peaks: as given, FSDP, the "
+                           "chunked loss")
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
 def test_fsdp_and_the_chunked_loss_each_lower_the_peak(tmp_path):

@@ -60,6 +60,8 @@ def last_records(folder: Path) -> dict[int, dict]:
     return records
 
 
+@pytest.mark.over_a_minute("three processes measured through every phase (load, steps, validation, save, export) of a "
+                           "run")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_plan_is_within_15_percent_of_each_process_high_water(tmp_path, data, strategy):
     for name in ("train.parquet", "valid.parquet", "tok"):

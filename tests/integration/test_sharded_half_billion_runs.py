@@ -138,6 +138,8 @@ def half_billion(tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.over_a_minute("a model of the reference host's size on three FSDP2 processes: four launches, GBs of "
+                           "shards written and read")
 @pytest.mark.slow
 @pytest.mark.skipif(not _cgroups_writable(), reason="needs root and a writable cgroup v1 memory hierarchy")
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
