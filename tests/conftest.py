@@ -1,4 +1,6 @@
-"""Shared test helpers: small generated parquet files.
+"""How the suite runs (two xdist workers, the machine-wide tests one at a time on one of them, commands in the test's
+process unless a test is marked `own_process`, a budget per test, each test's times on request) and shared test
+helpers: small generated parquet files.
 
 pytest puts this folder on the import path (its conftest.py, in a folder that is no package): the helper modules
 beside it (training_helpers.py, trainer_fixtures.py, data_helpers.py, ...) are what tests/unit/ and

@@ -1,13 +1,13 @@
 """A model no process holds whole, on this CPU as on the reference host: three FSDP2 processes (gloo,
 configs/accelerate/fsdp.yaml) train a model of Qwen2.5-0.5B's shapes (random bf16 weights) inside a real memory cgroup
-with the memory savers `train` chooses: adapters on all 24 layers in 12 GB, and a full fine-tune in 11 GB of its widths
-and vocabulary with 4 of its layers (196M parameters: the vocabulary's 136M decide the logits' and the embedding's
-memory, the layers are the same units). Each run validates (the loss
-and BLEU on a few prompts, the model run sharded), saves its shards, is SIGKILLed during the next step, resumes on two
-processes and finishes (its last save, final/ and best/ written a tensor at a time): no OOM kill, no row trained twice,
-the losses of the same continuation never killed (from a copy of the run folder taken at the save), every phase's
-peak of every process within 15% of the plan's figure for it in the memory log, and an export that transformers
-loads with lowmem's logits."""
+with the memory savers `train` chooses: adapters on all 24 layers in 12 GB, and a full fine-tune in 11 GB of its
+widths and vocabulary with 4 of its layers (196M parameters: the vocabulary's 136M decide the logits' and the
+embedding's memory, the layers are the same units). Each run validates (the loss and BLEU on a few prompts, the model
+run sharded), saves its shards, is SIGKILLed during the next step, resumes on two processes and finishes (its last
+save, final/ and best/ written a tensor at a time): no OOM kill, no row trained twice, the losses of the same
+continuation never killed (from a copy of the run folder taken at the save), every phase's peak of every process
+within 15% of the plan's figure for it in the memory log, and an export that transformers loads with lowmem's
+logits."""
 
 from __future__ import annotations
 
