@@ -60,22 +60,30 @@ def _test_overrides() -> Iterator[None]:
         budget.memory_budget_bytes, memory_fit.measure_base_bytes, memory_fit.layout_of = saved
 
 
+def _fresh_accelerate_state() -> None:
+    """Accelerate's process-wide state as a new interpreter has it: none (a test before may have made one with other
+    settings, and Accelerate refuses to change them)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+    GradientState._reset_state()
+
+
 @contextlib.contextmanager
 def _process_state_kept() -> Iterator[None]:
-    """Signal handlers, sys.argv and Accelerate's and torch's process-wide state as they were before the command."""
+    """Signal handlers, sys.argv and Accelerate's and torch's process-wide state as they were before the command;
+    the command starts with none of Accelerate's."""
     handlers = {number: signal.getsignal(number) for number in _HANDLED_SIGNALS}
     argv = list(sys.argv)
+    _fresh_accelerate_state()
     try:
         yield
     finally:
         sys.argv[:] = argv
         for number, handler in handlers.items():
             signal.signal(number, handler)
-        from accelerate.state import AcceleratorState, GradientState, PartialState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        PartialState._reset_state()
-        GradientState._reset_state()
+        _fresh_accelerate_state()
         import torch
         import torch.distributed as dist
 
