@@ -39,9 +39,9 @@ FLAGS = ["--max_steps=3", "--save_steps=2", "--max_seq_len=64", "--batch_size_pe
          "--eval_bleu_samples=2", "--eval_max_new_tokens=2", "--sample_max_new_tokens=1", "--logging_steps=1",
          "--keep_latest_n_ckp=1"]
 # kind: (layers of the model, the cgroup's GB, flags). The full fine-tune's cgroup: what the plan says its three
-# processes need together (9,663 MB), over the 90% of the budget a plan may take, rounded up (all 24 layers: 16 GB,
-# and 7 minutes here against 2). With 4 layers the adapters' validation and save come out 15-17% under the plan's
-# figures (about 350 MB of its figure does not shrink with the layers): they keep all 24.
+# processes need together (9,663 MB), over the 90% of the budget a plan may take, rounded up (all 24 layers: 16 GB;
+# alone on this machine, 7 minutes against about 2). With 4 layers the adapters' validation and save come out 15-17%
+# under the plan's figures (about 350 MB of its figure does not shrink with the layers): they keep all 24.
 KINDS = {"adapters": (24, 12, ["--lora_rank=16"]), "full": (4, 11, [])}
 VALIDATION_LINE = re.compile(r"Validation at step (\d+): loss ([\d.]+)")
 TOLERANCE = 0.15  # a phase's peak against the plan's figure for it
