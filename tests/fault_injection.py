@@ -221,3 +221,10 @@ def override_plan_device(environ: dict[str, str] = os.environ) -> None:
     layout_of = memory_fit.layout_of
     memory_fit.layout_of = lambda accelerator: dataclasses.replace(
         layout_of(accelerator), device="cuda", bf16=True, gpu_bytes=int(float(text) * 2**30))
+
+
+def apply_test_overrides(environ: dict[str, str] = os.environ) -> None:
+    """Every override the LOWMEM_* variables ask for: the budget, the interpreter's memory, the plan's device."""
+    override_memory_budget(environ)
+    override_base_memory(environ)
+    override_plan_device(environ)

@@ -51,9 +51,7 @@ def _test_overrides() -> Iterator[None]:
     import lowmem.train.memory_fit as memory_fit
 
     saved = (budget.memory_budget_bytes, memory_fit.measure_base_bytes, memory_fit.layout_of)
-    fault_injection.override_memory_budget()
-    fault_injection.override_base_memory()
-    fault_injection.override_plan_device()
+    fault_injection.apply_test_overrides()
     try:
         yield
     finally:

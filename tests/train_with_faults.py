@@ -6,13 +6,10 @@ Used like train_low_mem.py, alone or under `accelerate launch`: `python tests/tr
 
 import sys
 
-from fault_injection import (callbacks_from_environment, override_base_memory, override_memory_budget,
-                             override_plan_device)
+from fault_injection import apply_test_overrides, callbacks_from_environment
 
 from lowmem.cli import main
 
 if __name__ == "__main__":
-    override_memory_budget()
-    override_base_memory()
-    override_plan_device()
+    apply_test_overrides()
     sys.exit(main(callbacks=callbacks_from_environment()))
