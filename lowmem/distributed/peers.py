@@ -6,16 +6,22 @@ that names none of that. So every rank learns at start who the others are (rank,
 kernel's OOM-kill counts (/proc/vmstat and its own memory cgroup's). When a collective fails, a survivor looks
 for a rank of its own machine that is gone; the lowest surviving rank then says, in one line, which rank it
 was, whether the OOM killer counted a kill since the start, and what the memory plan predicted. The others
-stop quietly.
+note that they stop after the loss (a file per rank in the machine's temporary folder) and stop quietly: the
+reporter, whose own collective may wait on one of them and fail only once it has gone, does not count a rank
+that left such a note among the dead.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -28,9 +34,10 @@ logger = logging.getLogger(__name__)
 # A killed rank's sockets close while the kernel is still tearing it down: a survivor may see the error a
 # moment before the process is gone from the process table.
 GONE_WAIT_SECONDS = 3.0
-# The most a survivor that does not report stays alive after it saw the loss, until the reporter has gone: the
-# reporter may meet its failed collective later (a long step), and a survivor already gone by then would be
-# named among the dead. Below the 30 s the launcher gives the survivors after its SIGTERM before it kills them.
+# Where its note cannot be written, the most a survivor that does not report stays alive after it saw the loss,
+# until the reporter has gone: the reporter may meet its failed collective later (a long step), and a survivor
+# already gone by then would be named among the dead. Below the 30 s the launcher gives the survivors after its
+# SIGTERM before it kills them.
 SURVIVOR_WAIT_SECONDS = 20.0
 
 
@@ -77,6 +84,9 @@ class PeerWatch:
         self.rank, self.peers, self.plan_line = rank, peers, plan_line
         self.host = socket.gethostname()
         self.oom_at_start = _oom_counts()
+        # One folder per run and machine, the same on every rank: named after the processes of the run.
+        key = repr(sorted((peer.host, peer.pid, round(peer.started, 2)) for peer in peers))
+        self.notes = Path(tempfile.gettempdir()) / f"lowmem-ranks-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 
     @classmethod
     def gather(cls, accelerator: Any, plan_line: str = "") -> PeerWatch:
@@ -91,11 +101,12 @@ class PeerWatch:
         return cls(accelerator.process_index, peers, plan_line)
 
     def lost_here(self, wait_seconds: float = GONE_WAIT_SECONDS) -> list[Peer]:
-        """The ranks of this machine whose process is gone, waiting a moment for one to be."""
+        """The ranks of this machine whose process is gone, waiting a moment for one to be; a rank that noted it
+        stopped after a loss is a survivor, not one of the lost."""
         others = [peer for peer in self.peers if peer.host == self.host and peer.rank != self.rank]
         deadline = time.monotonic() + wait_seconds
         while True:
-            gone = [peer for peer in others if peer.is_gone()]
+            gone = [peer for peer in others if peer.is_gone() and not self.stopped_after_loss(peer)]
             if gone or time.monotonic() >= deadline:
                 return gone
             time.sleep(0.1)
@@ -140,9 +151,29 @@ class PeerWatch:
         reporter = self._reporter_peer(lost)  # the lowest surviving rank of this machine says it
         if reporter is not None and reporter.rank == self.rank:
             logger.error(self.explain(lost), extra={"all_ranks": True})
-        elif reporter is not None:
+            shutil.rmtree(self.notes, ignore_errors=True)
+        elif reporter is not None and not self.note_stopping():
             wait_while_alive(reporter, SURVIVOR_WAIT_SECONDS)
         raise ProcessLostError("") from None
+
+    def note_stopping(self) -> bool:
+        """Leave the note that this rank stops after a loss (it is a survivor); False when it cannot be written.
+
+        Once noted, the rank may go at once: a reporter whose collective waits on it fails then, instead of after a
+        survivor's wait, and does not name it."""
+        try:
+            self.notes.mkdir(exist_ok=True)
+            (self.notes / f"rank-{self.rank}").write_text(str(os.getpid()))
+        except OSError:
+            return False
+        return True
+
+    def stopped_after_loss(self, peer: Peer) -> bool:
+        """True when `peer` left the note that it stopped after a loss."""
+        try:
+            return (self.notes / f"rank-{peer.rank}").read_text() == str(peer.pid)
+        except OSError:
+            return False
 
     def _reporter_peer(self, lost: list[Peer]) -> Peer | None:
         """The lowest surviving rank of this machine, or None when none is left."""
