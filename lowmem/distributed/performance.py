@@ -23,6 +23,7 @@ from lowmem.config.columns import is_preference
 from lowmem.config.option import automatic
 from lowmem.errors import ConfigError
 from lowmem.distributed.accelerator import bf16_supported
+from lowmem.distributed.compile_turns import inductor_backend
 from lowmem.memory.data_settings import MemorySettings
 
 logger = logging.getLogger(__name__)
@@ -223,8 +224,15 @@ def maybe_compile(model: torch.nn.Module, config: OptimConfig, settings: MemoryS
                 config.compile_backend, f", mode {mode}" if mode else "",
                 "for the fixed batch shapes" if speed.static_shapes
                 else "for dynamic shapes (batches shaped to fit)" if speed.dynamic else "shapes as they come")
+    backend: Any = config.compile_backend
+    if backend == "inductor":  # several ranks on this machine: they compile each graph in turn (compile_turns.py)
+        backend = inductor_backend(mode, speed.dynamic)
+        if backend != "inductor":
+            mode = None  # applied by the backend itself
+            logger.info("The ranks on this machine compile in turn: the first compiles each graph, the others load "
+                        "it from inductor's cache.")
     # torch types compile's result as a plain callable; given a Module it returns an OptimizedModule (a Module).
-    return torch.compile(model, backend=config.compile_backend, mode=mode,  # type: ignore[return-value]
+    return torch.compile(model, backend=backend, mode=mode,  # type: ignore[return-value]
                          dynamic=speed.dynamic)
 
 
