@@ -34,8 +34,10 @@ def turn_lock_path(environ: dict[str, str] | None = None) -> Path | None:
 
     Named after the run's rendezvous (address, port and the launcher's run id), which every rank of the run shares
     and another run on the machine does not."""
-    environ = dict(os.environ) if environ is None else environ
-    if int(environ.get("LOCAL_WORLD_SIZE", "1") or 1) <= 1:
+    if environ is None:
+        environ = {name: os.environ.get(name, "") for name in ("LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                              "TORCHELASTIC_RUN_ID")}
+    if int(environ.get("LOCAL_WORLD_SIZE") or 1) <= 1:
         return None
     run = "|".join(environ.get(name, "") for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
     return Path(tempfile.gettempdir()) / f"lowmem-compile-{hashlib.sha1(run.encode()).hexdigest()[:16]}.lock"

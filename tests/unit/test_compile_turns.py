@@ -62,7 +62,10 @@ def test_inductor_compiles_each_graph_inside_the_turn_and_computes_what_eager_do
     layer = torch.nn.Linear(4, 3)
     inputs = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(layer, backend=backend, dynamic=False)
-    (compiled(inputs) ** 2).sum().backward()
+    # Compiled here, not found in inductor's or AOTAutograd's cache (which an earlier test or run may have filled).
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        (compiled(inputs) ** 2).sum().backward()
     compiled_grad = layer.weight.grad.clone()
     layer.weight.grad = None
     (layer(inputs) ** 2).sum().backward()
