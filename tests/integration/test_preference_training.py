@@ -206,7 +206,8 @@ def test_with_adapters_the_reference_is_the_model_itself_and_no_copy_is_made(tmp
     config = TrainConfig(init_from=str(wider_qwen), objective="dpo", lora_rank=lora_rank,
                          output_dir=str(project / "run"), train_file=str(project / "data" / "train.parquet"),
                          validation_file=str(project / "data" / "valid.parquet"), max_seq_len=64,
-                         batch_size_per_gpu=8, max_steps=2, progress=False, malloc_mmap_threshold_mb=1)
+                         batch_size_per_gpu=8, max_steps=2, progress=False, malloc_mmap_threshold_mb=1,
+                         eval_batches=2, sample_max_new_tokens=4)  # the run's end: a short validation and sample
     before, rss_before = _parameters_alive(), _rss()
     with commands_run_in(project):
         trainer = Trainer(config)
