@@ -157,6 +157,8 @@ def _train_on_small_disk(folder: Path, chat_data, room: int, run_dir: Path) -> s
     return subprocess.run(args, cwd=folder, capture_output=True, text=True, timeout=300, preexec_fn=limit)
 
 
+@pytest.mark.over_a_minute("five runs of up to 60 steps, each a process of its own (the disk's limit is the "
+                           "process's): the stopped run, two on a full disk, the resume and its reference")
 def test_a_full_disk_during_a_save_stops_with_the_message_and_the_resume_is_exact(tmp_path, chat_data):
     run_dir = tmp_path / "run"
     mount = tmpfs(run_dir, 16 * 1024) if CAN_MOUNT else contextlib.nullcontext(run_dir)

@@ -43,6 +43,8 @@ def reference(tmp_path_factory, chat_data):
 
 @pytest.mark.slow
 @needs_launcher
+@pytest.mark.over_a_minute("a launch of three FSDP2 processes killed mid-run and its resume, against a reference run "
+                           "of its own (the module's fixture)")
 def test_fsdp_on_three_cpu_processes_resumes_exactly_after_sigkill(tmp_path, chat_data, reference):
     _, reference_trace, _ = reference
     process = start_run(tmp_path, chat_data, env={**CPU_ENV, "LOWMEM_TEST_STEP_SECONDS": "0.05"},

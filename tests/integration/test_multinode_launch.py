@@ -68,6 +68,7 @@ def trace(folder: Path, rank: int) -> dict:
     return json.loads((folder / f"trace-rank{rank}.json").read_text())
 
 
+@pytest.mark.over_a_minute("three launches of two nodes of two processes each: 6 launchers and 12 ranks started")
 def test_two_nodes_train_checkpoint_and_resume_exactly(workspace):
     if shutil.which("accelerate") is None:
         pytest.skip("the accelerate launcher is not on PATH")

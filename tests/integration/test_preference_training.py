@@ -300,6 +300,8 @@ def test_adapters_dpo_on_three_processes_resumes_on_one_training_each_pair_once(
 
 
 @pytest.mark.own_process  # the one-process values computed with FSDP_CPU_ENV's one thread, as the ranks compute
+@pytest.mark.over_a_minute("three launches of three FSDP2 processes and a reference pass: 47 CPU-s alone on the 2-core "
+                           "machine, longer beside the other worker")
 def test_precomputed_values_under_fsdp2_in_bf16_start_the_run_at_ln_2(tmp_path, qwen):
     """Three gloo processes, FSDP2's bf16 policy: a reference pass under the same launcher computes as the sharded
     policy does (bf16 blocks handing float32 on), so step 0's loss is ln 2; values computed in one process (bf16

@@ -142,6 +142,8 @@ def three_process_reference(tmp_path_factory, chat_data):
     return trace
 
 
+@pytest.mark.over_a_minute("the three-process reference run (the module's fixture, paid by the first of its tests), "
+                           "a launch killed mid-run and its resume")
 def test_three_processes_resume_exactly_after_sigkill(tmp_path, chat_data, three_process_reference):
     reference_trace = three_process_reference
     reference_losses = traced_losses(reference_trace)
@@ -191,6 +193,8 @@ def _resume_three_processes(tmp_path, chat_data):
 
 
 @pytest.mark.machine  # a bound on how soon the others stop, and the OOM-kill count the report reads
+@pytest.mark.over_a_minute("a launch whose launcher is killed, the workers' own save and stop, and the resume; with the "
+                           "three-process reference run when it is the module's first")
 def test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save(tmp_path, chat_data, three_process_reference):
     import psutil
 
