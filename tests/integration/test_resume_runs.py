@@ -193,8 +193,8 @@ def _resume_three_processes(tmp_path, chat_data):
 
 
 @pytest.mark.machine  # a bound on how soon the others stop, and the OOM-kill count the report reads
-@pytest.mark.over_a_minute("a launch whose launcher is killed, the workers' own save and stop, and the resume; with the "
-                           "three-process reference run when it is the module's first")
+@pytest.mark.over_a_minute("a launch whose launcher is killed, the workers' own save and stop, and the resume; "
+                           "with the three-process reference run when it is the module's first")
 def test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save(tmp_path, chat_data, three_process_reference):
     import psutil
 
