@@ -1,6 +1,7 @@
 """How the suite runs (two xdist workers, the machine-wide tests one at a time on one of them, commands in the test's
-process unless a test is marked `own_process`, a budget per test, each test's times on request) and shared test
-helpers: small generated parquet files.
+process and the ranks of `accelerate launch` forked from a pre-imported server unless a test is marked `own_process`
+or `machine`, a budget per test, each test's times on request) and shared test helpers: small generated parquet
+files.
 
 pytest puts this folder on the import path (its conftest.py, in a folder that is no package): the helper modules
 beside it (training_helpers.py, trainer_fixtures.py, data_helpers.py, ...) are what tests/unit/ and
@@ -99,26 +100,37 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     import in_process
 
     in_process.OWN_PROCESS = item.get_closest_marker("own_process") is not None
+    in_process.REAL_PROCESSES = in_process.OWN_PROCESS or item.get_closest_marker("machine") is not None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import in_process
+
+    in_process.stop_fork_server()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """With LOWMEM_TEST_TIMES=PATH, a JSON line per test: its wall seconds and the CPU seconds of the test's
     process and of the commands it waited for (what to trim; the worker's share of a core is wall / CPU)."""
+    import in_process
+
     path = os.environ.get("LOWMEM_TEST_TIMES")
     if not path:
         return (yield)
     wall, own, children = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF), \
         resource.getrusage(resource.RUSAGE_CHILDREN)
+    forked = in_process.forked_cpu_seconds()
     try:
         return (yield)
     finally:
         own_after, children_after = resource.getrusage(resource.RUSAGE_SELF), \
             resource.getrusage(resource.RUSAGE_CHILDREN)
+        # The ranks the fork server forked are its children, not this process's: it counts their CPU.
         record = {"test": item.nodeid, "wall": round(time.monotonic() - wall, 2),
                   "cpu": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
                   "children_cpu": round(children_after.ru_utime + children_after.ru_stime - children.ru_utime
-                                        - children.ru_stime, 2)}
+                                        - children.ru_stime + in_process.forked_cpu_seconds() - forked, 2)}
         with open(path, "a") as log:
             log.write(json.dumps(record) + "\n")
 

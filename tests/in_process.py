@@ -28,6 +28,38 @@ from typing import Iterator
 
 # Set for the tests marked `own_process` (by an autouse fixture of conftest.py): their commands get a process each.
 OWN_PROCESS = False
+# Set for the tests marked `own_process` or `machine`: the ranks of their launches are real processes, not forks of
+# the worker's fork server (`fork_server.py`).
+REAL_PROCESSES = False
+_fork_server = None
+
+
+def forked_ranks(launcher: list[str], script: str, args: list[str]) -> list[str] | None:
+    """The launcher's command line with its ranks forked by this worker's fork server (started on first use), or
+    None when the test needs real processes."""
+    global _fork_server
+    if REAL_PROCESSES or launcher[:2] != ["accelerate", "launch"]:  # another wrapper may change who runs it
+        return None
+    if _fork_server is None:
+        import tempfile
+
+        from fork_server import ForkServer
+
+        _fork_server = ForkServer(Path(tempfile.mkdtemp(prefix="lowmem-fork-server-")))
+    return _fork_server.command(launcher, script, args)
+
+
+def forked_cpu_seconds() -> float:
+    """The CPU seconds of the ranks this worker's fork server forked and reaped so far (0 before it starts)."""
+    return 0.0 if _fork_server is None else _fork_server.children_cpu_seconds()
+
+
+def stop_fork_server() -> None:
+    """Stop this worker's fork server, if it started (at the end of the session)."""
+    global _fork_server
+    if _fork_server is not None:
+        _fork_server.stop()
+        _fork_server = None
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 

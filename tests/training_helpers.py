@@ -81,6 +81,10 @@ def command_line(args: list[str], env: dict[str, str] | None = None,
     """`train_low_mem.py ARGS`, or the test harness when `env` asks for test callbacks (LOWMEM_* variables),
     optionally under a launcher."""
     script = HARNESS if any(name.startswith("LOWMEM_") for name in env or {}) else ROOT / "train_low_mem.py"
+    if launcher is not None:  # ranks forked from a pre-imported parent where the test allows it (fork_server.py)
+        forked = in_process.forked_ranks(launcher, str(script), args)
+        if forked is not None:
+            return forked
     return (launcher if launcher is not None else [sys.executable]) + [str(script), *args]
 
 

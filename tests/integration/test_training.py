@@ -103,6 +103,7 @@ def test_large_config_builds_the_large_model_and_takes_two_steps(tmp_path, chat_
     assert (model_config["n_layer"], model_config["n_embd"], model_config["max_seq_len"]) == (12, 768, 192)
 
 
+@pytest.mark.own_process  # the command reads the launcher's command line from its parent process
 def test_launching_three_processes_without_multi_gpu_on_cpu_is_an_error(tmp_path, chat_data):
     if shutil.which("accelerate") is None:
         pytest.skip("the accelerate launcher is not on PATH")
