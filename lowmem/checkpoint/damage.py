@@ -76,8 +76,15 @@ def set_aside(run_dir: Path, folder: Path) -> bool:
 def move_superseded(run_dir: Path, start: Path, newer: list[Found]) -> None:
     """Move the checkpoints `newer` than `start` into `superseded-<time>/`, never deleting them: a later resume
     would otherwise take the newest, from the line of training that resuming from `start` replaces."""
-    aside = run_dir / f"superseded-{datetime.now():%Y%m%d-%H%M%S}"
-    aside.mkdir()
+    stamp = f"superseded-{datetime.now():%Y%m%d-%H%M%S}"
+    aside, number = run_dir / stamp, 1
+    while True:
+        try:
+            aside.mkdir()
+            break
+        except FileExistsError:  # an earlier resume from an older checkpoint, in the same second
+            number += 1
+            aside = run_dir / f"{stamp}-{number}"
     for found in newer:
         found.path.rename(aside / found.path.name)
     logger.info("Resuming from %s: the newer %s moved to %s.", start.name,

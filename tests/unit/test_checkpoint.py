@@ -570,3 +570,24 @@ def test_a_damaged_checkpoint_is_set_aside_when_its_step_is_saved_again(tmp_path
     assert mgr.verify(tmp_path / "checkpoint-200") == []
     [aside] = (tmp_path / "damaged").iterdir()
     assert aside.name.startswith("checkpoint-200-") and (aside / "model.bin").read_bytes() == damaged_bytes
+
+
+def test_two_resumes_in_the_same_second_move_their_newer_checkpoints_into_folders_of_their_own(
+        tmp_path: Path, monkeypatch) -> None:
+    from datetime import datetime
+
+    from lowmem.checkpoint import damage
+    from lowmem.checkpoint.listing import Found
+
+    class SameSecond(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(damage, "datetime", SameSecond)
+    for name in ("checkpoint-10", "checkpoint-20"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights").write_text(name)
+        damage.move_superseded(tmp_path, tmp_path / "checkpoint-5", [Found(0, tmp_path / name, None, True)])
+    assert (tmp_path / "superseded-20260102-030405" / "checkpoint-10" / "weights").read_text() == "checkpoint-10"
+    assert (tmp_path / "superseded-20260102-030405-2" / "checkpoint-20" / "weights").read_text() == "checkpoint-20"
