@@ -18,6 +18,7 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def stop_fork_server() -> None:
     global _fork_server
     if _fork_server is not None:
         _fork_server.stop()
+        shutil.rmtree(Path(_fork_server.address).parent, ignore_errors=True)
         _fork_server = None
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 

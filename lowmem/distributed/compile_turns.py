@@ -12,6 +12,7 @@ lock never waits for a rank that waits for it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import functools
@@ -84,4 +85,7 @@ def inductor_backend(mode: str | None, dynamic: bool | None) -> Any:
     lock_path = turn_lock_path()
     if lock_path is None or not hasattr(torch, "_TorchCompileInductorWrapper"):
         return "inductor"
+    # The lock file goes with the run: a rank that still compiles keeps its lock, and one that opens the name anew
+    # only compiles beside it, as without turns.
+    atexit.register(lock_path.unlink, missing_ok=True)
     return _InductorInTurn(mode, dynamic, lock_path)
