@@ -9,7 +9,9 @@ and an uncaught exception turned into exit status 1 with its traceback on stderr
 Whatever a command changes of the process is put back after it: the environment, the working directory, the
 logging handlers, the signal handlers, the module attributes the test overrides replace, Accelerate's shared state
 and torch's compile caches. What stays a subprocess: a run under a launcher, a run that is killed or signalled, and
-a run whose process memory a test reads (this process holds more than a command's own interpreter would).
+a run whose process memory a test reads (this process holds more than a command's own interpreter would). The
+ranks of a run under `accelerate launch` are forks of this worker's fork server (`forked_ranks`, fork_server.py)
+unless the test is marked `own_process` or `machine`.
 """
 
 from __future__ import annotations
