@@ -1,13 +1,17 @@
-"""Ranks of a launched command started from one pre-imported parent, for tests where the process's own start is not
-under test: each rank of `accelerate launch` is a fork of a server that imported torch and lowmem once, instead of
-an interpreter that imports them again (about 2 CPU-seconds a rank on the 2-core machine).
+"""Launched commands started from one pre-imported parent, for tests where the processes' own start is not under
+test: `accelerate launch` itself and each of its ranks are forks of a server that imported torch, accelerate,
+transformers, torch.compile's front end and lowmem once, instead of interpreters that import them again (2.5 CPU-
+seconds for the launcher, 2 to 4 for a rank, on the 2-core machine).
 
-The launcher runs `python -u fork_server.py ADDRESS SCRIPT ARGS...` as each rank (`client`): it hands the server its
-arguments, environment, working directory and standard streams, and then stands for the rank: it passes on the
-signals it gets (the launcher's SIGTERM, the SIGHUP of a launcher that died) and exits as the rank exited, with its
-code or its signal. The forked rank watches the client's connection: a client killed with SIGKILL (a test's kill of
-a rank, the launcher's last resort) takes its rank with it. Tests that read what a process is (its memory cgroup, its
-parent, its RSS against the plan, the kernel's kill of it) start real processes (`machine`, `own_process`).
+The test runs `python -u fork_server.py ADDRESS --tree ACCELERATE launch ... fork_server.py ADDRESS SCRIPT ARGS...`,
+and the forked launcher runs `python -u fork_server.py ADDRESS SCRIPT ARGS...` as each rank. Each of these small
+processes is a `client`: it hands the server its arguments, environment, working directory and standard streams, and
+then stands for the process forked for it: it passes on the signals it gets (a test's SIGTERM, the launcher's, the
+SIGHUP of a launcher that died) and exits as that process exited, with its code or its signal. The forked process
+watches its client's connection: a client killed with SIGKILL (a test's kill of a rank, the launcher's last resort)
+takes it with it, and a launcher's client (`--tree`) takes the launcher's whole tree, as a test's SIGKILL of every
+process below the launcher does. Tests that read what a process is (its memory cgroup, its parent, its RSS against
+the plan, the kernel's kill of it) start real processes (`machine`, `own_process`).
 """
 
 from __future__ import annotations
@@ -42,12 +46,12 @@ def _read_line(connection: socket.socket) -> str:
     return data.decode()
 
 
-def client(address: str, argv: list[str]) -> None:
-    """Have the server fork a rank that runs `argv` (a script and its arguments) as this process would, and exit as
-    it exits."""
+def client(address: str, argv: list[str], tree: bool = False) -> None:
+    """Have the server fork a process that runs `argv` (a script and its arguments) as this process would, and exit
+    as it exits. With `tree`, this client's death (SIGKILL) ends every process below the forked one too."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(address)
-    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "tree": tree}).encode()
     socket.send_fds(connection, [_HEADER.pack(len(request))], [0, 1, 2])
     connection.sendall(request)
     pid = int(_read_line(connection).split()[1])
@@ -81,19 +85,28 @@ def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), fds
 
 
-def _watch_client(connection: socket.socket) -> None:
-    """In the rank: end it at once when its client is gone (killed)."""
+def _watch_client(connection: socket.socket, tree: bool) -> None:
+    """In the forked process: end it at once when its client is gone (killed), with every process below it when
+    `tree` (a launcher: its ranks' clients, whose ranks then go with them)."""
     while True:
         try:
             if not connection.recv(1):
                 break
         except OSError:
             break
+    if tree:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _run_rank(request: dict, fds: list[int], connection: socket.socket) -> int:
-    """In the forked child: become the rank the client asked for, run its script, return its exit code."""
+    """In the forked child: become the process the client asked for, run its script, return its exit code."""
     import runpy
 
     for number, fd in enumerate(fds):
@@ -108,7 +121,8 @@ def _run_rank(request: dict, fds: list[int], connection: socket.socket) -> int:
     script = request["argv"][0]
     sys.argv = list(request["argv"])
     sys.path[0] = str(Path(script).resolve().parent)
-    threading.Thread(target=_watch_client, args=(connection,), daemon=True, name="fork-server-client").start()
+    threading.Thread(target=_watch_client, args=(connection, bool(request.get("tree"))), daemon=True,
+                     name="fork-server-client").start()
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
@@ -121,9 +135,15 @@ def _run_rank(request: dict, fds: list[int], connection: socket.socket) -> int:
 
 
 def serve(address: str) -> None:
-    """Import what a rank imports, then fork a rank for each client until stdin closes (the test worker is gone)."""
-    import accelerate  # noqa: F401
+    """Import what the launcher and the ranks import, then fork a process for each client until stdin closes (the
+    test worker is gone)."""
+    import accelerate.commands.launch  # noqa: F401
     import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch.compile's front end, a second on each rank that compiles)
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401  (the models tests start from)
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
     import lowmem.cli.commands  # noqa: F401
     import lowmem.train.trainer  # noqa: F401
@@ -189,8 +209,15 @@ class ForkServer:
         assert self.process.stdout is not None and self.process.stdout.readline().strip() == "ready"
 
     def command(self, launcher: list[str], script: str, args: list[str]) -> list[str]:
-        """The launcher's command line with each rank forked by this server."""
-        return [*launcher, __file__, self.address, script, *args]
+        """The launcher's command line with each rank forked by this server; `accelerate ...` is forked by it too."""
+        ranks = [*launcher, __file__, self.address, script, *args]
+        if launcher[:1] != ["accelerate"]:
+            return ranks
+        import shutil
+
+        accelerate = shutil.which("accelerate")
+        assert accelerate is not None, "the accelerate launcher is not on PATH"
+        return [sys.executable, "-u", __file__, self.address, "--tree", accelerate, *ranks[1:]]
 
     def children_cpu_seconds(self) -> float:
         """The CPU seconds of the ranks forked and reaped so far."""
@@ -213,5 +240,7 @@ class ForkServer:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
         serve(sys.argv[2])
+    elif sys.argv[2:3] == ["--tree"]:
+        client(sys.argv[1], sys.argv[3:], tree=True)
     else:
         client(sys.argv[1], sys.argv[2:])

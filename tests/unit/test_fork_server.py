@@ -1,6 +1,7 @@
 """The test workers' fork server (tests/fork_server.py): a rank forked from it runs its script as a process started
 for it would (arguments, environment, working directory, standard streams, exit code), its client passes signals
-on and exits as the rank did, and a client killed outright takes its rank with it."""
+on and exits as the rank did, and a client killed outright takes its rank with it; `accelerate launch` is forked
+too, and its client killed outright takes every rank with it."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ if action == "term":
     time.sleep(60)
 if action == "wait":
     Path("ready").write_text("")
+    time.sleep(60)
+if action == "rank":  # outlives its launcher's SIGHUP, as a lowmem rank does until its save
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    Path(f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
     time.sleep(60)
 """
 
@@ -90,3 +95,25 @@ def test_a_rank_killed_by_a_signal_makes_its_client_end_by_that_signal(server, t
     os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
     client.wait(timeout=60)
     assert client.returncode == -signal.SIGKILL
+
+
+def test_a_forked_launcher_runs_its_ranks_as_forks_and_its_client_killed_takes_them_all(server, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0"]
+    command = server.command(launcher, str(script), ["rank"])
+    assert command[:4] == [sys.executable, "-u", str(Path(command[2])), server.address] and command[4] == "--tree"
+    client = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "ACCELERATE_USE_CPU": "1"})
+    for rank in (0, 1):
+        _wait_for(tmp_path / f"pid-{rank}")
+    ranks = [psutil.Process(int((tmp_path / f"pid-{rank}").read_text())) for rank in (0, 1)]
+    server_pid = server.process.pid
+    assert {rank.ppid() for rank in ranks} == {server_pid}  # forks of the server, not interpreters of their own
+    # The launcher: the server's other child (a fork too: its command line is the server's).
+    launcher_process, = [child for child in psutil.Process(server_pid).children()
+                         if child.pid not in {rank.pid for rank in ranks}]
+    client.kill()
+    client.wait(timeout=60)
+    gone, alive = psutil.wait_procs([*ranks, launcher_process], timeout=30)
+    assert not alive, [process.pid for process in alive]
