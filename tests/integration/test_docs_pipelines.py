@@ -3,17 +3,16 @@ on starting from a model, adapters and preference training, block after block in
 
 A block whose first command starts from no model (a pretraining) begins a new project folder; the blocks after it go
 on in that folder, from what the commands before them left there. The test adds to each command only flags that
-make the model and the run tiny (`SHRINK`); the published model's path is a tiny Qwen2's."""
+make the model and the run tiny (`SHRINK`); the published model's path is a tiny Qwen2's. Each command runs as
+`python -m lowmem` would run it, in the test's process (`in_process.run_in_process`): what is checked is what the
+commands do and leave, not their processes."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from data_helpers import write_text_rows  # noqa: E402
 from hf_models import qwen as qwen  # noqa: E402  (the fixture)
+from in_process import run_in_process  # noqa: E402
 from training_helpers import ROOT, write_chat_rows, write_preference_rows  # noqa: E402
 
 SECTIONS = ("From one stage to the next", "Adapters (LoRA)", "Preference training (DPO)")
@@ -90,8 +90,7 @@ def test_the_pages_pipelines_run_as_written(tmp_path, qwen):
             folder = project(tmp_path / f"project{projects}")
         for command in block:
             args = as_run_here(command, models)
-            done = subprocess.run([sys.executable, "-m", "lowmem", *args], cwd=folder, env={**os.environ, **ENV},
-                                  capture_output=True, text=True, timeout=600)
+            done = run_in_process([str(ROOT / "lowmem" / "__main__.py"), *args], args, folder, ENV)
             assert done.returncode == 0, f"lowmem {shlex.join(command)}\n{done.stderr[-3000:]}"
             assert "Traceback" not in done.stderr, done.stderr[-3000:]
             printed[command[0]] = done.stdout + done.stderr
