@@ -38,9 +38,10 @@ def launch_two_nodes(args: list[str], cwd: Path, env: dict[str, str], timeout: i
     full_env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **env}
     nodes = []
     for machine_rank in range(NODES):
-        command = ["accelerate", "launch", "--multi_gpu", "--num_machines", str(NODES), "--num_processes", str(WORLD),
-                   "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
-                   "--main_process_port", str(port), *command_line(args, env, launcher=[])]
+        # The launcher and its ranks forked from the test worker's fork server (tests/fork_server.py).
+        command = command_line(args, env, launcher=[
+            "accelerate", "launch", "--multi_gpu", "--num_machines", str(NODES), "--num_processes", str(WORLD),
+            "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)])
         nodes.append(subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
     outputs = []
