@@ -79,6 +79,21 @@ def _environment(changes: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _threads(env: dict[str, str]) -> Iterator[None]:
+    """torch's compute threads as OMP_NUM_THREADS in `env` sets them for a new process (read at its start: a
+    change of the variable alone would not reach this process's torch), put back after."""
+    import torch
+
+    saved = torch.get_num_threads()
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+@contextlib.contextmanager
 def _test_overrides() -> Iterator[None]:
     """What `tests/train_with_faults.py` overrides from LOWMEM_* variables, put back after the command."""
     import fault_injection
@@ -158,7 +173,7 @@ def run_in_process(argv: list[str], args: list[str], cwd: Path, env: dict[str, s
 
     env = env or {}
     out, err = io.StringIO(), io.StringIO()
-    with _process_state_kept(), _environment(env), commands_run_in(cwd), _test_overrides(), \
+    with _process_state_kept(), _environment(env), _threads(env), commands_run_in(cwd), _test_overrides(), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
         warnings.simplefilter("default")  # printed on stderr as a fresh interpreter prints them, not recorded
         root = logging.getLogger()

@@ -2,7 +2,8 @@
 resume that keeps the choice, and a run that fits nowhere stopped before anything is written.
 
 The harness fixes the plan's measured interpreter memory (LOWMEM_TEST_BASE_MB), so that the budget each test
-hands the process sits where the test wants it: between the plan with and without the savers.
+hands the process sits where the test wants it: between the plan with and without the savers. With that figure
+fixed, nothing the plan decides depends on the process, and the commands run in the test's process.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from lowmem.config import given_fields
 from lowmem.config.overrides import explicit_fields
 from lowmem.train.memory_fit import RunLayout, decide
 from lowmem.units import MB
-
-pytestmark = pytest.mark.own_process  # the plan measures the process's own memory
 
 BASE_MB = 300
 # One thread per process, as the other resume tests run: the resumed losses are compared for equality, and with
