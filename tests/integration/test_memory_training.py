@@ -9,7 +9,9 @@ import shutil
 import pytest
 from training_helpers import rank_matches, run_command, three_cpu_processes, tiny_overrides, write_chat_rows
 
-pytestmark = pytest.mark.own_process  # memory logs of the process's own memory
+# The tests that read what memory a process reached (memlog's verdicts, the watchdog) run their commands in processes
+# of their own; the others check what the commands write.
+OWN_MEMORY = pytest.mark.own_process
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,7 @@ def test_three_processes_write_one_memory_log_each_and_use_rank_0s_settings(tmp_
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@OWN_MEMORY
 @pytest.mark.parametrize("leak_mb", [1, 0])
 def test_planted_leak_is_growing_and_a_clean_run_is_flat(tmp_path, chat_data, leak_mb):
     done = run_command(["train", *tiny_overrides(tmp_path, *chat_data), "--epochs=3", "--memory_log_steps=10",
@@ -67,6 +70,7 @@ def test_planted_leak_is_growing_and_a_clean_run_is_flat(tmp_path, chat_data, le
         assert rank["verdict"] == "FLAT", rank
 
 
+@OWN_MEMORY
 def test_watchdog_fires_on_a_small_budget_and_names_the_settings(tmp_path, chat_data):
     # Memory savers off: with them on, a plan this far over the budget stops the run before it starts
     # (tests/integration/test_memory_fit.py); the watchdog is for the runs that go ahead anyway.
