@@ -14,13 +14,16 @@ from training_helpers import resume_chat_data, run_command, tiny_overrides
 from lowmem.checkpoint.run_lock import LOCK_NAME, acquire_run_lock
 from lowmem.errors import ConfigError
 
-pytestmark = pytest.mark.own_process  # a lock held by one process, found held by another
+# A lock held by one process, found held by another: the commands of the tests on the lock run in processes of their
+# own (this process holds the lock they must find held); the others check what a command refuses and leaves.
+LOCK_HELD_ELSEWHERE = pytest.mark.own_process
 
 
 def listing(folder):
     return sorted((path.relative_to(folder).as_posix(), path.stat().st_mtime_ns) for path in folder.rglob("*"))
 
 
+@LOCK_HELD_ELSEWHERE
 def test_a_second_training_into_a_folder_in_use_is_refused_and_touches_nothing(tmp_path):
     chat_data = resume_chat_data(tmp_path)
     args = ["train", *tiny_overrides(tmp_path, *chat_data), "--max_steps=2"]
@@ -45,6 +48,7 @@ def before_run(before):
     return [(name[len("run/"):], mtime) for name, mtime in before if name.startswith("run/")]
 
 
+@LOCK_HELD_ELSEWHERE
 def test_the_lock_goes_with_a_killed_process(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from lowmem.checkpoint.run_lock import acquire_run_lock; "
