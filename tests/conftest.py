@@ -1,5 +1,5 @@
 """How the suite runs (two xdist workers, the machine-wide tests one at a time on one of them, commands in the test's
-process and the ranks of `accelerate launch` forked from a pre-imported server unless a test is marked `own_process`
+process and `accelerate launch` and its ranks forked from a pre-imported server unless a test is marked `own_process`
 or `machine`, a budget per test, each test's times on request) and shared test helpers: small generated parquet
 files.
 
@@ -126,7 +126,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     finally:
         own_after, children_after = resource.getrusage(resource.RUSAGE_SELF), \
             resource.getrusage(resource.RUSAGE_CHILDREN)
-        # The ranks the fork server forked are its children, not this process's: it counts their CPU.
+        # The launchers and ranks the fork server forked are its children, not this process's: it counts their CPU.
         record = {"test": item.nodeid, "wall": round(time.monotonic() - wall, 2),
                   "cpu": round(own_after.ru_utime + own_after.ru_stime - own.ru_utime - own.ru_stime, 2),
                   "children_cpu": round(children_after.ru_utime + children_after.ru_stime - children.ru_utime

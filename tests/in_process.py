@@ -10,8 +10,8 @@ Whatever a command changes of the process is put back after it: the environment,
 logging handlers, the signal handlers, the module attributes the test overrides replace, Accelerate's shared state
 and torch's compile caches. What stays a subprocess: a run under a launcher, a run that is killed or signalled, and
 a run whose process memory a test reads (this process holds more than a command's own interpreter would). The
-ranks of a run under `accelerate launch` are forks of this worker's fork server (`forked_ranks`, fork_server.py)
-unless the test is marked `own_process` or `machine`.
+launcher and ranks of a run under `accelerate launch` are forks of this worker's fork server (`forked_ranks`,
+fork_server.py) unless the test is marked `own_process` or `machine`.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from typing import Iterator
 
 # Set for the tests marked `own_process` (by an autouse fixture of conftest.py): their commands get a process each.
 OWN_PROCESS = False
-# Set for the tests marked `own_process` or `machine`: the ranks of their launches are real processes, not forks of
-# the worker's fork server (`fork_server.py`).
+# Set for the tests marked `own_process` or `machine`: the launchers and ranks of their launches are real processes,
+# not forks of the worker's fork server (`fork_server.py`).
 REAL_PROCESSES = False
 _fork_server = None
 
 
 def forked_ranks(launcher: list[str], script: str, args: list[str]) -> list[str] | None:
-    """The launcher's command line with its ranks forked by this worker's fork server (started on first use), or
-    None when the test needs real processes."""
+    """The launcher's command line with it and its ranks forked by this worker's fork server (started on first use),
+    or None when the test needs real processes."""
     global _fork_server
     if REAL_PROCESSES or launcher[:2] != ["accelerate", "launch"]:  # another wrapper may change who runs it
         return None
