@@ -99,6 +99,17 @@ def llama_tokenizer(folder: Path, vocab_size: int = 600) -> int:
     return len(tokenizer)
 
 
+def _seeded_model(model_class: Any, config: Any, seed: int) -> Any:
+    """`model_class(config)` initialised from `seed`, not from the process's global generator: otherwise the weights,
+    and every value a test computes with them, depend on what ran before in that process (the test order, a worker's
+    earlier tests), and a failure seen in CI does not reproduce alone."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_class(config)
+
+
 def _perturbed(model: Any, seed: int) -> Any:
     """A random model whose norms, biases and matrices are far from their initial values (ones, zeros, std 0.02):
     differences in how they are read then show in the logits."""
@@ -126,7 +137,7 @@ def qwen2_folder(folder: Path, seed: int = 0, extra_rows: int = 13, **sizes: Any
                     num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512), **sizes}
     config = transformers.Qwen2Config(vocab_size=ids + extra_rows, eos_token_id=ids - 1, pad_token_id=ids - 3,
                                       **shape)
-    _perturbed(transformers.Qwen2ForCausalLM(config), seed).save_pretrained(folder)
+    _perturbed(_seeded_model(transformers.Qwen2ForCausalLM, config, seed), seed).save_pretrained(folder)
     return folder
 
 
@@ -147,7 +158,7 @@ def mistral_folder(folder: Path, seed: int = 2, **sizes: Any) -> Path:
                     num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, max_position_embeddings=512,
                     sliding_window=None), **sizes}
     config = transformers.MistralConfig(vocab_size=ids, bos_token_id=1, eos_token_id=2, **shape)
-    _perturbed(transformers.MistralForCausalLM(config), seed).save_pretrained(folder)
+    _perturbed(_seeded_model(transformers.MistralForCausalLM, config, seed), seed).save_pretrained(folder)
     return folder
 
 
@@ -162,7 +173,7 @@ def llama_folder(folder: Path, seed: int = 1, **sizes: Any) -> Path:
                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 128}, **sizes)
     config = transformers.LlamaConfig(vocab_size=ids, bos_token_id=1, eos_token_id=2, **shape)
-    _perturbed(transformers.LlamaForCausalLM(config), seed).save_pretrained(folder)
+    _perturbed(_seeded_model(transformers.LlamaForCausalLM, config, seed), seed).save_pretrained(folder)
     return folder
 
 

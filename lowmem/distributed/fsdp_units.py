@@ -8,8 +8,13 @@ model's parameters are each of them). Here they are units of their own, made bef
     tok_emb     gathered for the lookup, released after it (and, when the head is tied to it, gathered again for
                 the head: `GPT.head_through_embedding`)
     lm_head     an untied head: gathered for the logits or the chunked loss, released after it
+    ln_f        the final norm, a few kB: kept gathered from its forward to its backward; its input is not cast,
+                so it normalises the float32 stream the blocks hand on, as it did inside the root
 
-The root keeps the final norm (and gpt2's position table): a few kB.
+The final norm is made a unit here because Accelerate 1.15 and later carve it out of the root themselves, with the
+policy's cast of its input to bf16, and earlier versions leave it in the root: made here, it computes alike under
+every version, and a pass that computes as the sharded model does (`compute_as_fsdp2_bf16`) meets it exactly. The
+root keeps gpt2's position table.
 
 A sharded model is run outside training as it is, never gathered into a whole copy: every forward pass is a
 collective, so every rank runs the same number of them (`lockstep`), and a generation stops when every rank's rows
@@ -18,6 +23,7 @@ have finished (`all_ranks_finished`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -51,16 +57,24 @@ def fsdp2_unit_options(accelerator: Accelerator) -> dict[str, Any]:
 
 
 def shard_embedding_and_head(model: GPT, accelerator: Accelerator) -> None:
-    """Make the embedding and the output head FSDP2 units of their own (see the module's docstring); the blocks and
-    the root are left to Accelerate. Every rank calls it, before the optimizer is made from the parameters."""
-    from torch.distributed.fsdp import fully_shard
+    """Make the embedding, the output head and the final norm FSDP2 units of their own (see the module's
+    docstring); the blocks and the root are left to Accelerate. Every rank calls it, before the optimizer is made
+    from the parameters."""
+    shard_own_units(model, fsdp2_unit_options(accelerator))
 
-    options = fsdp2_unit_options(accelerator)
+
+def shard_own_units(model: GPT, options: dict[str, Any]) -> None:
+    """`shard_embedding_and_head`'s units, made with the `fully_shard` options given (a mixed-precision policy, a
+    mesh): for a sharded model made without Accelerate, as a check of the policy's numerics makes one."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     model.head_through_embedding()  # a tied head: one unit owns the weight, gathered around each use
     # Released after each use: the weights come back for the backward pass only where a gradient needs them.
     fully_shard(model.tok_emb, reshard_after_forward=True, **options)
     if not model.head_in_embedding:
         fully_shard(model.lm_head, reshard_after_forward=True, **options)
+    norm_policy = dataclasses.replace(options.get("mp_policy", MixedPrecisionPolicy()), cast_forward_inputs=False)
+    fully_shard(model.ln_f, reshard_after_forward=False, **{**options, "mp_policy": norm_policy})
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -119,10 +133,11 @@ def compute_as_fsdp2_bf16(model: GPT) -> GPT:
     pass whose values a sharded run must meet (the precomputed DPO reference: its step 0 is ln 2 only where the
     reference computed as the policy does).
 
-    What the policy changes is mirrored unit by unit (the embedding, an untied head, each block, the root, as
-    `shard_embedding_and_head` and Accelerate make them): every parameter in bf16, a unit's floating-point inputs
-    cast to bf16 on the way in and its outputs to float32 on the way out, so each block computes in bf16 and hands
-    float32 on. The tied head is computed through the embedding, as it is sharded. Returns `model`.
+    What the policy changes is mirrored unit by unit (the embedding, an untied head, each block, the final norm, the
+    root, as `shard_embedding_and_head` and Accelerate make them): every parameter in bf16, a unit's floating-point
+    inputs cast to bf16 on the way in (not the final norm's) and its outputs to float32 on the way out, so each block
+    computes in bf16 and hands float32 on. The tied head is computed through the embedding, as it is sharded.
+    Returns `model`.
     """
     from torch.utils._pytree import tree_map
 
@@ -138,4 +153,5 @@ def compute_as_fsdp2_bf16(model: GPT) -> GPT:
         unit.register_forward_pre_hook(lambda _, args, kwargs: (tree_map(to_bf16, args), tree_map(to_bf16, kwargs)),
                                        with_kwargs=True)
         unit.register_forward_hook(lambda _, args, output: tree_map(to_float32, output))
+    model.ln_f.register_forward_hook(lambda _, args, output: tree_map(to_float32, output))
     return model

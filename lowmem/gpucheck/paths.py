@@ -268,7 +268,7 @@ def fsdp_dpo(settings: Any) -> dict[str, Any]:
 
     from lowmem.adapters import LoRASpec, add_adapters, adapters_off
     from lowmem.distributed.accelerator import fsdp2_bf16_policy
-    from lowmem.distributed.fsdp_units import compute_as_fsdp2_bf16
+    from lowmem.distributed.fsdp_units import compute_as_fsdp2_bf16, shard_own_units
 
     device = device_of(settings)
     model = tiny_gpt(device)
@@ -280,8 +280,7 @@ def fsdp_dpo(settings: Any) -> dict[str, Any]:
         from torch.distributed.device_mesh import init_device_mesh
 
         options: dict[str, Any] = {"mp_policy": fsdp2_bf16_policy(), "mesh": init_device_mesh(device.type, (1,))}
-        model.head_through_embedding()
-        fully_shard(model.tok_emb, reshard_after_forward=True, **options)
+        shard_own_units(model, options)
         for block in model.blocks:
             fully_shard(block, **options)
         fully_shard(model, **options)
