@@ -97,6 +97,13 @@ def run_command(args: list[str], cwd: Path, env: dict[str, str] | None = None, t
     the process's memory, or holds what a second process must find held)."""
     if launcher is None and not in_process.OWN_PROCESS:
         return in_process.run_in_process(command_line(args, env)[1:], args, cwd, env)
+    return run_in_own_process(args, cwd, env, timeout, launcher)
+
+
+def run_in_own_process(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 600,
+                       launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`run_command` in a new process (or under `launcher`) whatever the test's marks: for one command of a test whose
+    other commands may run in its process or as forks."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(command_line(args, env, launcher), cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
