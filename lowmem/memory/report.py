@@ -81,8 +81,7 @@ def find_run(path: str | Path | None = None, log_dir: str | Path = "logs") -> li
     if not runs:
         raise DataError(f"No memory logs in {directory}/: training writes "
                         f"{LOG_NAME.format(run='<run>', rank='<rank>')} there every memory_log_steps steps.")
-    newest = max(runs, key=lambda run: (_run_started(run, runs[run]), run))
-    return _by_rank(runs[newest])
+    return _by_rank(runs[_newest(runs)])
 
 
 def run_folder_log_dir(path: str | Path | None) -> Path | None:
@@ -93,20 +92,45 @@ def run_folder_log_dir(path: str | Path | None) -> Path | None:
     return logs if logs.is_dir() and _runs_in(logs) else None
 
 
+def _start_record(files: list[Path]) -> dict[str, Any] | None:
+    """A run's start record: the first line of its lowest rank's log that has one (None where none has)."""
+    for file in _by_rank(files):
+        try:
+            with open(file, "rb") as handle:
+                record = _parse_line(handle.readline())
+        except OSError:
+            continue
+        if record is not None and record.get("event") == "start":
+            return record
+    return None
+
+
 def _continues(files: list[Path]) -> list[str]:
     """The run ids a run's start record says it continues (empty for a run that started fresh)."""
-    for file in _by_rank(files):
-        records, _ = read_log(file)
-        if records and records[0].get("event") == "start":
-            return [str(run) for run in records[0].get("continues") or []]
-    return []
+    record = _start_record(files)
+    return [str(run) for run in record.get("continues") or []] if record else []
+
+
+def _newest(runs: dict[str, list[Path]]) -> str:
+    """The run started last. Ids are to the second, and a run and its resume can start within one: of the runs
+    started in the last second, one that another of them continues is not the newest, and the start records' own
+    times order the rest."""
+    started = {run: _run_started(run, files) for run, files in runs.items()}
+    last = max(started.values())
+    tied = [run for run in runs if started[run] == last]
+    if len(tied) == 1:
+        return tied[0]
+    continued = {earlier for run in tied for earlier in _continues(runs[run])}
+    tied = [run for run in tied if run not in continued] or tied
+    start_time = {run: (_start_record(runs[run]) or {}).get("time") for run in tied}
+    return max(tied, key=lambda run: (isinstance(start_time[run], (int, float)), start_time[run] or 0, run))
 
 
 def find_segments(directory: Path) -> tuple[list[list[Path]], list[str]]:
     """The newest run in `directory` and the runs it continues (a resumed run writes a new log each time it
     starts): their files, oldest segment first, and notes on segments whose logs are missing."""
     runs = _runs_in(directory)
-    newest = max(runs, key=lambda run: (_run_started(run, runs[run]), run))
+    newest = _newest(runs)
     chain = [*_continues(runs[newest]), newest]
     missing = [run for run in chain if run not in runs]
     notes = [f"segment(s) {', '.join(missing)} of this run have no log in {directory}/"] if missing else []

@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from lowmem.errors import DataError
-from lowmem.memory.report import (FLAT_FLOOR_MB_PER_1K, TABLE_COLUMNS, find_run, memlog_command, read_log, read_run,
-                           summarize)
+from lowmem.memory.report import (FLAT_FLOOR_MB_PER_1K, TABLE_COLUMNS, find_run, find_segments, memlog_command,
+                                  read_log, read_run, summarize)
 from lowmem.memory import (SETTINGS_TO_LOWER, MemoryLogger, MemoryMonitor, MemorySnapshot, MemoryWatchdog,
                            cleanup_memory, format_line, new_run_id, take_snapshot)
 from lowmem.memory.cleanup import _find_malloc_trim
@@ -282,6 +282,29 @@ def test_find_run_picks_the_newest_run(tmp_path):
         find_run("nope", tmp_path)
     with pytest.raises(DataError, match="No memory logs"):
         find_run(None, tmp_path / "empty")
+
+
+def test_a_resume_started_in_its_runs_second_is_the_newest_and_joins_it(tmp_path):
+    """Run ids are to the second: a run and its resume started within one (a short run, a quick resume) are
+    ordered by which continues which, and other runs of that second by their start records' times, not by the
+    ids' random endings."""
+    first, resumed = "20260102-090000-ffffff", "20260102-090000-000000"  # the first's ending sorts after
+    write_log(tmp_path, 0, [record(0, 800, event="start", run=first, time=100.2), record(4, 800, run=first)],
+              run=first)
+    write_log(tmp_path, 0, [record(2, 800, event="start", run=resumed, time=100.7, continues=[first]),
+                            record(4, 800, run=resumed)], run=resumed)
+    assert [p.name for p in find_run(None, tmp_path)] == [f"memory_{resumed}_rank0.jsonl"]
+    segments, notes = find_segments(tmp_path)
+    assert [[p.name for p in files] for files in segments] == [[f"memory_{first}_rank0.jsonl"],
+                                                               [f"memory_{resumed}_rank0.jsonl"]] and not notes
+    # Two unrelated runs of one second: the one that started later.
+    other = tmp_path / "other"
+    other.mkdir()
+    write_log(other, 0, [record(0, 800, event="start", run=first, time=100.9)], run=first)
+    write_log(other, 0, [record(0, 800, event="start", run=resumed, time=100.1)], run=resumed)
+    assert [p.name for p in find_run(None, other)] == [f"memory_{first}_rank0.jsonl"]
+    write_log(other, 0, [record(0, 800, event="start", run=first, time=99.9)], run=first)
+    assert [p.name for p in find_run(None, other)] == [f"memory_{resumed}_rank0.jsonl"]
 
 
 # ----- the memlog command ---------------------------------------------------------------------------------
