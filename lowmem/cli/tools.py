@@ -31,7 +31,8 @@ def memlog(path: str | None = None, plot: str | None = None, json: bool = False,
         use_large_config: the run of `train --use_large_config=True` (with the same flags).
         overrides: train's flags that choose its run folder (--output_dir, --train_file, --init_from, ...).
     """
-    from lowmem.memory.report import memlog_command, run_folder_log_dir
+    from lowmem.memory.log_files import run_folder_log_dir
+    from lowmem.memory.report import memlog_command
 
     if path is None and (use_large_config or overrides):  # train's flags name its run: that one, or say so
         path = build_config(use_large_config, overrides, demo_data=False).output_dir

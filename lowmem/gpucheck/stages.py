@@ -341,7 +341,8 @@ def memory_log(settings: CheckSettings) -> dict[str, Any]:
     """The train stage's uninterrupted run's memory log, read back as `memlog` reads it (after a warm-up that
     takes in the first save): a FLAT verdict on every rank, and on a GPU the CUDA fields filled in."""
     from lowmem.errors import LowmemError
-    from lowmem.memory.report import find_run, read_run, summarize
+    from lowmem.memory.log_files import find_run, read_run
+    from lowmem.memory.report import summarize
 
     logs = settings.folder / "train" / "reference" / "logs"
     try:

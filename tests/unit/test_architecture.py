@@ -26,8 +26,6 @@ LONG_FILES = {
     "lowmem/data/stream.py": (570, "ParquetStream's iteration and its exact-resume state change together; split, "
                                    "each half would need the other's private state"),
     "lowmem/data/mixture.py": (560, "MixedStream: the same reason as stream.py, for several sources"),
-    "lowmem/memory/report.py": (560, "memlog's summary, verdict, phase table and plot read the same parsed "
-                                     "records; to split by output (table, verdict, plot)"),
     "lowmem/tokenization/hf_tokenizer.py": (545, "a transformers tokenizer's pieces, special tokens and "
                                                  "pre-tokenizer restated for the tokenizers library; to split by part"),
     "lowmem/bench/train_bench.py": (545, "the benchmark's four phases share one set-up; to split by phase"),

@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from lowmem.errors import DataError
-from lowmem.memory.report import (FLAT_FLOOR_MB_PER_1K, TABLE_COLUMNS, find_run, find_segments, memlog_command,
-                                  read_log, read_run, summarize)
+from lowmem.memory.log_files import find_run, find_segments, read_log, read_run
+from lowmem.memory.report import FLAT_FLOOR_MB_PER_1K, TABLE_COLUMNS, memlog_command, summarize
 from lowmem.memory import (SETTINGS_TO_LOWER, MemoryLogger, MemoryMonitor, MemorySnapshot, MemoryWatchdog,
                            cleanup_memory, format_line, new_run_id, take_snapshot)
 from lowmem.memory.cleanup import _find_malloc_trim
