@@ -19,6 +19,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+# Inductor compiles in the process that compiles, not in a pool of worker processes of its own: each pool's
+# processes import torch (a few CPU-seconds each, one per core, in every compiling rank), more than a test's few
+# small graphs gain from them. Set before torch is imported here or in a command the tests start, which inherit it;
+# tests/unit/test_performance.py takes it out where it checks torch's default.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 # Tests that read or change state the whole machine shares (memory cgroups, the kernel's OOM-kill count, processes
 # killed while another run could be labelled by that count) run one after another on one pytest-xdist worker. They are
 # marked `machine`, and named here too: xdist's scheduler sees only test ids (its own `xdist_group` does not reach it

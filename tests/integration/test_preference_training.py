@@ -366,6 +366,8 @@ REFERENCE_KINDS = {"adapters": ["--lora_rank=8"], "copy": ["--dpo_reference=copy
                                    "--validation_file=data/valid.reference"]}
 
 
+@pytest.mark.over_a_minute("inductor compiles the policy and its reference twice each, for the first batch's width "
+                           "and then for dynamic shapes, and the run is trained again eagerly to compare")
 @pytest.mark.parametrize("kind", sorted(REFERENCE_KINDS))
 def test_dpo_trains_under_compile_with_the_eager_runs_losses(tmp_path, qwen, kind):
     """Each kind of reference, compiled: the rows' answer sums are taken within each row's span (inductor could not
