@@ -360,7 +360,7 @@ def trainer_dpo(settings: Any) -> dict[str, Any]:
     tuned = run(lowmem_command(["train", "--init_from=base", "--objective=dpo", "--lora_rank=8", "--max_steps=4",
                                 "--logging_steps=1", "--save_steps=4", "--eval_steps=4", "--output_dir=dpo",
                                 "--train_file=data/pairs.parquet", "--validation_file=data/held_out.parquet",
-                                f"--batch_size_per_gpu={settings.preference_rows}", "--max_seq_len=128", tokenizer,
+                                f"--batch_size_per_gpu={settings.micro_batch_rows}", "--max_seq_len=128", tokenizer,
                                 *settings.precision_flags()]),
                 folder, settings.env(), deadline)
     if tuned.returncode != 0:

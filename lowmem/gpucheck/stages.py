@@ -62,15 +62,21 @@ class CheckSettings:
             return {"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
         return {}
 
+    @property
+    def micro_batch_rows(self) -> int:
+        """Rows (pairs, in the DPO run of trainer_dpo) per micro-batch: 4 on the CPU, where bf16 matmuls are emulated,
+        tens of times slower than float32, without AVX-512 BF16 or AMX; 8 on a GPU."""
+        return 4 if self.on_cpu else 8
+
     def model_flags(self) -> list[str]:
-        """On the CPU a small model on the demo data, 4 rows a micro-batch (bf16 matmuls are emulated, tens of times
-        slower than float32, on a CPU without AVX-512 BF16 or AMX); on a GPU the demo config as it is."""
+        """On the CPU a small model on the demo data (`micro_batch_rows` a micro-batch); on a GPU the demo config as
+        it is."""
         tokenizer = f"--tokenizer_dir={self.folder / 'tokenizer'}"
         if not self.on_cpu:
             return [tokenizer]
         return [tokenizer, "--n_layer=2", "--n_head=2", "--n_embd=64", "--max_seq_len=128",
-                "--batch_size_per_gpu=4", "--eval_batches=2", "--eval_bleu_samples=8", "--eval_max_new_tokens=16",
-                "--sample_max_new_tokens=16", "--warmup_steps=5"]
+                f"--batch_size_per_gpu={self.micro_batch_rows}", "--eval_batches=2", "--eval_bleu_samples=8",
+                "--eval_max_new_tokens=16", "--sample_max_new_tokens=16", "--warmup_steps=5"]
 
     def precision_flags(self) -> list[str]:
         """bf16: the default on a GPU that has it; asked for on the CPU."""
@@ -87,11 +93,6 @@ class CheckSettings:
     @property
     def memory_log_steps(self) -> int:
         return 4 if self.on_cpu else 10
-
-    @property
-    def preference_rows(self) -> int:
-        """Pairs per micro-batch of the DPO run of trainer_dpo."""
-        return 4 if self.on_cpu else 8
 
     @property
     def processes(self) -> int:

@@ -174,8 +174,10 @@ def test_a_smaller_micro_batch_with_more_accumulation_trains_the_same_run(tmp_pa
 
 
 def large_preset_overrides(folder: Path, *extra: str) -> list[str]:
-    """The large preset (32 rows x 2 per step, which the plan may change) with a tiny model and schedule."""
-    return ["--use_large_config=True", f"--train_file={folder / 'train.parquet'}",
+    """The large preset (32 rows x 2 per step, which the plan may change) with a tiny model and schedule, eager: told
+    it is on a GPU, the run would compile by default, and inductor would build each batch shape's kernels (50
+    CPU-seconds of a test's three runs) for a split that does not depend on them."""
+    return ["--use_large_config=True", "--compile=False", f"--train_file={folder / 'train.parquet'}",
             f"--validation_file={folder / 'valid.parquet'}", f"--test_file={folder / 'valid.parquet'}",
             f"--tokenizer_dir={folder / 'tok'}", f"--output_dir={folder / 'run'}", "--vocab_size=400", "--n_layer=2",
             "--n_head=2", "--n_embd=32", "--max_seq_len=64", "--dataloader_buffer_size=50", "--logging_steps=1",
@@ -185,27 +187,24 @@ def large_preset_overrides(folder: Path, *extra: str) -> list[str]:
 
 def test_a_run_whose_split_the_plan_changed_for_a_gpu_resumes_exactly(tmp_path, data):
     """On a GPU the plan gives the large preset's 64 rows per step to one micro-batch; the run saves that choice
-    and a resume keeps it (here the plan is told the run is on a 20 GB GPU; the training itself runs on the CPU,
-    eager: a GPU's default compile would have inductor build each batch shape's kernels, 50 CPU-seconds of the
-    three runs, for a split that does not depend on it)."""
+    and a resume keeps it (here the plan is told the run is on a 20 GB GPU; the training itself runs on the CPU)."""
     gpu = {**ENV, "LOWMEM_TEST_PLAN_GPU_GB": "20"}
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     for folder in (reference, stopped):
         folder.mkdir()
         copy_data(data, folder)
-    whole = run_command(["train", *large_preset_overrides(reference, "--compile=False")], cwd=reference,
+    whole = run_command(["train", *large_preset_overrides(reference)], cwd=reference,
                         env={**gpu, "LOWMEM_TRACE_DIR": str(reference / "trace")})
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "GPU micro-batches: one micro-batch of 64 rows per step instead of 32 x 2" in whole.stderr
     config = saved_state(reference)["config"]
     assert (config["batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (64, 1)
 
-    first = run_command(["train", *large_preset_overrides(stopped, "--compile=False")], cwd=stopped,
+    first = run_command(["train", *large_preset_overrides(stopped)], cwd=stopped,
                         env={**gpu, "LOWMEM_STOP_AFTER_STEP": "5"})
     assert first.returncode == 0, first.stderr[-3000:]
     # Resumed where the plan would split differently (a 2 GB GPU): the run's own split is kept.
-    resumed = run_command(["train", *large_preset_overrides(stopped, "--compile=False", "--is_keep_training=True")],
-                          cwd=stopped,
+    resumed = run_command(["train", *large_preset_overrides(stopped, "--is_keep_training=True")], cwd=stopped,
                           env={**gpu, "LOWMEM_TEST_PLAN_GPU_GB": "2", "LOWMEM_TRACE_DIR": str(stopped / "trace")})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Memory savers of the run kept for an exact resume: --batch_size_per_gpu=64" in resumed.stderr
