@@ -22,6 +22,7 @@ from lowmem.adapters.lora import ADAPTER_MARK, LoRASpec, delta_weight
 from lowmem.adapters.targets import adapter_sites
 from lowmem.distributed.sharded_checkpoint import MODEL_SHARDS, has_sharded_weights
 from lowmem.errors import CheckpointError
+from lowmem.memory.cleanup import return_free_heap
 from lowmem.model import GPT, GPTConfig
 from lowmem.model.safetensors_files import SafetensorsFiles, TensorEntry, read_header, row_slices
 from lowmem.model.safetensors_writer import PlannedTensor, SafetensorsWriter
@@ -170,6 +171,7 @@ class ModelWeights:
                 for part in self.slices(name):
                     writer.write(name, part)
                     del part
+                return_free_heap()  # see write_model
 
     def load_into(self, model: GPT) -> None:
         """Fill a plain GPT of this config (its adapters, if any, left as they are) tensor by tensor: every parameter
@@ -216,3 +218,7 @@ def write_model(model: GPT, path: Path) -> None:
             values = tensor if layer is None else tensor.float() + layer.delta_weight()
             writer.write(stored, values)
             del values
+            # A tensor's temporaries (its host copy, a merged matrix and its update) come from the C heap, which keeps
+            # them once freed: without handing them back after each, an export holds hundreds of MB more than one
+            # tensor's worth, and the next folder's export adds its own on top.
+            return_free_heap()

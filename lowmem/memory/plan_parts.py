@@ -41,15 +41,18 @@ CUDA_ALLOCATOR_OVERHEAD = 0.10
 # Under bf16 autocast the matmul outputs are bf16 while norms and the residual stream stay float32: about
 # this share of the float32 activation bytes (reasoned, not measured).
 BF16_ACTIVATION_SHARE = 0.6
-# Without a fixed mmap threshold the C heap also keeps some of what an FSDP validation's gathered pieces freed: the
-# first forward pass of a model of Qwen2.5-0.5B's shapes on 3 ranks peaked 0-800 MB above the later ones (the heap's
-# state decides), counted as this share of what a validation allocates.
-VALIDATION_HEAP_RETENTION = 0.15
+# Without a fixed mmap threshold the C heap also keeps some of what an FSDP validation's gathered pieces freed, counted
+# as this share of what a validation allocates: on 3 processes of a model of Qwen2.5-0.5B's widths and vocabulary the
+# validations peaked 0-50 MB above the rest of their figure with 4 layers and 100-150 MB above it with 24.
+VALIDATION_HEAP_RETENTION = 0.05
 # What an FSDP process keeps once it trains, beyond the model states (the collectives' and the autograd engine's
 # buffers, the freed blocks the C heap keeps), in blocks' worth of weights as they are gathered: measured 150-200 MB
-# on 3 FSDP processes of a model of Qwen2.5-0.5B's shapes on the CPU, whose blocks are 60 MB (the RSS after the first
-# steps against before them), trained in full or with adapters.
+# during the steps of 3 FSDP processes of a model of Qwen2.5-0.5B's shapes on the CPU, whose blocks are 60 MB (the RSS
+# after the first steps against before them), trained in full or with adapters. Most of it is the heap's, handed back
+# as the next phase begins: at the saves that followed, 40-110 MB of it was left, the blocks' worth kept by every
+# phase after the first step.
 FSDP_TRAINING_BLOCKS = 3
+FSDP_KEPT_BLOCKS = 1
 # On a GPU the blocks are gathered in its memory: the host keeps the small buffers the CPU runs measured beside them.
 FSDP_GPU_HOST_BYTES = 160 * MB
 # What writing a model a slice of rows at a time holds beyond the slice itself (lowmem.checkpoint.model_files): the
@@ -118,10 +121,12 @@ def _fsdp_training_heap(inputs: PlanInputs) -> list[PlanPart]:
     if inputs.on_gpu:  # the gathered blocks and their buffers live on the GPU (its allocator's share counts them)
         return [PlanPart("kept once training", FSDP_GPU_HOST_BYTES, f"{FSDP_GPU_HOST_BYTES / MB:,.0f} MB of the "
                          "collectives' and autograd's host buffers, reasoned, not measured", absent_in=(LOAD,))]
-    each = inputs.gathered_bytes
-    kept = FSDP_TRAINING_BLOCKS * each * inputs.model.block_params
-    return [PlanPart("kept once training", kept, f"{FSDP_TRAINING_BLOCKS} blocks' worth of weights at {each} B, "
-                     "measured", absent_in=(LOAD,))]
+    block = inputs.gathered_bytes * inputs.model.block_params
+    stepping = FSDP_TRAINING_BLOCKS - FSDP_KEPT_BLOCKS
+    return [PlanPart("kept once training", FSDP_KEPT_BLOCKS * block, f"{FSDP_KEPT_BLOCKS} block's worth of weights at "
+                     f"{inputs.gathered_bytes} B, measured", absent_in=(LOAD,)),
+            PlanPart("freed memory the C heap keeps (FSDP)", stepping * block, f"{stepping} blocks' worth more while "
+                     "the steps run, handed back as the next phase begins, measured", STEP)]
 
 
 def _states(inputs: PlanInputs, where: str) -> list[PlanPart]:
@@ -283,13 +288,18 @@ def _save_copy(inputs: PlanInputs) -> list[PlanPart]:
 def _export(inputs: PlanInputs) -> list[PlanPart]:
     """final/ and best/, written by the main process at the end: under FSDP from the checkpoints' shards, a slice of
     rows at a time; elsewhere from the model in memory, a tensor at a time (its host copy on a GPU, an adapted
-    matrix merged in float32)."""
+    matrix merged in float32), and the best checkpoint of adapters from its files, merged a slice of rows at a
+    time."""
     model = inputs.model
+    slices = PlanPart("export of final/ and best/", EXPORT_SLICE_BYTES, "a slice of rows at a time from the "
+                      "checkpoint's files, read, cast or merged, written", EXPORT, main_only=True)
     if inputs.strategy == FSDP:
-        return [PlanPart("export of final/ and best/", EXPORT_SLICE_BYTES, "a slice of rows at a time from the "
-                         "checkpoint's files, read, cast or merged, written", EXPORT, main_only=True)]
+        return [slices]
+    # Merging an adapted matrix holds it in float32 three times: the base's rows cast, the adapters' update, their sum.
     matrix = model.mlp_hidden * model.n_embd
-    largest = FLOAT32 * (model.largest_tensor if inputs.on_gpu else (matrix if model.adapter_params else 0))
+    largest = FLOAT32 * (model.largest_tensor if inputs.on_gpu else (3 * matrix if model.adapter_params else 0))
+    if model.adapter_params and largest <= EXPORT_SLICE_BYTES:
+        return [slices]
     if not largest:
         return []
     what = "the largest tensor's host copy" if inputs.on_gpu else "the largest adapted matrix merged in float32"
