@@ -324,3 +324,29 @@ def test_the_frozen_base_is_held_in_the_dtype_a_bf16_run_computes_in(tmp_path, m
     assert summary["steps"] == 2 and summary["val_loss_end"] == summary["val_loss_end"]  # not NaN
     assert all(torch.equal(parameters[name], value) for name, value in base.items()), "the base stays as it was"
     assert any(not torch.equal(parameters[name], value) for name, value in adapters.items()), "the adapters train"
+
+
+def test_an_export_hands_the_heap_back_after_each_tensor_it_writes(tmp_path, monkeypatch):
+    """A tensor's temporaries (a merged matrix and its update, a slice read) are handed back before the next one is
+    written, from the model in memory as from a checkpoint's files: exporting final/ and then best/ of adapters on a
+    model of Qwen2.5-0.5B's widths held 315 MB above the start without it, 140 MB with it."""
+    from safetensors import safe_open
+
+    from lowmem.checkpoint import model_files
+    from lowmem.model.weights import WEIGHTS_FILE, save_model_config
+
+    handed_back: list[str] = []
+    monkeypatch.setattr(model_files, "return_free_heap", lambda: handed_back.append("heap"))
+    _, adapted = with_adapters("llama-gqa")
+    folder = tmp_path / "merged"
+    folder.mkdir()
+    model_files.write_model(adapted, folder / WEIGHTS_FILE)
+    with safe_open(str(folder / WEIGHTS_FILE), "pt") as written:
+        tensors = len(list(written.keys()))
+    assert tensors > 10 and len(handed_back) == tensors
+
+    save_model_config(base_model("llama-gqa").config, folder)
+    handed_back.clear()
+    with model_files.ModelWeights(folder) as weights:
+        weights.write(tmp_path / "copy.safetensors")
+    assert len(handed_back) == tensors
