@@ -82,26 +82,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 weights: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         dtype = compute_dtype(hidden)
-        # Autocast off inside: each matmul below is given its dtype explicitly, and the float32 gradient
-        # accumulation must not be cast down.
-        with torch.autocast(hidden.device.type, enabled=False):
-            head = weight.to(dtype)  # (V, C): a cast copy only under autocast, as F.linear would make
-            grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)  # (N, C)
-            # A frozen head (adapters train, the output layer does not) needs no gradient: neither its buffer
-            # nor the third of the head's matmuls that would fill it.
-            weight_grad_wanted = ctx.needs_input_grad[1]
-            grad_weight = torch.zeros(weight.shape if weight_grad_wanted else (0,), dtype=torch.float32,
-                                      device=weight.device)  # (V, C)
-            loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for span in chunk_spans(hidden.size(0), chunk_tokens):
-                chunk = hidden[span].to(dtype)  # (n, C)
-                chunk_loss, grad_logits = _chunk_loss_and_logit_grad(chunk @ head.t(), targets[span], weights[span])
-                loss_sum += chunk_loss
-                grad_logits = grad_logits.to(dtype)  # (n, V), a no-op in float32
-                grad_hidden[span] = grad_logits @ head  # (n, C)
-                if weight_grad_wanted:  # in the compute dtype, as the plain path's matmul; summed in float32
-                    grad_weight.add_(grad_logits.t() @ chunk)  # (V, C) += (V, n) @ (n, C)
-                del grad_logits, chunk
+        # Every matmul below is given operands of `dtype`, so autocast, when on, casts nothing; the float32 parts are
+        # elementwise, which it leaves alone. (A context turning it off would also keep a compiled graph out of AOT
+        # autograd's cache.)
+        head = weight.to(dtype)  # (V, C): a cast copy only under autocast, as F.linear would make
+        grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)  # (N, C)
+        # A frozen head (adapters train, the output layer does not) needs no gradient: neither its buffer
+        # nor the third of the head's matmuls that would fill it.
+        weight_grad_wanted = ctx.needs_input_grad[1]
+        grad_weight = torch.zeros(weight.shape if weight_grad_wanted else (0,), dtype=torch.float32,
+                                  device=weight.device)  # (V, C)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for span in chunk_spans(hidden.size(0), chunk_tokens):
+            chunk = hidden[span].to(dtype)  # (n, C)
+            chunk_loss, grad_logits = _chunk_loss_and_logit_grad(chunk @ head.t(), targets[span], weights[span])
+            loss_sum += chunk_loss
+            grad_logits = grad_logits.to(dtype)  # (n, V), a no-op in float32
+            grad_hidden[span] = grad_logits @ head  # (n, C)
+            if weight_grad_wanted:  # in the compute dtype, as the plain path's matmul; summed in float32
+                grad_weight.add_(grad_logits.t() @ chunk)  # (V, C) += (V, n) @ (n, C)
+            del grad_logits, chunk
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.hidden_dtype = hidden.dtype
