@@ -64,9 +64,9 @@ class CheckSettings:
 
     @property
     def micro_batch_rows(self) -> int:
-        """Rows (pairs, in the DPO run of trainer_dpo) per micro-batch: 4 on the CPU, where bf16 matmuls are emulated,
+        """Rows (pairs, in the DPO run of trainer_dpo) per micro-batch: 2 on the CPU, where bf16 matmuls are emulated,
         tens of times slower than float32, without AVX-512 BF16 or AMX; 8 on a GPU."""
-        return 4 if self.on_cpu else 8
+        return 2 if self.on_cpu else 8
 
     def model_flags(self) -> list[str]:
         """On the CPU a small model on the demo data (`micro_batch_rows` a micro-batch); on a GPU the demo config as
