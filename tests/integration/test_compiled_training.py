@@ -74,6 +74,11 @@ def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, 
     assert graphs.graphs[1] == len(shapes), graphs.graphs
     assert set(graphs.graphs.values()) == {len(shapes)}, "a step recompiled"
     assert set(graphs.breaks.values()) == {0}, f"graph breaks: {dict(counters['graph_break'])}"
+    # AOT autograd's cache takes each graph (the chunked loss's autograd.Function included): the next rank, or the
+    # next run of the same model, loads it instead of tracing it again.
+    cached = counters["aot_autograd"]
+    assert not cached["autograd_cache_bypass"], dict(cached)
+    assert cached["autograd_cache_saved"] + cached["autograd_cache_hit"] == len(shapes), dict(cached)
     assert compiled.rows == eager.rows
     for step, loss in eager.losses.items():
         assert compiled.losses[step] == pytest.approx(loss, rel=1e-4), step

@@ -40,3 +40,28 @@ def test_batches_shaped_to_fit_compile_for_dynamic_shapes_and_fixed_shapes_for_t
     assert speed_settings(TrainConfig(objective="dpo", compile=True), "cpu").dynamic is True
     assert speed_settings(TrainConfig(compile=True, static_shapes=True), "cpu").dynamic is False
     assert speed_settings(TrainConfig(compile=True), "cpu").dynamic is None
+
+
+def test_dynamic_shapes_trace_each_graph_once_with_the_models_floats_as_constants():
+    """Under `dynamic=True` dynamo makes every float it reads a symbol; the rotary base's `theta ** exponents` cannot
+    become tensor arithmetic, and dynamo would trace the whole graph a second time with the float fixed. The run's
+    compile makes the model's floats constants at once: one trace, no restart. The backend is "aot_eager": AOT
+    autograd's pass over the graph is where the float is found."""
+    from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
+
+    from lowmem.distributed.performance import maybe_compile
+    from lowmem.model import GPT, GPTConfig
+
+    config = TrainConfig(objective="dpo", compile=True, compile_backend="aot_eager")
+    speed = speed_settings(config, "cpu")
+    assert speed.dynamic is True
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, max_seq_len=16, n_layer=1, n_head=2, n_embd=16, architecture="llama"))
+    torch._dynamo.reset()
+    clear_compilation_metrics()
+    compiled = maybe_compile(model, config, speed=speed)
+    idx = torch.randint(0, 50, (2, 12))
+    _, loss = compiled(idx, idx)
+    loss.backward()
+    metrics = get_compilation_metrics()
+    assert metrics and all(not entry.restart_reasons for entry in metrics), [entry.restart_reasons for entry in metrics]
