@@ -197,8 +197,11 @@ def flex_attention(settings: Any) -> dict[str, Any]:
     figures: dict[str, Any] = {"shapes": 2, "backward": "checked" if backward else "GPU only"}
     worst_loss, worst_compiled, worst_grad = 0.0, 0.0, 0.0
     torch._dynamo.reset()
-    # As a run on CUDA compiles it: FlexAttention comes with fixed batch shapes, a graph for each.
-    compiled = torch.compile(model, dynamic=False)
+    # As a run on CUDA compiles it: FlexAttention comes with fixed batch shapes, a graph for each. On the CPU the
+    # compile stops before code generation (AOT autograd's graphs, run eagerly): inductor's C++ template for
+    # FlexAttention is no kernel a CPU run of lowmem uses (training on the CPU takes SDPA), and generating it for
+    # both shapes took 40 of the stage's 44 s.
+    compiled = torch.compile(model, dynamic=False, backend="inductor" if backward else "aot_eager")
     for seed, width in enumerate((256, 384)):
         ids, targets, segments = _packed(2, width, seed, device)
         results = {}
@@ -228,13 +231,9 @@ def flex_attention(settings: Any) -> dict[str, Any]:
     figures["compiled_loss_difference"] = worst_compiled
     if backward:
         figures["largest_relative_gradient_difference"] = worst_grad
-    # Inductor's C++ template for FlexAttention, which no CPU run of lowmem uses (training on the CPU takes SDPA),
-    # differs from SDPA by about 3e-3 nats: on the CPU the compiled figure is reported, and held to 1e-2.
-    compiled_tolerance = 1e-4 if backward else 1e-2
-    if worst_loss > 1e-4 or worst_compiled > compiled_tolerance or worst_grad > 1e-3:
-        raise StageFailed(f"FlexAttention differs from SDPA: loss by {worst_loss:.2e} eager (tolerance 1e-4) and "
-                          f"{worst_compiled:.2e} compiled (tolerance {compiled_tolerance:.0e}), gradients by "
-                          f"{worst_grad:.2e} relative (tolerance 1e-3)")
+    if worst_loss > 1e-4 or worst_compiled > 1e-4 or worst_grad > 1e-3:
+        raise StageFailed(f"FlexAttention differs from SDPA: loss by {worst_loss:.2e} eager and {worst_compiled:.2e} "
+                          f"compiled (tolerance 1e-4), gradients by {worst_grad:.2e} relative (tolerance 1e-3)")
     return figures
 
 
