@@ -17,9 +17,11 @@ out of the figures.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
-import socket
+import os
+import tempfile
 import time
 from typing import Any, Iterator
 
@@ -238,6 +240,9 @@ def flex_attention(settings: Any) -> dict[str, Any]:
 
 
 # ----- fsdp_dpo -----------------------------------------------------------------------------------------------
+ONE_PROCESS_GROUP_TIMEOUT = 120  # seconds; a one-process group's rendezvous and collectives take well under one
+
+
 @contextlib.contextmanager
 def one_process_group(device: Any) -> Iterator[None]:
     """A process group of this process alone (NCCL on a GPU, gloo on the CPU), ended after the block."""
@@ -245,15 +250,17 @@ def one_process_group(device: Any) -> Iterator[None]:
 
     if dist.is_initialized():
         raise StageSkipped("a process group is already running in this process")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    # Rendezvous through a file of its own, not a TCP port: a port found free and released can be taken by another
+    # process before the group binds it (a machine running other launchers). A collective that waits gives up after
+    # ONE_PROCESS_GROUP_TIMEOUT, a FAIL with its reason instead of a check that never ends.
+    with tempfile.TemporaryDirectory(prefix="lowmem-gpu-check-") as folder:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=ONE_PROCESS_GROUP_TIMEOUT))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def fsdp_dpo(settings: Any) -> dict[str, Any]:
