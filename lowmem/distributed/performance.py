@@ -231,12 +231,18 @@ def maybe_compile(model: torch.nn.Module, config: OptimConfig, settings: MemoryS
             mode = None  # applied by the backend itself
             logger.info("The ranks on this machine compile in turn: the first compiles each graph, the others load "
                         "it from inductor's cache.")
-    cache_traced_graphs()
-    if speed.dynamic:
-        specialize_float_constants()
+    use_compile_settings(speed.dynamic)
     # torch types compile's result as a plain callable; given a Module it returns an OptimizedModule (a Module).
     return torch.compile(model, backend=backend, mode=mode,  # type: ignore[return-value]
                          dynamic=speed.dynamic)
+
+
+def use_compile_settings(dynamic: bool | None) -> None:
+    """What every compilation of the model sets first (a run's, and gpu_check's that stands for it): its traced graphs
+    cached, and under dynamic shapes its floats as constants."""
+    cache_traced_graphs()
+    if dynamic:
+        specialize_float_constants()
 
 
 def cache_traced_graphs() -> None:

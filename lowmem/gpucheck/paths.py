@@ -117,7 +117,7 @@ def dpo_compile_counts(device: Any, backend: str, adapters: bool = True) -> dict
 
     from lowmem.adapters import LoRASpec, add_adapters, adapters_off
     from lowmem.config import TrainConfig
-    from lowmem.distributed.performance import speed_settings
+    from lowmem.distributed.performance import speed_settings, use_compile_settings
 
     model = tiny_gpt(device)
     if adapters:
@@ -128,6 +128,7 @@ def dpo_compile_counts(device: Any, backend: str, adapters: bool = True) -> dict
     counter = CompileCounterWithBackend(backend)
     torch._dynamo.reset()
     counters.clear()
+    use_compile_settings(speed.dynamic)  # as a DPO run compiles: else each graph is traced, and counted, twice
     compiled = torch.compile(model, backend=counter, dynamic=speed.dynamic)
     worst = 0.0
     for seed, (pairs, width) in enumerate(DPO_BATCHES):
