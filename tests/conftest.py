@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -44,7 +45,7 @@ BUDGET_SECONDS = float(os.environ.get("LOWMEM_TEST_BUDGET_SECONDS", "60"))
 
 def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        _byte_compile_the_package()
+        _write_byte_code()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Two workers on two cores: one compute thread each, in the worker and in the commands it starts, or the
         # threads of both wait on each other (results are unchanged: every process of a test computes alike).
@@ -54,17 +55,15 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def _byte_compile_the_package() -> None:
-    """Where Python writes no .pyc files (PYTHONDONTWRITEBYTECODE, as on CI's machine), byte-compile lowmem and the
-    test helpers once, before the workers start: each of the hundreds of processes the suite starts would otherwise
-    compile the package from source again (about 0.3 CPU-seconds each). Elsewhere the first import writes them."""
-    if not os.environ.get("PYTHONDONTWRITEBYTECODE"):
-        return
-    import compileall
-
-    root = Path(__file__).resolve().parents[1]
-    for folder in (root / "lowmem", root / "tests"):
-        compileall.compile_dir(folder, quiet=1)
+def _write_byte_code() -> None:
+    """The suite's processes write the byte-code of what they import, even where the environment asks Python not to
+    (PYTHONDONTWRITEBYTECODE, as on CI's machine): the README's test command installs with `pip install
+    --no-compile`, so that nothing compiles the thousands of modules no test imports (about 45 s of the install),
+    and the first process that imports a module compiles it for the hundreds the suite starts after it (torch,
+    lowmem and transformers from source: about 17 s a process instead of 7). Set in the controller, before the
+    workers start: they and every command they run inherit it."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 
 
 # The environment once the tests are collected (the helper modules set what they need on import): what a test (or a
