@@ -50,11 +50,10 @@ def test_installed_command_trains_on_the_packaged_demo_data_and_resumes(tmp_path
         pytest.skip("git is needed to list the repository's files")
     source = _copy_of_the_repository(tmp_path / "source")
     venv = tmp_path / "venv"
-    # Byte-code is written as the commands import their modules (PYTHONDONTWRITEBYTECODE, where set, is left out),
+    # Byte-code is written as the commands import their modules (conftest.py lets the suite's processes write it),
     # not for every file at install (`--no-compile`): pip's compiling all of torch took about half the install's
     # time, and the files installed are what is under test, not their byte-code.
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE")}
+    env = {name: value for name, value in os.environ.items() if name not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile", TORCH, str(source)],

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from training_helpers import ROOT
 
 
 @pytest.mark.over_a_minute("mypy reads the package and the parts of torch, accelerate and transformers it uses, "
