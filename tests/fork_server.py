@@ -73,6 +73,22 @@ def client(address: str, argv: list[str], tree: bool = False) -> None:
     sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
+def client_command(address: str, launcher: list[str] | None, script: str, args: list[str]) -> list[str]:
+    """The command line that has the server at `address` fork `script ARGS` (a client stands for it), or, under
+    `launcher`, the launcher's command line with each rank forked by the server; `accelerate ...` is forked by it
+    too."""
+    if launcher is None:
+        return [sys.executable, "-u", __file__, address, script, *args]
+    ranks = [*launcher, __file__, address, script, *args]
+    if launcher[:1] != ["accelerate"]:
+        return ranks
+    import shutil
+
+    accelerate = shutil.which("accelerate")
+    assert accelerate is not None, "the accelerate launcher is not on PATH"
+    return [sys.executable, "-u", __file__, address, "--tree", accelerate, *ranks[1:]]
+
+
 # --- the server: one per test worker ----------------------------------------------------------------------------
 
 
@@ -208,16 +224,9 @@ class ForkServer:
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment, text=True)
         assert self.process.stdout is not None and self.process.stdout.readline().strip() == "ready"
 
-    def command(self, launcher: list[str], script: str, args: list[str]) -> list[str]:
-        """The launcher's command line with each rank forked by this server; `accelerate ...` is forked by it too."""
-        ranks = [*launcher, __file__, self.address, script, *args]
-        if launcher[:1] != ["accelerate"]:
-            return ranks
-        import shutil
-
-        accelerate = shutil.which("accelerate")
-        assert accelerate is not None, "the accelerate launcher is not on PATH"
-        return [sys.executable, "-u", __file__, self.address, "--tree", accelerate, *ranks[1:]]
+    def command(self, launcher: list[str] | None, script: str, args: list[str]) -> list[str]:
+        """The command line (`script ARGS`, under `launcher` if any) with its processes forked by this server."""
+        return client_command(self.address, launcher, script, args)
 
     def children_cpu_seconds(self) -> float:
         """The CPU seconds of the ranks forked and reaped so far."""

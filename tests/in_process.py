@@ -27,7 +27,10 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from fork_server import ForkServer
 
 # Set for the tests marked `own_process` (by an autouse fixture of conftest.py): their commands get a process each.
 OWN_PROCESS = False
@@ -40,8 +43,22 @@ _fork_server = None
 def forked_ranks(launcher: list[str], script: str, args: list[str]) -> list[str] | None:
     """The launcher's command line with it and its ranks forked by this worker's fork server (started on first use),
     or None when the test needs real processes."""
+    if launcher[:2] != ["accelerate", "launch"]:  # another wrapper may change who runs it
+        return None
+    return forked_command(launcher, script, args)
+
+
+def forked_command(launcher: list[str] | None, script: str, args: list[str]) -> list[str] | None:
+    """`script ARGS` (under `launcher` if any) as a command line whose processes this worker's fork server forks,
+    or None when the test needs real processes."""
+    server = fork_server()
+    return None if server is None else server.command(launcher, script, args)
+
+
+def fork_server() -> "ForkServer | None":
+    """This worker's fork server (started on first use), or None when the test needs real processes."""
     global _fork_server
-    if REAL_PROCESSES or launcher[:2] != ["accelerate", "launch"]:  # another wrapper may change who runs it
+    if REAL_PROCESSES:
         return None
     if _fork_server is None:
         import tempfile
@@ -49,7 +66,7 @@ def forked_ranks(launcher: list[str], script: str, args: list[str]) -> list[str]
         from fork_server import ForkServer
 
         _fork_server = ForkServer(Path(tempfile.mkdtemp(prefix="lowmem-fork-server-")))
-    return _fork_server.command(launcher, script, args)
+    return _fork_server
 
 
 def forked_cpu_seconds() -> float:

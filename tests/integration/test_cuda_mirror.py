@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_models import qwen as qwen  # noqa: E402  (the fixture)
+from hf_models import qwen_one_block as qwen_one_block  # noqa: E402  (the fixture)
 from training_helpers import (chat_project, preference_project, run_command, three_cpu_processes,  # noqa: E402
                               traced_losses)
 
@@ -21,11 +21,11 @@ STEPS = 4
 COMMON = [f"--max_steps={STEPS}", "--logging_steps=1", "--warmup_steps=1", "--batch_size_per_gpu=8", "--save_steps=50",
           "--eval_steps=50", "--eval_bleu_samples=0", "--sample_max_new_tokens=4"]
 DPO = ["--objective=dpo", "--max_seq_len=64", "--learning_rate=1e-3"]
-# stage: (the project it trains in, its flags; "{qwen}" is the tiny transformers model it starts from)
+# stage: (the project it trains in, its flags; "{qwen}" is the tiny transformers model it starts from, of one block)
 STAGES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
     # 48 tokens: the rows pack into two fixed batch shapes (7 and 8 sequences), each compiled before the first step;
-    # at 64 they took three.
-    "pretrain": (chat_project, ["--vocab_size=400", "--n_layer=2", "--n_head=2", "--n_embd=32", "--max_seq_len=48",
+    # at 64 they took three. One block, as the model the other stages start from (`qwen_one_block`).
+    "pretrain": (chat_project, ["--vocab_size=400", "--n_layer=1", "--n_head=2", "--n_embd=32", "--max_seq_len=48",
                                 "--learning_rate=3e-3"]),
     "lora": (chat_project, ["--init_from={qwen}", "--lora_rank=4", "--learning_rate=5e-3", "--max_seq_len=64"]),
     "dpo-adapters": (preference_project, ["--init_from={qwen}", *DPO, "--lora_rank=8"]),
@@ -45,9 +45,10 @@ def _bf16_close(mirrored: float, plain: float) -> bool:
                            "stage again")
 @pytest.mark.parametrize("processes, stage", [(count, stage) for count in (1, 3) for stage in STAGES],
                          ids=lambda value: str(value))
-def test_the_cuda_mirror_trains_each_stage_as_the_plain_cpu_run_does(tmp_path, qwen, processes, stage):
+def test_the_cuda_mirror_trains_each_stage_as_the_plain_cpu_run_does(tmp_path, qwen_one_block, processes, stage):
     make_project, stage_flags = STAGES[stage]
     project = make_project(tmp_path)
+    qwen = qwen_one_block
     flags = [flag.replace("{qwen}", str(qwen)) for flag in stage_flags]
     env = {"OMP_NUM_THREADS": "1", **({"ACCELERATE_USE_CPU": "1"} if processes > 1 else {})}
     if stage == "dpo-precomputed":  # mirrored: computed under bf16 autocast, as the mirrored run trains

@@ -11,24 +11,30 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import in_process
 import pytest
 from run_outputs import check_results
 
+FORKED_GPU_CHECK = Path(__file__).parents[1] / "forked_gpu_check.py"
 STAGE_NAMES = ["environment", "source_logits", "dpo_compile", "flex_attention", "fsdp_dpo", "pinned_copy",
                "trainer_dpo", "fused_clip", "ddp_hook", "copy_reference", "train", "bench", "speed", "parallel",
                "memory_log"]
 
 
-def gpu_check(folder: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lowmem", "gpu_check", "--device=cpu", f"--folder={folder / 'check'}",
-                           *flags], cwd=folder, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, **(env or {})})
+def gpu_check(folder: Path, *flags: str, forked: bool = False) -> subprocess.CompletedProcess:
+    """`python -m lowmem gpu_check --device=cpu ...`; `forked`: the check and the commands it starts are forks of the
+    worker's fork server (forked_gpu_check.py), not interpreters of their own."""
+    args = ["gpu_check", "--device=cpu", f"--folder={folder / 'check'}", *flags]
+    server = in_process.fork_server() if forked else None
+    command = ([sys.executable, "-m", "lowmem", *args] if server is None
+               else server.command(None, str(FORKED_GPU_CHECK), [server.address, *args]))
+    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=1200)
 
 
 @pytest.mark.over_a_minute("the 15 stages of the GPU script, each a short run of its own, several under a launcher")
 @pytest.mark.slow
 def test_every_stage_passes_on_the_cpu(tmp_path):
-    done = gpu_check(tmp_path)
+    done = gpu_check(tmp_path, forked=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("gpu_check [")]
     assert [line.split("] ", 1)[1].split(":")[0] for line in lines] == STAGE_NAMES
