@@ -49,8 +49,9 @@ class _StandInPool:
 @pytest.mark.slow
 def test_compiled_training_compiles_each_shape_once_and_trains_as_eager(in_tmp, chat_data, tokenizer_dir, caplog):
     # Chunks of 192 tokens: the largest shape's 8 x 64 positions are 4 chunks, so the loss's loop unrolls in the graph
-    # (chunks of 48, 16 of them, made 85 kernels to compile instead of 69: 135 s alone instead of 87).
-    common = dict(max_steps=STEPS, dropout=0.0, static_shapes=True, loss_chunk_tokens=192, logging_steps=4)
+    # (chunks of 48, 16 of them, made 85 kernels to compile instead of 69: 135 s alone instead of 87). One block: the
+    # same graphs per shape, fewer kernels in each.
+    common = dict(max_steps=STEPS, dropout=0.0, static_shapes=True, loss_chunk_tokens=192, logging_steps=4, n_layer=1)
     eager = TrainingTrace(in_tmp / "eager")
     Trainer(tiny_config(in_tmp / "eager", chat_data, tokenizer_dir, **common), callbacks=[eager]).fit()
 
