@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
+    import psutil
     from fork_server import ForkServer
 
 # Set for the tests marked `own_process` (by an autouse fixture of conftest.py): their commands get a process each.
@@ -67,6 +68,28 @@ def fork_server() -> "ForkServer | None":
 
         _fork_server = ForkServer(Path(tempfile.mkdtemp(prefix="lowmem-fork-server-")))
     return _fork_server
+
+
+def forked_for(client: "psutil.Process") -> list["psutil.Process"]:
+    """The processes this worker's fork server forked for `client` and for the processes started below it (a
+    launcher's ranks): those running in its working directory since it started. Empty for a process of its own."""
+    if _fork_server is None:
+        return []
+    import psutil
+
+    try:
+        folder, started = client.cwd(), client.create_time()
+        children = psutil.Process(_fork_server.process.pid).children()
+    except psutil.Error:
+        return []
+    forked = []
+    for child in children:
+        try:
+            if child.create_time() >= started and child.cwd() == folder:
+                forked.append(child)
+        except psutil.Error:  # already gone
+            pass
+    return forked
 
 
 def forked_cpu_seconds() -> float:

@@ -80,12 +80,17 @@ def command_line(args: list[str], env: dict[str, str] | None = None,
                  launcher: list[str] | None = None) -> list[str]:
     """`train_low_mem.py ARGS`, or the test harness when `env` asks for test callbacks (LOWMEM_* variables),
     optionally under a launcher."""
-    script = HARNESS if any(name.startswith("LOWMEM_") for name in env or {}) else ROOT / "train_low_mem.py"
+    script = _script(env)
     if launcher is not None:  # ranks forked from a pre-imported parent where the test allows it (fork_server.py)
         forked = in_process.forked_ranks(launcher, str(script), args)
         if forked is not None:
             return forked
     return (launcher if launcher is not None else [sys.executable]) + [str(script), *args]
+
+
+def _script(env: dict[str, str] | None) -> Path:
+    """The test harness where `env` asks for test callbacks (LOWMEM_* variables), else `train_low_mem.py`."""
+    return HARNESS if any(name.startswith("LOWMEM_") for name in env or {}) else ROOT / "train_low_mem.py"
 
 
 def run_command(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 600,
@@ -175,8 +180,12 @@ def traced_losses(trace_dir: Path, rank: int = 0) -> dict[int, float]:
 
 def start_run(folder: Path, chat_data: tuple[Path, Path], env: dict[str, str], launcher: list[str] | None = None,
               extra: tuple = ()) -> subprocess.Popen:
-    """Start the training command in its own process group (so a kill reaches every rank, as a scheduler's does)."""
-    command = command_line(["train", *resume_overrides(folder, chat_data, *extra)], env, launcher)
+    """Start the training command in its own process group (so a kill reaches every rank, as a scheduler's does).
+    Without a launcher too, the run is a fork of the worker's fork server where the test allows it: a signal to it
+    reaches the run as it would reach a process of its own, and `kill_all` waits for the run to be gone."""
+    args = ["train", *resume_overrides(folder, chat_data, *extra)]
+    forked = in_process.forked_command(None, str(_script(env)), args) if launcher is None else None
+    command = forked or command_line(args, env, launcher)
     return subprocess.Popen(command, cwd=folder, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             start_new_session=True, env={**os.environ, **env})
 
@@ -186,12 +195,17 @@ def kill_all(process: subprocess.Popen) -> None:
     import psutil
 
     parent = psutil.Process(process.pid)
+    forked = in_process.forked_for(parent)
     for proc in [*parent.children(recursive=True), parent]:
         try:
             proc.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
     process.wait(timeout=60)
+    # The processes forked for it end once they see their client gone: waited for, so that what they held (the run's
+    # lock) is free for the command that comes next.
+    _, alive = psutil.wait_procs(forked, timeout=60)
+    assert not alive, f"forked processes still running after their client's kill: {alive}"
 
 
 def wait_for_step(process: subprocess.Popen, step: int) -> str:

@@ -13,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"  # the version the README's install commands pin
 # Flags that only make the run quicker: BLEU-4 on 8 validation prompts (instead of all 766), shorter answers, the
-# validation loss on 2 batches.
-QUICK = ["--eval_bleu_samples=8", "--eval_max_new_tokens=16", "--sample_max_new_tokens=16", "--eval_batches=2"]
+# validation loss on 2 batches; a log line every 5 steps, so that a resumed run's first line shows where it started.
+QUICK = ["--eval_bleu_samples=8", "--eval_max_new_tokens=16", "--sample_max_new_tokens=16", "--eval_batches=2",
+         "--logging_steps=5"]
 
 
 def _copy_of_the_repository(dest: Path) -> Path:
@@ -42,9 +43,9 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: int) -> st
 @pytest.mark.slow
 def test_installed_command_trains_on_the_packaged_demo_data_and_resumes(tmp_path):
     """In a fresh virtual environment, `pip install --no-compile torch==2.13.0 <copy of the repository>`; then, from
-    an empty folder, `lowmem train --help`, `lowmem train --max_steps=20` and `lowmem train --max_steps=30
+    an empty folder, `lowmem train --help`, `lowmem train --max_steps=10` and `lowmem train --max_steps=15
     --is_keep_training=True` (both with the QUICK flags). The first run trains on the demo data inside the
-    installed package and saves checkpoint-20; the second resumes from it and finishes at step 30 with an
+    installed package and saves checkpoint-10; the second resumes from it and finishes at step 15 with an
     exported final/ model."""
     if shutil.which("git") is None:
         pytest.skip("git is needed to list the repository's files")
@@ -64,17 +65,17 @@ def test_installed_command_trains_on_the_packaged_demo_data_and_resumes(tmp_path
     lowmem = str(venv / "bin" / "lowmem")
     usage = _run([lowmem, "train", "--help"], cwd=work, env=env, timeout=120)
     assert "lowmem train <flags>" in usage and "--keep_latest_n_ckp=3 (also --keep_best_n)" in usage, usage[-3000:]
-    first = _run([lowmem, "train", "--max_steps=20", *QUICK], cwd=work, env=env, timeout=900)
+    first = _run([lowmem, "train", "--max_steps=10", *QUICK], cwd=work, env=env, timeout=900)
     site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     assert "using the demo data set that ships with lowmem" in first, first[-3000:]
     assert str((site_packages / "lowmem" / "demo_data").resolve()) in first, "not the installed package's demo data"
-    assert "step 20/20" in first, first[-3000:]
+    assert "step 10/10" in first, first[-3000:]
     run = work / "model_save" / "demo"
-    assert (run / "checkpoint-20").is_dir(), sorted(path.name for path in run.iterdir())
+    assert (run / "checkpoint-10").is_dir(), sorted(path.name for path in run.iterdir())
 
-    second = _run([lowmem, "train", "--max_steps=30", "--is_keep_training=True", *QUICK], cwd=work, env=env,
+    second = _run([lowmem, "train", "--max_steps=15", "--is_keep_training=True", *QUICK], cwd=work, env=env,
                   timeout=900)
-    assert "Resumed from" in second and "checkpoint-20" in second, second[-3000:]
-    assert "step 30/30" in second and "step 10/30" not in second, second[-3000:]
-    assert (run / "checkpoint-30").is_dir()
+    assert "Resumed from" in second and "checkpoint-10" in second, second[-3000:]
+    assert "step 15/15" in second and "step 10/15" not in second, second[-3000:]
+    assert (run / "checkpoint-15").is_dir()
     assert (run / "final" / "model.safetensors").is_file()
