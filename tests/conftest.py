@@ -112,18 +112,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         long = item.get_closest_marker("over_a_minute")
         if long is not None:  # on the report, which reaches the summary from an xdist worker too
             item.user_properties.append(("over_a_minute", long.args[0]))
-    # The machine-wide tests (the longest unit of work, one worker's) first, then the slow ones, then the other
-    # integration tests, and the unit tests last: the run ends on tests of a second or less each, so that neither
-    # worker waits long for the other to finish (it once ended on a 20-second integration test). Stable: the files'
+    # The machine-wide tests (the longest unit of work, one worker's) first, then the slow ones; stable: the files'
     # order otherwise.
-    def turn(item: pytest.Item) -> int:
-        if item.nodeid.startswith(MACHINE_TESTS):
-            return 0
-        if item.get_closest_marker("slow"):
-            return 1
-        return 3 if item.nodeid.startswith("tests/unit/") else 2
-
-    items.sort(key=turn)
+    items.sort(key=lambda item: 0 if item.nodeid.startswith(MACHINE_TESTS) else 1 if item.get_closest_marker("slow")
+               else 2)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: a module's fixture runs its commands for it
