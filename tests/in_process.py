@@ -10,7 +10,8 @@ Whatever a command changes of the process is put back after it: the environment,
 logging handlers, the signal handlers, the module attributes the test overrides replace, Accelerate's shared state
 and torch's compile caches. What stays a subprocess: a run under a launcher, a run that is killed or signalled, and
 a run whose process memory a test reads (this process holds more than a command's own interpreter would). The
-launcher and ranks of a run under `accelerate launch` are forks of this worker's fork server (`forked_ranks`,
+launcher and ranks of a run under `accelerate launch`, and a run alone that a test kills or signals
+(`training_helpers.start_run`), are forks of this worker's fork server (`forked_ranks`, `forked_command`,
 fork_server.py) unless the test is marked `own_process` or `machine`.
 """
 
