@@ -234,8 +234,10 @@ def parse_bench_table(text: str) -> dict[str, Any]:
 
 
 # ----- 4. speed: the users' command, and attention over long packed rows ----------------------------------
-# A training log line's throughput figures (MFU and the GPU's peak only where the log has them).
-SPEED_LINE = re.compile(r"step (\d+)/\d+ \| .*?\| tokens/s ([\d,]+)(?: \| mfu ([\d.]+)%)?(?: \| gpu peak ([\d,]+) MB)?")
+# A training log line's throughput figures (MFU and the GPU's peak only where the log has them; the MFU may carry its
+# reading with attention over max_seq_len in brackets).
+SPEED_LINE = re.compile(r"step (\d+)/\d+ \| .*?\| tokens/s ([\d,]+)(?: \| mfu ([\d.]+)%(?: \([^)]*\))?)?"
+                        r"(?: \| gpu peak ([\d,]+) MB)?")
 ATTENTION_ROW = re.compile(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+) \|$")
 
 

@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterable, cast
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lowmem.errors import ConfigError
@@ -37,7 +36,7 @@ from lowmem.model.config import GPTConfig
 from lowmem.model.flex import document_block_mask
 from lowmem.model.generation import DecodingState, attention_mask
 from lowmem.model.kv_cache import KVCache, LayerKVCache
-from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, plain_token_losses
+from lowmem.model.loss import IGNORE_INDEX, chunked_token_loss_sum, head_logits, plain_token_losses
 from lowmem.model.rotary import rotary_angles
 
 def _norm(config: GPTConfig) -> nn.Module:
@@ -382,9 +381,9 @@ class GPT(nn.Module):
         x = self.hidden_states(idx, n_pad, cache, segment_ids)  # (B, T, C)
         if last_logits:
             # Only the last position is needed: skip the (B, T, V) logits tensor.
-            return self.head(lambda head: F.linear(x[:, -1, :], head)), None  # (B, V)
+            return self.head(lambda head: head_logits(x[:, -1, :], head)), None  # (B, V)
         if targets is None:
-            return self.head(lambda head: F.linear(x, head)), None  # (B, T, V)
+            return self.head(lambda head: head_logits(x, head)), None  # (B, T, V)
         if answer_logps:
             return self.head(lambda head: preference.answer_log_probs(x, head, targets, self.loss_chunk_tokens)), None
         if reference_logps is not None:
@@ -408,7 +407,7 @@ class GPT(nn.Module):
             loss_sum = self.head(lambda head: chunked_token_loss_sum(
                 x.reshape(-1, x.size(-1)), head, targets.reshape(-1), weights, self.loss_chunk_tokens))
         else:
-            logits = self.head(lambda head: F.linear(x, head))  # (B, T, V)
+            logits = self.head(lambda head: head_logits(x, head))  # (B, T, V)
             per_token = plain_token_losses(logits.view(-1, logits.size(-1)), targets.reshape(-1))  # (B*T,)
             loss_sum = (per_token * weights).sum()
         # Clamping the denominator (not the result) keeps 0 / 0 at 0 with a finite gradient.

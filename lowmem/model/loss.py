@@ -75,6 +75,18 @@ def _chunk_loss_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor,
     return loss_sum, grad
 
 
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits hidden (..., C) · weight (V, C)ᵀ, with the head in the dtype the matmul runs in (`compute_dtype`).
+
+    Under autocast `F.linear` casts both operands itself. Without it the operands may differ: FSDP2's bf16 policy runs
+    the head's unit with a bf16 weight while the final norm hands on float32 hidden states, and a matmul of the two
+    fails; the head is then cast to the hidden states' dtype, as the chunked loss casts it.
+    """
+    if torch.is_autocast_enabled(hidden.device.type):
+        return F.linear(hidden, weight)
+    return F.linear(hidden, weight.to(hidden.dtype))
+
+
 def _head_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The head (V, C) in the compute dtype: the weight itself where no cast is needed, else a cast copy, as F.linear
     would make under autocast, stored transposed (a (V, C) view of (C, V) memory).

@@ -123,3 +123,34 @@ def test_the_bench_stage_fails_when_the_plain_loop_did_not_run(tmp_path, monkeyp
     settings = CheckSettings(device="cpu", folder=tmp_path / "check", gpus=0)
     [result] = run_check(settings, tmp_path / "check" / "results.jsonl", ["bench"], io.StringIO())
     assert result.verdict == "FAIL" and "printed no (a)/(r) line" in result.reason
+
+
+# Two log lines of the users' command as an H200 printed them: the MFU with its second reading in brackets.
+SPEED_LOG = "\n".join([
+    "2026-11-30 18:08:40 INFO [rank 0] GPU micro-batches: one micro-batch of 64 rows per step instead of 32 x 2 (fits)",
+    "2026-11-30 18:08:40 INFO [rank 0] Batch shapes: 23 x 192, 26 x 192, or 64 x 192 for a micro-batch that needs "
+    "more (sequences x tokens), fixed for the run",
+    "2026-11-30 18:09:05 INFO [rank 0] step 100/600 | epoch 0 | loss 8.5115 | lr 9.77e-06 | grad_norm 3.338 | "
+    "tokens/s 251,399 | mfu 16.9% (17.2% with attention over max_seq_len) | gpu peak 5,861 MB | rss 1744 MB "
+    "(max over ranks 1744 MB)",
+    "2026-11-30 18:09:18 INFO [rank 0] step 600/600 | epoch 1 | loss 7.1724 | lr 5.86e-05 | grad_norm 2.742 | "
+    "tokens/s 205,511 | mfu 13.8% (14.1% with attention over max_seq_len) | gpu peak 6,701 MB | rss 1742 MB "
+    "(max over ranks 1742 MB)",
+    "2026-11-30 18:09:20 INFO [rank 0] step 650/700 | epoch 1 | loss 7.1 | lr 5.86e-05 | grad_norm 2.742 | "
+    "tokens/s 200,000 | mfu 13.0% | gpu peak 6,000 MB | rss 1742 MB (max over ranks 1742 MB)"])
+
+
+def test_the_speed_stage_reads_the_mfu_and_gpu_peak_of_each_log_line(tmp_path, monkeypatch):
+    """The users' command's log lines: the MFU with or without its reading over max_seq_len in brackets, and the
+    GPU's peak after it (it read None on an H200 while the brackets were there)."""
+    outputs = iter([Finished(0, "", SPEED_LOG, {}), Finished(0, "| causal (the floor) | 1.00 | 1.00 |", "", {})])
+    monkeypatch.setattr(stages, "run", lambda command, cwd, env, deadline: next(outputs))
+    settings = CheckSettings(device="cpu", folder=tmp_path / "check", gpus=0)
+    [result] = run_check(settings, tmp_path / "check" / "results.jsonl", ["speed"], io.StringIO())
+    assert result.verdict == "PASS", result.reason
+    [record] = check_results(tmp_path)
+    figures = record["figures"]
+    assert figures["users_command_gpu_peak_mb"] == 6_701
+    assert figures["users_command_mfu"] == 0.138  # the median of 13.8% and 13.0%, after the first line
+    assert figures["users_command_tokens_per_s"] == 205_511
+    assert figures["users_command_micro_batches"].startswith("GPU micro-batches: one micro-batch of 64 rows")
