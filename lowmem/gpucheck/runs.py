@@ -15,6 +15,8 @@ from pathlib import Path
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ \| epoch \d+ \| loss ([\d.]+)")
 RESUMED_LINE = re.compile(r"Resumed from \S*checkpoint-(\d+):")
+# The line an uncaught exception ends its traceback with, as a rank prints it ("[rank0]: RuntimeError: ...") or alone.
+EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?\w*(?:Error|Exception)\b:.*)$")
 
 
 class StageFailed(Exception):
@@ -49,8 +51,22 @@ class Finished:
     losses: dict[int, float]
 
     def tail(self, lines: int = 6) -> str:
-        """The end of its stderr, to quote in a FAIL line."""
-        return " | ".join(line.strip() for line in self.stderr.strip().splitlines()[-lines:])
+        """The end of its stderr, to quote in a FAIL line (see `failure_summary`)."""
+        return failure_summary(self.stderr, lines)
+
+
+def failure_summary(stderr: str, lines: int = 6) -> str:
+    """The last `lines` lines of a command's stderr, to quote in a FAIL line, led by the exception a rank raised.
+
+    Under `accelerate launch` the launcher's own report of the failed child (a ChildFailedError and its table of
+    ranks) comes after the rank's traceback and fills the end of stderr; the rank's exception line is what says why.
+    """
+    stripped = [line.strip() for line in stderr.strip().splitlines()]
+    end = stripped[-lines:]
+    raised = [match.group(1) for line in stripped if (match := EXCEPTION_LINE.match(line))
+              and "ChildFailedError" not in match.group(1)]
+    lead = [raised[0]] if raised and not any(raised[0] in line for line in end) else []
+    return " | ".join(lead + end)
 
 
 def lowmem_command(args: list[str], launcher: list[str] | None = None) -> list[str]:
@@ -96,7 +112,7 @@ def run_and_kill_after(command: list[str], cwd: Path, env: dict[str, str], deadl
         else:
             process.wait()
             raise StageFailed(f"the run ended (exit code {process.returncode}) before step {step}: "
-                              + " | ".join(text.strip() for text in seen[-6:]))
+                              + failure_summary("".join(seen)))
     finally:
         _kill_group(process)
         process.wait()

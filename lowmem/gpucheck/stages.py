@@ -305,7 +305,7 @@ def parallel(settings: CheckSettings) -> dict[str, Any]:
     deepspeed_skipped = _deepspeed_skip_reason(settings)
     launchers: dict[str, list[str] | None] = {
         "ddp": [*(["--multi_gpu"] if processes > 1 else []), *common],
-        "fsdp": [*FSDP_FLAGS, *common, "--mixed_precision", "no" if settings.on_cpu else "bf16"],
+        "fsdp": [*FSDP_FLAGS, *common, "--mixed_precision", "bf16"],
         "deepspeed": None if deepspeed_skipped else ["--config_file", str(DEEPSPEED_CONFIG.resolve()), *common],
     }
     figures: dict[str, Any] = {"processes": processes}
@@ -330,8 +330,11 @@ def _deepspeed_skip_reason(settings: CheckSettings) -> str:
 def _kill_and_resume(settings: CheckSettings, name: str, launcher: list[str], deadline: Deadline) -> dict[str, Any]:
     folder = fresh_folder(settings.folder / "parallel" / name)
     steps, save = 6, 3
+    # The GPU's numerics on the CPU too: bf16 (FSDP2's bf16 policy, DDP's autocast) and the loss over whole logits,
+    # which the plan chooses on a GPU where they fit.
+    on_cpu_as_on_gpu = [*settings.precision_flags(), "--loss_chunk_tokens=0"] if settings.on_cpu else []
     args = ["train", "--output_dir=run", f"--max_steps={steps}", f"--save_steps={save}", "--logging_steps=1",
-            "--eval_steps=0", *settings.model_flags()]  # float32 on the CPU, the GPU's default (bf16) there
+            "--eval_steps=0", *settings.model_flags(), *on_cpu_as_on_gpu]
     killed_log = run_and_kill_after(lowmem_command(args, launcher), folder, settings.env(), deadline, save + 1)
     strategy = next((line.split("Parallelism: ", 1)[1].strip() for line in killed_log.splitlines()
                      if "Parallelism: " in line), "")

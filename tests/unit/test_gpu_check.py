@@ -154,3 +154,24 @@ def test_the_speed_stage_reads_the_mfu_and_gpu_peak_of_each_log_line(tmp_path, m
     assert figures["users_command_mfu"] == 0.138  # the median of 13.8% and 13.0%, after the first line
     assert figures["users_command_tokens_per_s"] == 205_511
     assert figures["users_command_micro_batches"].startswith("GPU micro-batches: one micro-batch of 64 rows")
+
+
+def test_a_failed_launch_is_quoted_with_the_exception_its_rank_raised():
+    """Under `accelerate launch` the launcher's report of the failed child fills the end of stderr: the FAIL line
+    leads with what the rank raised (on an H200 it said only "exitcode: 1")."""
+    from lowmem.gpucheck.runs import failure_summary
+
+    stderr = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/x/gpt.py", line 411, in <lambda>',
+        "[rank0]: RuntimeError: expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
+        "Traceback (most recent call last):",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "============================================================",
+        "  rank      : 0 (local_rank: 0)", "  exitcode  : 1 (pid: 4599)", "  error_file: <N/A>",
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "============================================================"])
+    summary = failure_summary(stderr)
+    assert summary.startswith("RuntimeError: expected m1 and m2 to have the same dtype"), summary
+    assert summary.endswith("============================================================")
+    assert failure_summary("one\ntwo") == "one | two", "without an exception, the end as it was"
