@@ -192,8 +192,9 @@ class OptimConfig:
     bf16_on_cpu: bool = option(False, "with bf16, bf16 autocast on the CPU too: the GPU's precision without a GPU "
                                "(faster or slower than float32 depending on the CPU: docs/gpu.md)")
     mirror_cuda: bool = option(False, "on the CPU, decide every automatic setting as on a CUDA GPU (bf16 autocast, "
-                               "torch.compile, fixed batch shapes, FSDP2's bf16 policy), to run the GPU's code where "
-                               "there is no GPU; what only CUDA has is listed in docs/gpu.md")
+                               "torch.compile, fixed batch shapes, FSDP2's bf16 policy, merged micro-batches and "
+                               "whole logits where the host's budget holds them), to run the GPU's code where there "
+                               "is no GPU; what only CUDA has is listed in docs/gpu.md")
     # Speed settings: none changes what a step computes (the losses stay equal to float rounding), so a resume
     # may change any of them. None means "decide from the device" (`lowmem.distributed.performance.speed_settings`).
     compile: Optional[bool] = option(None, "torch.compile the training model (faster steps after the first few "

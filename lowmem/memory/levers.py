@@ -169,7 +169,8 @@ class SaverChoice:
         budget = f"{gib_text(self.budget_bytes)} budget"
         merged = f"{self.merged} " if self.merged else ""
         if self.whole_logits:
-            merged += ("Loss over whole logits on the GPU (--loss_chunk_tokens=0: they fit, and a chunked loss is "
+            where = "on the GPU (" if self.plan.inputs.on_gpu else "as on a GPU (--mirror_cuda=True; "
+            merged += (f"Loss over whole logits {where}--loss_chunk_tokens=0: they fit, and a chunked loss is "
                        "a little slower). ")
         if not self.steps:
             return (f"{merged}Memory savers: none needed (predicted {after / MB:,.0f} MB for this machine, within the "
@@ -213,7 +214,7 @@ def choose_savers(inputs: PlanInputs, budget_bytes: int, explicit: Collection[st
             micro-batch packs its rows differently).
     """
     choice = SaverChoice(before=plan_memory(inputs), plan=plan_memory(inputs), budget_bytes=budget_bytes)
-    if inputs.on_gpu:
+    if inputs.gpu_choices:
         inputs = _gpu_shape(choice, inputs, lever("smaller micro-batch").fixed_by(explicit),
                             lever("chunked loss").fixed_by(explicit), positions_for_rows)
     for row in LEVERS:
@@ -276,12 +277,16 @@ def _fewest_micro_batches(choice: SaverChoice, inputs: PlanInputs,
         if not plan.fits(choice.budget_bytes):
             continue
         shape = "one micro-batch" if count == 1 else f"{count} micro-batches"
-        gpu = f"{plan.device_peak / MB:,.0f} of {inputs.gpu_bytes / MB:,.0f} MB" if inputs.gpu_bytes else \
-            f"{plan.device_peak / MB:,.0f} MB"
+        if inputs.on_gpu:
+            gpu = f"{plan.device_peak / MB:,.0f} of {inputs.gpu_bytes / MB:,.0f} MB" if inputs.gpu_bytes else \
+                f"{plan.device_peak / MB:,.0f} MB"
+            fit = f"predicted GPU peak {gpu}"
+        else:  # the mirror: the host holds what a GPU would
+            fit = f"as on a GPU (--mirror_cuda=True), within this host's budget: {plan.machine_total / MB:,.0f} MB"
         choice.merged = (f"GPU micro-batches: {shape} of {total // count} rows per step instead of {rows} x "
                          f"{accumulation} (--batch_size_per_gpu={total // count} --gradient_accumulation_steps={count}"
                          f": as many rows per optimizer step, in fewer and larger passes that keep the GPU busy; "
-                         f"predicted GPU peak {gpu}).")
+                         f"{fit}).")
         choice.plan = plan
         choice.changes.update(micro_batch.setting((total // count, count)))
         return trial

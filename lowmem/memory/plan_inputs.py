@@ -88,10 +88,17 @@ class PlanInputs:
     static_shapes: bool = False  # fixed batch shapes: a compiled run compiles them all before its first step
     reference_bytes: int = 0  # preference training: the frozen copy of the starting model its reference is
     resuming: bool = False  # a resume loads the optimizer's state with the weights: the moments exist from the load
+    mirrors_cuda: bool = False  # on the CPU, `--mirror_cuda`: the plan's GPU choices are made as on a GPU
 
     @property
     def on_gpu(self) -> bool:
         return self.device == "cuda"
+
+    @property
+    def gpu_choices(self) -> bool:
+        """Whether the plan shapes the step as on a GPU (merged micro-batches, whole logits): on a GPU, and on the
+        CPU under `--mirror_cuda`, where the host's budget stands for the GPU's memory."""
+        return self.on_gpu or self.mirrors_cuda
 
     @property
     def frozen_bytes(self) -> int:

@@ -217,6 +217,7 @@ def plan_inputs(config: TrainConfig, layout: RunLayout, base_bytes: int | None =
         load_chunk_bytes=load_slice_bytes(start.source) if start is not None and start.source is not None else 0,
         static_shapes=speed.static_shapes and not preference,
         reference_bytes=_reference_copy_bytes(config, layout, shape), resuming=resuming,
+        mirrors_cuda=config.mirror_cuda and layout.device == "cpu",
     )
     measured = Measured(tokenizer=tokenizer, index=index, sizes=sizes)
     return Planned(inputs, positions_for_rows, speed, settings, measured)

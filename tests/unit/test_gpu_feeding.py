@@ -496,6 +496,33 @@ def test_the_plan_gives_a_gpu_the_fewest_micro_batches_that_fit(gpu_gb, expected
     assert on_cpu.changes.get("loss_chunk_tokens") != 0  # the CPU keeps its chunks
 
 
+def test_the_cuda_mirror_shapes_the_step_as_a_gpu_would_within_the_hosts_budget(tmp_path):
+    """`--mirror_cuda=True` on the CPU: the large preset's 32 x 2 becomes one micro-batch of 64 rows and the loss is
+    taken over whole logits, as on a 20 GB GPU, where the host's budget holds them (32 GiB; the GPU's loss path then
+    runs on the CPU: under FSDP2's bf16 policy it once stopped a GPU's first step); on 12 GiB, too small for either,
+    both stay; without the mirror the CPU keeps both as configured."""
+    from lowmem.config import TrainConfigPretrainLarge
+    from lowmem.train.memory_fit import RunLayout, decide
+
+    config = dataclasses.replace(TrainConfigPretrainLarge(), train_file=str(DEMO_TRAIN),
+                                 tokenizer_dir=str(tmp_path / "no-tokenizer"), memory_budget_gb=32.0, mirror_cuda=True)
+    layout = RunLayout("single", 1, 1, "cpu", bf16=True)
+    decision = decide(config, layout, explicit=(), base_bytes=400 * 2**20)
+    assert decision.error is None
+    assert (decision.changes.get("batch_size_per_gpu"), decision.changes.get("gradient_accumulation_steps")) == (64, 1)
+    assert decision.changes.get("loss_chunk_tokens") == 0
+    lines = " ".join(decision.lines)
+    assert "GPU micro-batches: one micro-batch of 64 rows per step instead of 32 x 2" in lines
+    assert "as on a GPU (--mirror_cuda=True), within this host's budget" in lines and "GPU peak" not in lines
+    assert "Loss over whole logits as on a GPU (--mirror_cuda=True; --loss_chunk_tokens=0: they fit" in lines
+    given = decide(config, layout, explicit=("loss_chunk_tokens", "batch_size_per_gpu"), base_bytes=400 * 2**20)
+    assert "loss_chunk_tokens" not in given.changes and "batch_size_per_gpu" not in given.changes
+    small = decide(dataclasses.replace(config, memory_budget_gb=12.0), layout, explicit=(), base_bytes=400 * 2**20)
+    assert small.changes.get("loss_chunk_tokens") != 0 and "batch_size_per_gpu" not in small.changes, small.changes
+    plain = decide(dataclasses.replace(config, mirror_cuda=False), layout, explicit=(), base_bytes=400 * 2**20)
+    assert plain.changes.get("loss_chunk_tokens") != 0 and plain.changes.get("gradient_accumulation_steps", 2) == 2
+
+
 def test_the_savers_line_names_the_gpu_when_the_gpu_was_short(tmp_path):
     """The large preset on a 4 GB GPU of a host with room: the savers are turned on for the GPU, and the line says so
     with the GPU's peak before and after, not the host's budget."""
