@@ -156,8 +156,8 @@ class SaverChoice:
     budget_bytes: int
     changes: dict[str, object] = field(default_factory=dict)  # config field → value
     steps: list[str] = field(default_factory=list)  # one phrase per lever turned on
-    merged: str = ""  # on a GPU, the step's rows given to fewer micro-batches: what, and why
-    whole_logits: bool = False  # on a GPU, the loss over whole logits (chunks left for when memory needs them)
+    merged: str = ""  # on a GPU (or its mirror), the step's rows given to fewer micro-batches: what, and why
+    whole_logits: bool = False  # on a GPU (or its mirror), the loss over whole logits (chunks when memory needs them)
 
     @property
     def fits(self) -> bool:
@@ -236,9 +236,9 @@ def choose_savers(inputs: PlanInputs, budget_bytes: int, explicit: Collection[st
 
 def _gpu_shape(choice: SaverChoice, inputs: PlanInputs, batch_fixed: bool, chunks_given: bool,
                positions_for_rows: PositionsForRows) -> PlanInputs:
-    """On a GPU, the first of these that fits, recorded in `choice`: fewer micro-batches with whole logits, fewer
-    with the loss in chunks, whole logits with the micro-batches as given; else `inputs` as they were. Merging
-    micro-batches gains more than whole logits do, so whole logits are given up first."""
+    """On a GPU (and under `--mirror_cuda`), the first of these that fits, recorded in `choice`: fewer micro-batches
+    with whole logits, fewer with the loss in chunks, whole logits with the micro-batches as given; else `inputs` as
+    they were. Merging micro-batches gains more than whole logits do, so whole logits are given up first."""
     whole_possible = bool(inputs.loss_chunk_tokens) and not chunks_given
     losses = [True, False] if whole_possible else [False]
     whole_inputs = with_inputs(inputs, **lever("chunked loss").plan_changes(inputs, WHOLE_LOGITS, positions_for_rows))
@@ -264,8 +264,9 @@ def _adopt(choice: SaverChoice, trial: SaverChoice, inputs: PlanInputs, whole: b
 
 def _fewest_micro_batches(choice: SaverChoice, inputs: PlanInputs,
                           positions_for_rows: PositionsForRows) -> PlanInputs:
-    """On a GPU: the step's rows in the fewest micro-batches whose plan fits (a divisor of the rows, fewer
-    micro-batches than configured), recorded in `choice`; the inputs it plans with (unchanged when none fits)."""
+    """On a GPU (and under `--mirror_cuda`): the step's rows in the fewest micro-batches whose plan fits (a divisor of
+    the rows, fewer micro-batches than configured), recorded in `choice`; the inputs it plans with (unchanged when none
+    fits)."""
     micro_batch = lever("smaller micro-batch")
     rows, accumulation = inputs.micro_batch_rows, inputs.gradient_accumulation_steps
     total = rows * accumulation
