@@ -76,15 +76,10 @@ def _chunk_loss_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits hidden (..., C) · weight (V, C)ᵀ, with the head in the dtype the matmul runs in (`compute_dtype`).
-
-    Under autocast `F.linear` casts both operands itself. Without it the operands may differ: FSDP2's bf16 policy runs
-    the head's unit with a bf16 weight while the final norm hands on float32 hidden states, and a matmul of the two
-    fails; the head is then cast to the hidden states' dtype, as the chunked loss casts it.
-    """
-    if torch.is_autocast_enabled(hidden.device.type):
-        return F.linear(hidden, weight)
-    return F.linear(hidden, weight.to(hidden.dtype))
+    """Logits hidden (..., C) · weight (V, C)ᵀ, with the head in the dtype the matmul runs in (`compute_dtype`), as the
+    chunked loss takes it: without autocast the operands may differ (FSDP2's bf16 policy runs the head's unit with a
+    bf16 weight while the final norm hands on float32 hidden states), and a matmul of the two fails."""
+    return F.linear(hidden, weight.to(compute_dtype(hidden)))
 
 
 def _head_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
