@@ -35,7 +35,7 @@ MAX_README_LINES = 250
 OTHER_TOOLS_FLAGS = {
     "accelerate launch": {"num_processes", "multi_gpu", "main_process_port", "config_file", "num_machines",
                           "machine_rank", "main_process_ip", "mixed_precision", "cpu"},
-    "pip install": {"no-index", "no-deps", "index-url", "no-compile"},
+    "pip install": {"no-index", "no-deps", "index-url", "no-compile", "upgrade"},
     "tensorboard": {"logdir"},
     "sbatch (SLURM)": {"mem"},
     "hadoop classpath": {"glob"},
