@@ -6,9 +6,9 @@ Used like train_low_mem.py, alone or under `accelerate launch`: `python tests/tr
 
 import sys
 
-from fault_injection import apply_test_overrides, callbacks_from_environment
+from lowmem.__main__ import main  # first: torch and lowmem imported as by every entry point (lowmem/__main__.py)
 
-from lowmem.cli import main
+from fault_injection import apply_test_overrides, callbacks_from_environment
 
 if __name__ == "__main__":
     apply_test_overrides()
