@@ -1,4 +1,4 @@
-"""Distributed behaviour that shows on the CPU: 3 processes on gloo, started with torch.multiprocessing.
+"""Distributed behaviour that shows on the CPU: 3 processes on gloo, forked from a preloaded server (gloo_ranks.py).
 
 - FSDP2's gradient norm: `clip_grad_norm_` on a `fully_shard`-ed GPT returns a DTensor, and
   `lowmem.distributed.strategy.plain_tensor` of it is a plain tensor equal to the norm DDP measures on the
@@ -16,22 +16,15 @@ import copy
 import json
 import math
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, start_ranks
 
 WORLD = 3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launcher_environment(rank: int, port: int) -> None:
@@ -44,7 +37,7 @@ def launcher_environment(rank: int, port: int) -> None:
 
 def run_ranks(worker, folder: Path, *args) -> list[dict]:
     """Run `worker(rank, port, folder, *args)` in 3 processes; return what each rank wrote, by rank."""
-    mp.spawn(worker, args=(free_port(), folder, *args), nprocs=WORLD, join=True)
+    start_ranks(worker, (free_port(), folder, *args), WORLD)
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 

@@ -16,12 +16,11 @@ import json
 import os
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, start_ranks
 from training_helpers import chat_data as chat_data  # the resume tests' data, made once per module
 from training_helpers import (FSDP_CONFIG, FSDP_CPU_ENV as CPU_ENV, FSDP_LAUNCHER, assert_losses_match, kill_all,
                               resumed_from, start_run, traced_losses, traced_run, wait_for_step)
@@ -174,12 +173,6 @@ def fsdp_launch_environment() -> dict[str, str]:
     return {name: value for name, value in launched.items() if os.environ.get(name) != value}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def prepared_gpt(seed: int, accelerator):
     from lowmem.config import OptimConfig
     from lowmem.distributed.strategy import prepare_model_and_optimizer
@@ -287,7 +280,7 @@ def test_fsdp_checkpoints_of_both_layouts_load_exactly(tmp_path):
     message instead of leaving the others waiting in the broadcast."""
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
-    mp.spawn(load_worker, args=(free_port(), checkpoint, fsdp_launch_environment()), nprocs=WORLD, join=True)
+    start_ranks(load_worker, (free_port(), checkpoint, fsdp_launch_environment()), WORLD)
     for rank in range(WORLD):
         result = json.loads((checkpoint / f"rank{rank}.json").read_text())
         assert result["strategy"] == "FSDP2, 3 processes" and result["device"] == "cpu", result

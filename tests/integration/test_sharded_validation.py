@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from gloo_ranks import free_port
+from gloo_ranks import free_port, start_ranks
 from trainer_fixtures import chat_data as chat_data, tokenizer_dir as tokenizer_dir  # noqa: F401 (fixtures)
 
 SIZES = dict(vocab_size=400, max_seq_len=64, n_layer=2, n_head=2, n_embd=32)
@@ -73,8 +72,7 @@ def sharded_worker(rank: int, port: int, world: int, folder: Path, tokenizer_dir
 def test_validation_of_the_sharded_model_is_the_whole_models(tmp_path, chat_data, tokenizer_dir, world):
     _, valid = chat_data
     whole = evaluated(small_gpt(), process_stub(0, 1), str(tokenizer_dir), str(valid))
-    mp.spawn(sharded_worker, args=(free_port(), world, tmp_path, str(tokenizer_dir), str(valid)), nprocs=world,
-             join=True)
+    start_ranks(sharded_worker, (free_port(), world, tmp_path, str(tokenizer_dir), str(valid)), world)
     sharded = json.loads((tmp_path / f"sharded-{world}.json").read_text())
     assert sharded["sharded"], "the model was not sharded"
     assert sharded["rows"] == whole["rows"] == 20
