@@ -90,8 +90,17 @@ def train_args(project: Path, model: Path, kind: str, output_dir: Path, *extra: 
     return ["train", f"--init_from={model}", f"--output_dir={output_dir}", *FLAGS, *KINDS[kind][2], *extra]
 
 
+# glibc's malloc asks the kernel for huge pages where it maps memory of its own (madvise): on the CPU, FSDP2's
+# all-gather and reduce-scatter buffers of the 136M-parameter embedding unit are fresh maps of hundreds of MB at every
+# step, and faulting them in 4 kB pages took half of the ranks' CPU time as the kernel's (a GPU keeps them in its own
+# memory). The phases' peaks move by 3% at most (the full fine-tune's steps 3,903 and 3,821 MB with it, 3,901 and
+# 3,819 without; the adapters' killed run's 2,070 and 2,127); alone, the full fine-tune took 142 s instead of 169,
+# the adapters 101 instead of 107.
+HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
 def environment(trace: Path) -> dict[str, str]:
-    return {**os.environ, **FSDP_CPU_ENV, "LOWMEM_TRACE_DIR": str(trace)}
+    return {**os.environ, **FSDP_CPU_ENV, **HUGE_PAGES, "LOWMEM_TRACE_DIR": str(trace)}
 
 
 def run(group: Path, project: Path, args: list[str], processes: int, trace: Path) -> subprocess.CompletedProcess:
