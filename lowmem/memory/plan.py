@@ -130,7 +130,7 @@ def format_plan(plan: MemoryPlan, budget_bytes: int | None = None, budget_source
     lines = [f"Memory plan: {inputs.model.architecture}, {_millions(inputs.model.params)} parameters{trained}, "
              f"{inputs.strategy.upper() if inputs.strategy != SINGLE else 'one process'}, "
              f"{inputs.processes} process(es) on this machine, {inputs.device}"
-             f"{', bf16' if inputs.bf16 and inputs.on_gpu else ', float32'}; micro-batch {inputs.micro_batch_rows} "
+             f"{', bf16' if inputs.bf16 else ', float32'}; micro-batch {inputs.micro_batch_rows} "
              f"rows x {inputs.gradient_accumulation_steps}, largest {inputs.micro_batch_positions:,} positions"
              + (" (counted from characters: no tokenizer yet)" if inputs.tokens_estimated else "")]
 

@@ -47,3 +47,13 @@ def test_use_large_config_no_plans_the_demo_model_and_a_typo_stops_in_one_line(t
     error = capsys.readouterr().err.strip().splitlines()
     assert error == ["error: --use_large_config='maybe' is not valid: use_large_config takes True or False "
                      "(also 1/0, yes/no, in any case)."]
+
+
+def test_the_plans_header_names_the_precision_the_cpu_run_computes_in(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the packaged demo data
+    assert main(["plan", "--device=cpu"]) == 0
+    assert "cpu, float32; micro-batch" in capsys.readouterr().out
+    assert main(["plan", "--device=cpu", "--bf16_on_cpu=True"]) == 0
+    assert "cpu, bf16; micro-batch" in capsys.readouterr().out  # the frozen weights and gathers it counts are bf16
+    assert main(["plan", "--device=cpu", "--bf16_on_cpu=True", "--bf16=False"]) == 0
+    assert "cpu, float32; micro-batch" in capsys.readouterr().out
