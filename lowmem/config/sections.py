@@ -269,6 +269,9 @@ class EvalConfig:
     eval_batches: int = option(0, "validation batches for the loss (0 = the whole validation file)", minimum=0)
     eval_steps: int = option(0, "optimizer steps between validations (0 = at epoch ends and checkpoints only)",
                              minimum=0)
+    eval_on_start: bool = option(True, "the validation loss before the first step, which the run's last line "
+                                 "compares with the end's (False starts training at once: a long validation file "
+                                 "takes minutes; a resumed run never validates at its start)")
     eval_bleu_samples: int = option(-1, "first validation prompts whose greedy answers BLEU-4 scores "
                                     "(0 none, -1 all)", minimum=-1, hint="-1 scores all, 0 none")
     eval_max_new_tokens: int = option(128, "longest answer generated for BLEU-4", minimum=1)

@@ -1,9 +1,10 @@
-"""The end of a finished run, on the main process: final/ and best/ exported from the trained model and the
-checkpoints, and a sampled answer logged beside its reference (`Trainer.finish` calls both)."""
+"""The end of a finished run, on the main process: the validation losses' line, final/ and best/ exported from the
+trained model and the checkpoints, and a sampled answer logged beside its reference (`Trainer.finish` calls them)."""
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any, Callable, Collection
 
@@ -22,6 +23,18 @@ from lowmem.model.weights import WEIGHTS_FILE
 from lowmem.program import command_line
 
 logger = logging.getLogger(__name__)
+
+
+def validation_losses_line(summary: dict[str, Any], step: int) -> str:
+    """The run's last validation loss, beside the one before its first step where that was measured (not with
+    `--eval_on_start=False`)."""
+    start, end, seconds = summary["val_loss_start"], summary["val_loss_end"], summary["seconds"]
+    if math.isnan(end):
+        return f"No validation ran before step {step}, {seconds:.0f} s."
+    if math.isnan(start):
+        return f"Validation loss {end:.4f} at step {step} (none before step 1: --eval_on_start=False), {seconds:.0f} s."
+    return f"Validation loss {start:.4f} at step 0 → {end:.4f} at step {step} ({start - end:.2f} nats lower), " \
+           f"{seconds:.0f} s."
 
 
 def export_final(final_model: Any, model: Any, config: TrainConfig, manifest: dict[str, Any],

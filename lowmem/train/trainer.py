@@ -66,7 +66,7 @@ from lowmem.train.setup import (begin_load_phase, build_model_and_optimizer, ens
                                 make_step_log, shared_memory_settings, steps_per_epoch)
 from lowmem.source.settle import StartingPoint, describe_start
 from lowmem.train.startup import SavedRun, settle_run
-from lowmem.train.run_end import answer_sample, export_final
+from lowmem.train.run_end import answer_sample, export_final, validation_losses_line
 from lowmem.train.state import LoaderPosition, RngState, TrainState
 from lowmem.train.step import (Batch, StepAgreement, StepResult, attention_pairs, compile_each_shape, count_rows,
                                count_tokens, train_step)
@@ -424,7 +424,7 @@ class Trainer:
     # ----- start and end ----------------------------------------------------------------------------------
     def begin(self) -> None:
         """Before the first step: the record of the tokenizer, the first memory record, the validation loss at the
-        start (not after a resume), the signal handlers and the progress bar."""
+        start (not after a resume, nor with --eval_on_start=False), the signal handlers and the progress bar."""
         def write_record() -> None:  # after a resume's checks: a refused resume leaves the record as it was
             with writing("the run's tokenizer record", self.config.output_dir):
                 write_json_atomic(tokenizer_record_file(self.config.output_dir), self.tokenizer_identity)
@@ -436,7 +436,7 @@ class Trainer:
         # The set-up's memory, before the first validation and step: what a run started from a model holds loaded.
         self.memory.start(self.state.epoch, self.state.step)
         self.memory.enter_phase(STEP, self.state.epoch, self.state.step)  # the load (and a resume's) ends
-        if self.resumed_from is None:
+        if self.resumed_from is None and self.config.eval_on_start:
             self.state.val_loss_start = self.validate(with_bleu=False).loss
         if self.speed.compile and self.fixed_shapes is not None:
             compile_each_shape(self.model, self.optimizer, self.accelerator, self.fixed_shapes,
@@ -486,9 +486,7 @@ class Trainer:
         with model_for_eval(self.model, self.accelerator) as final_model:
             for callback in self.callbacks:
                 callback.on_train_end(self, final_model)
-            logger.info("Validation loss %.4f at step 0 → %.4f at step %d (%.2f nats lower), %.0f s.",
-                        summary["val_loss_start"], summary["val_loss_end"], self.state.step,
-                        summary["val_loss_start"] - summary["val_loss_end"], summary["seconds"])
+            logger.info(validation_losses_line(summary, self.state.step))
             epoch, step = self.state.epoch, self.state.step
             with self.memory.phase(EXPORT, epoch, step):
                 export_final(final_model, self.model, self.config, self.checkpoints.manifest, self.given,

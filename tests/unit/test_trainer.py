@@ -73,6 +73,17 @@ def test_a_full_run_validates_and_saves_when_due_and_exports(in_tmp, chat_data, 
     assert marker["info"]["epoch"] == 1, "the step budget ended the run inside the second epoch"
 
 
+def test_eval_on_start_false_trains_from_the_first_moment_and_says_so_at_the_end(in_tmp, chat_data, tokenizer_dir,
+                                                                                   caplog):
+    config = tiny_config(in_tmp, chat_data, tokenizer_dir, eval_steps=5, save_steps=8, eval_on_start=False)
+    with caplog.at_level("INFO"):
+        summary = Trainer(config).fit()
+    assert validation_steps(caplog) == [5, 8, 10, 12], "no validation before the first step, the others as due"
+    assert math.isnan(summary["val_loss_start"]) and summary["val_loss_end"] > 0
+    assert f"Validation loss {summary['val_loss_end']:.4f} at step 12 (none before step 1: --eval_on_start=False)" \
+        in caplog.text
+
+
 def test_request_stop_saves_where_training_stands_and_exports_nothing(in_tmp, chat_data, tokenizer_dir):
     trainer = Trainer(tiny_config(in_tmp, chat_data, tokenizer_dir), callbacks=[StopAfterStep(5)])
     summary = trainer.fit()
