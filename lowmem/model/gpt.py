@@ -32,6 +32,7 @@ from lowmem.model.config import ARCHITECTURES as ARCHITECTURES
 from lowmem.model.attention import CausalSelfAttention, Rotary, segment_mask, segment_positions
 from lowmem.model.ends import OutputHead, TokenEmbedding
 from lowmem.model.mlp import MLP, SwiGLU
+from lowmem.model.norm import RMSNorm
 from lowmem.model.config import GPTConfig
 from lowmem.model.flex import document_block_mask
 from lowmem.model.generation import DecodingState, attention_mask
@@ -42,7 +43,7 @@ from lowmem.model.rotary import rotary_angles
 def _norm(config: GPTConfig) -> nn.Module:
     """The normalisation layer of `config.architecture`: LayerNorm (gpt2) or RMSNorm (llama, no mean, no bias)."""
     if config.architecture == "llama":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        return RMSNorm(config.n_embd, eps=config.norm_eps)
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 

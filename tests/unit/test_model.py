@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from lowmem.model import GPT, IGNORE_INDEX, GPTConfig, KVCache
 from lowmem.model import MODEL_PRESETS
 from lowmem.model import attention as attention_module
 from lowmem.model import gpt as gpt_module
+from lowmem.model.norm import RMSNorm
 
 # The behaviour both architectures must share: causality, the loss, the cache, padding and windows.
 ARCHITECTURE = pytest.mark.parametrize("architecture", gpt_module.ARCHITECTURES)
@@ -787,3 +789,20 @@ def test_masked_attention_runs_with_the_cuda_backend_list(monkeypatch):
     model(idx, targets)
     assert entered == []
 
+
+
+def test_the_rms_norm_of_a_bf16_weight_normalises_a_float32_input_in_float32_without_a_warning():
+    # FSDP2's final norm: the weight gathered in bf16, the residual stream float32.
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "Mismatch dtype between input and weight" fallback
+        y = norm(x)
+        y.square().sum().backward()
+    expected = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.bfloat16
