@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -31,12 +32,16 @@ class TrainState:
     rows_not_trained: int = 0  # rows of short last accumulation steps that ended epochs, all ranks
 
     def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        state = dataclasses.asdict(self)
+        if math.isnan(self.val_loss_start):  # not measured (--eval_on_start=False): JSON's null, not a bare NaN
+            state["val_loss_start"] = None
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for field in dataclasses.fields(self):
             if field.name in state:  # a field added later keeps its default when an older checkpoint lacks it
-                setattr(self, field.name, type(getattr(self, field.name))(state[field.name]))
+                value = state[field.name]
+                setattr(self, field.name, field.default if value is None else type(getattr(self, field.name))(value))
 
 
 class RngState:

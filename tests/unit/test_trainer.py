@@ -19,6 +19,7 @@ from lowmem.checkpoint.folders import file_crc32
 from lowmem.config import TrainConfig
 from lowmem.train.callbacks import Callback, StepResult
 from lowmem.train.schedule import get_lr, stretched_step
+from lowmem.train.state import TrainState
 from lowmem.train.trainer import Trainer
 
 STEPS_PER_EPOCH = ROWS // (BATCH * ACCUMULATION)  # 12
@@ -82,6 +83,12 @@ def test_eval_on_start_false_trains_from_the_first_moment_and_says_so_at_the_end
     assert math.isnan(summary["val_loss_start"]) and summary["val_loss_end"] > 0
     assert f"Validation loss {summary['val_loss_end']:.4f} at step 12 (none before step 1: --eval_on_start=False)" \
         in caplog.text
+    saved = json.loads((in_tmp / "run" / "checkpoint-12" / "trainer_state.json").read_text(),
+                       parse_constant=lambda word: pytest.fail(f"{word} is not JSON"))
+    assert saved["train"]["val_loss_start"] is None, "not measured: null"
+    state = TrainState()
+    state.load_state_dict(saved["train"])
+    assert math.isnan(state.val_loss_start) and state.step == 12
 
 
 def test_request_stop_saves_where_training_stands_and_exports_nothing(in_tmp, chat_data, tokenizer_dir):
