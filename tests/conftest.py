@@ -48,6 +48,18 @@ MACHINE_TESTS = (
     "tests/integration/test_resume_runs.py::test_sigkill_of_the_launcher_alone_stops_every_worker_after_a_save",
     "tests/integration/test_resume_runs.py::test_sigkill_of_one_worker_ends_the_others_and_the_resume_is_exact",
 )
+# The tests of a module run on one worker, where the module's fixtures (a reference run, a trained run folder, a model
+# written once) are made once: handed out test by test, each worker that got one of its tests made them again. The
+# modules named here are handed out test by test all the same: long tests that share nothing costly, which keep the
+# two workers' loads even. test_resume_runs.py's other tests join the machine-wide tests, with which they share the
+# module's three-process reference run.
+SPLIT_MODULES = (
+    "tests/integration/test_cuda_mirror.py",
+    "tests/integration/test_gpu_check_command.py",
+    "tests/integration/test_plan_accuracy.py",
+    "tests/integration/test_preference_training.py",
+)
+WITH_THE_MACHINE_TESTS = ("tests/integration/test_resume_runs.py",)
 # A test's budget: longer (its call, on the 2-core machine CI runs on) only with a reason beside it,
 # `@pytest.mark.over_a_minute("why it cannot be cheaper")`. The summary after the durations lists every test over it
 # (LOWMEM_TEST_BUDGET_SECONDS sets another budget for that list).
@@ -95,15 +107,18 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """`--dist loadgroup` (pyproject.toml's addopts): each test is a unit of its own, but the machine-wide tests are one
-    unit, run in order on one worker."""
+    """`--dist loadgroup` (pyproject.toml's addopts): each module is a unit (SPLIT_MODULES: each test), and the
+    machine-wide tests are one unit, run in order on one worker."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class MachineTestsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return MACHINE_GROUP if nodeid.startswith(MACHINE_TESTS) else nodeid
+            module = nodeid.split("::", 1)[0]
+            if nodeid.startswith(MACHINE_TESTS) or module in WITH_THE_MACHINE_TESTS:
+                return MACHINE_GROUP
+            return nodeid if module in SPLIT_MODULES else module
 
     return MachineTestsTogether(config, log)
 

@@ -18,6 +18,7 @@ import subprocess
 import time
 import uuid
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -113,6 +114,17 @@ def run(group: Path, project: Path, args: list[str], processes: int, trace: Path
     return done
 
 
+def linked_or_copied(run_dir: Path, source: str, target: str) -> None:
+    """A checkpoint's file hard-linked into the copy of the run folder, any other file copied. A checkpoint's files are
+    written once and never changed in place (each is renamed into place whole, a checkpoint removed as a whole), so
+    the link holds what a copy would; the logs are appended to by the runs that follow. The full fine-tune's
+    checkpoint is 2.2 GB, which this machine writes at about 330 MB/s."""
+    if Path(source).relative_to(run_dir).parts[0].startswith("checkpoint-"):
+        os.link(source, target)
+    else:
+        shutil.copy2(source, target)
+
+
 def trace_of(trace: Path, rank: int = 0) -> dict:
     return json.loads((trace / f"trace-rank{rank}.json").read_text())
 
@@ -179,7 +191,8 @@ def test_three_fsdp_processes_train_a_half_billion_model_in_a_small_cgroup(tmp_p
             else:
                 raise AssertionError("the run ended before its save at step 2:\n" + "".join(before_kill)[-4000:])
             # Not the lock, nor a file being written aside (the manifest's, renamed into place atomically).
-            shutil.copytree(run_dir, copy_dir, ignore=shutil.ignore_patterns(".lowmem.lock", "*.tmp"))
+            shutil.copytree(run_dir, copy_dir, ignore=shutil.ignore_patterns(".lowmem.lock", "*.tmp"),
+                            copy_function=partial(linked_or_copied, run_dir))
             kill_all(killed)
             resumed = run(group, project, train_args(project, model, kind, run_dir, "--is_keep_training=True"),
                           2, tmp_path / "trace-resumed")
